@@ -1,0 +1,102 @@
+"""Builds hotlock._native from ext/ against the system libhiredis, when it can.
+
+HOTLOCK_NO_EXTENSIONS=1 skips the build; HOTLOCK_REQUIRE_EXTENSIONS=1 makes a failed
+build an error (make test and CI set it). Otherwise a missing compiler, Cython or
+libhiredis gives a pure-Python install and one clear line saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+REQUIRE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
+SKIP = os.environ.get("HOTLOCK_NO_EXTENSIONS") == "1"
+
+
+def say(message: str) -> None:
+    print(f"hotlock: {message}", file=sys.stderr)
+
+
+def hiredis_flags() -> dict[str, list[str]] | None:
+    """Compiler and linker flags for libhiredis from pkg-config, or None when it is absent."""
+    if shutil.which("pkg-config") is None:
+        return None
+    try:
+        cflags = subprocess.run(["pkg-config", "--cflags", "hiredis"], check=True, capture_output=True, text=True)
+        libs = subprocess.run(["pkg-config", "--libs", "hiredis"], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError:
+        return None
+    flags: dict[str, list[str]] = {"include_dirs": [], "library_dirs": [], "libraries": []}
+    for token in (cflags.stdout + " " + libs.stdout).split():
+        if token.startswith("-I"):
+            flags["include_dirs"].append(token[2:])
+        elif token.startswith("-L"):
+            flags["library_dirs"].append(token[2:])
+        elif token.startswith("-l"):
+            flags["libraries"].append(token[2:])
+    return flags
+
+
+def extensions() -> list[Extension]:
+    if SKIP:
+        say("HOTLOCK_NO_EXTENSIONS=1: building the pure-Python package")
+        return []
+    if not os.path.exists(os.path.join("ext", "_native.pyx")):
+        return []
+    flags = hiredis_flags()
+    if flags is None:
+        message = "libhiredis not found by pkg-config (apt-get install libhiredis-dev): pure-Python install"
+        if REQUIRE:
+            raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_EXTENSIONS=1 but {message}")
+        say(message)
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        if REQUIRE:
+            raise SystemExit("hotlock: HOTLOCK_REQUIRE_EXTENSIONS=1 but Cython is not installed") from None
+        say("Cython not installed: pure-Python install")
+        return []
+    ext = Extension(
+        "hotlock._native",
+        ["ext/_native.pyx"],
+        include_dirs=["ext", *flags["include_dirs"]],
+        library_dirs=flags["library_dirs"],
+        libraries=flags["libraries"],
+        extra_compile_args=["-O2"],
+    )
+    built = cythonize([ext], compiler_directives={"language_level": "3"}, include_path=["ext"])
+    # cythonize() drops `optional`, so set it afterwards: a failed compile then degrades
+    # to a pure-Python install (pip install -e . included) unless the build is required.
+    for e in built:
+        e.optional = not REQUIRE
+    return built
+
+
+class BuildExt(build_ext):
+    """Says in one line when the optional extension did not build."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:
+            if REQUIRE:
+                raise
+            say(f"the native extension did not build ({exc}): pure-Python install")
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            if REQUIRE or not getattr(ext, "optional", False):
+                raise
+            say(f"the native extension did not build ({exc}): pure-Python install")
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,135 @@
+"""hotlock: fast Redis locks that survive a crashed holder.
+
+    cache = hotlock.connect()                      # CACHE_URL, else in-process
+    with cache.lock("settle:invoice-1", ttl=60):   # try once; LockNotAcquired if held
+        ...
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from ._backend import BACKEND_NAMES, native_module, open_backend, parse_url
+from ._cache import Cache
+from ._lock import Lock
+from ._memory import MemoryBackend
+from ._validate import DEFAULT_TTL, Seconds
+from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
+
+__all__ = [
+    "Cache",
+    "CacheError",
+    "HotlockError",
+    "Lock",
+    "LockLost",
+    "LockNotAcquired",
+    "backend_info",
+    "connect",
+    "lock_wait",
+    "with_lock",
+]
+
+__version__ = "0.1.0"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+log = logging.getLogger("hotlock")
+
+# Policies under which Redis may delete a lock key before its TTL. The volatile-* ones
+# evict *only* keys with a TTL: exactly the locks.
+_SAFE_POLICY = "noeviction"
+
+
+def connect(
+    url: str | None = None,
+    *,
+    prefix: str | bytes = "hotlock:",
+    connect_timeout: float = 2.0,
+    timeout: float = 2.0,
+    backend: str | None = None,
+) -> Cache:
+    """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
+
+    ``timeout`` bounds every reply, ``connect_timeout`` every connect, in seconds.
+    ``backend`` forces "native" or "redis-py"; by default the native extension is used
+    whenever it is built. A configured but unreachable server raises CacheError: the
+    in-process fallback is chosen only when no URL is configured at all.
+    """
+    raw_prefix = _prefix_bytes(prefix)
+    for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be seconds (int or float), not {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, not {backend!r}")
+    if url is None:
+        url = os.environ.get("CACHE_URL") or None
+    if url is None:
+        if backend is not None:
+            raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
+        log.warning("no cache configured: locks exclude nothing outside this process")
+        return Cache(MemoryBackend(), raw_prefix)
+    config = parse_url(url, connect_timeout=float(connect_timeout), timeout=float(timeout))
+    opened, why = open_backend(config, backend)
+    try:
+        _log_server(opened.info(), opened.name, opened.server, why)
+    except BaseException:
+        opened.close()
+        raise
+    return Cache(opened, raw_prefix)
+
+
+def _prefix_bytes(prefix: object) -> bytes:
+    if isinstance(prefix, str):
+        prefix = prefix.encode("utf-8")
+    if not isinstance(prefix, bytes):
+        raise TypeError(f"prefix must be str or bytes, not {type(prefix).__name__}")
+    if not prefix or len(prefix) > 256:
+        raise ValueError("prefix must be 1 to 256 bytes long")
+    return prefix
+
+
+def _log_server(info: dict[str, str] | None, backend: str, server: str, why: str | None) -> None:
+    reason = f" ({why})" if why else ""
+    if info is None:
+        log.info("connected to %s with the %s backend%s", server, backend, reason)
+        log.info("INFO is refused by the server's ACL: the Redis version and maxmemory-policy go unchecked")
+        return
+    log.info("connected to %s (Redis %s) with the %s backend%s", server, info.get("redis_version", "?"), backend, reason)
+    policy = info.get("maxmemory_policy", _SAFE_POLICY)
+    if policy != _SAFE_POLICY:
+        log.warning(
+            "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
+            "set maxmemory-policy noeviction",
+            server,
+            policy,
+        )
+
+
+def backend_info() -> dict[str, str | None]:
+    """Which backend connect() would use for a redis:// url, and why, when it is not native.
+
+    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None}``
+    """
+    native, why = native_module()
+    return {
+        "backend": "redis-py" if native is None else "native",
+        "reason": why,
+        "hiredis": None if native is None else native.HIREDIS_VERSION,
+    }
+
+
+def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """``cache.with_lock(key, ttl, fn, *args, **kwargs)``."""
+    return cache.with_lock(key, ttl, fn, *args, **kwargs)
+
+
+def lock_wait(cache: Cache, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
+    """``cache.lock_wait(key, ttl, wait)``."""
+    return cache.lock_wait(key, ttl, wait)

@@ -1,0 +1,185 @@
+"""The sync Cache: validation, key layout and errors around one backend."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
+
+from ._lock import Lock, shown
+from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
+from .errors import LockNotAcquired
+
+if TYPE_CHECKING:
+    from ._backend import Backend
+
+__all__ = ["Cache", "TOKEN_BYTES"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+TOKEN_BYTES = 16
+
+# The key layout under the prefix (documented in the README).
+LOCK_SPACE = b"lock:"
+ONCE_SPACE = b"once:"
+COUNT_SPACE = b"count:"
+
+
+class Cache:
+    """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
+
+    __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+
+    def __init__(self, backend: Backend, prefix: bytes) -> None:
+        self._backend = backend
+        self.prefix = prefix
+        self._lock_prefix = prefix + LOCK_SPACE
+        self._once_prefix = prefix + ONCE_SPACE
+        self._count_prefix = prefix + COUNT_SPACE
+
+    @property
+    def enabled(self) -> bool:
+        """False for the in-process fallback, whose locks exclude nothing outside this process."""
+        return self._backend.name != "memory"
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "native", "redis-py" or "memory"."""
+        return self._backend.name
+
+    @property
+    def server(self) -> str:
+        """The server, without credentials."""
+        return self._backend.server
+
+    # -- locks ------------------------------------------------------------------------
+
+    def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Lock:
+        """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
+        name = self._lock_prefix + key_bytes(key)
+        ms = ttl_ms(ttl)
+        token = os.urandom(TOKEN_BYTES)
+        sent = time.monotonic()
+        result = self._backend.acquire(name, token, ms)
+        if result:
+            raise self._not_acquired(key, result, None)
+        return Lock(self._backend, key, name, token, ms, sent)
+
+    def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
+        """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
+
+        Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
+        exactly one attempt.
+        """
+        name = self._lock_prefix + key_bytes(key)
+        ms = ttl_ms(ttl)
+        wait_for = wait_ms(wait)
+        token = os.urandom(TOKEN_BYTES)
+        result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
+        if result:
+            raise self._not_acquired(key, result, wait_for)
+        return Lock(self._backend, key, name, token, ms, sent)
+
+    def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Acquire once, run ``fn(*args, **kwargs)``, release however it ends; return its result."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        with self.lock(key, ttl):
+            return fn(*args, **kwargs)
+
+    def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[Lock | None]:
+        """Try each key once, in one round trip: a Lock per key, or None where held elsewhere."""
+        given = list(keys) if not isinstance(keys, (str, bytes)) else keys
+        names = [self._lock_prefix + k for k in key_list(given)]
+        ms = ttl_ms(ttl)
+        if not names:
+            return []
+        pool = os.urandom(TOKEN_BYTES * len(names))
+        tokens = [pool[i : i + TOKEN_BYTES] for i in range(0, len(pool), TOKEN_BYTES)]
+        sent = time.monotonic()
+        results = self._backend.acquire_many(names, tokens, ms)
+        return [
+            None if result else Lock(self._backend, key, name, token, ms, sent)
+            for key, name, token, result in zip(given, names, tokens, results, strict=True)
+        ]
+
+    def extend_many(self, locks: Iterable[Lock | None], ttl: Seconds) -> list[bool]:
+        """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
+
+        ``None`` entries (as lock_many returns) and released or inherited locks are False
+        without a byte sent for them.
+        """
+        items = self._live(locks)
+        ms = ttl_ms(ttl)
+        out = [False] * len(items[0])
+        if items[1]:
+            sent = time.monotonic()
+            results = self._backend.extend_many([lk._name for _, lk in items[1]], [lk._token for _, lk in items[1]], ms)
+            for (i, lock), ok in zip(items[1], results, strict=True):
+                lock._extended(ok, ms, sent)
+                out[i] = ok
+        return out
+
+    def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
+        """Release each lock in one round trip; True where this call released it."""
+        items = self._live(locks)
+        out = [False] * len(items[0])
+        if items[1]:
+            results = self._backend.release_many([lk._name for _, lk in items[1]], [lk._token for _, lk in items[1]])
+            for (i, lock), ok in zip(items[1], results, strict=True):
+                lock._token = b""
+                out[i] = ok
+        return out
+
+    def _live(self, locks: Iterable[Lock | None]) -> tuple[list[Lock | None], list[tuple[int, Lock]]]:
+        """Check ``locks``; return them and the (index, lock) pairs worth sending."""
+        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
+            raise TypeError(f"locks must be an iterable of Lock or None, not {type(locks).__name__}")
+        items = list(locks)
+        live = []
+        for i, lock in enumerate(items):
+            if lock is None:
+                continue
+            if not isinstance(lock, Lock):
+                raise TypeError(f"locks[{i}] must be a Lock or None, not {type(lock).__name__}")
+            if lock._backend is not self._backend:
+                raise ValueError(f"locks[{i}] was taken on another cache")
+            if lock._sendable():
+                live.append((i, lock))
+        return items, live
+
+    # -- idempotency keys and counters -------------------------------------------------
+
+    def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
+        """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
+        name = self._once_prefix + key_bytes(key)
+        return self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
+
+    def incr(self, key: str | bytes, amount: int = 1) -> int:
+        """Add ``amount`` to a counter atomically and return the new value."""
+        name = self._count_prefix + key_bytes(key)
+        return self._backend.incr(name, amount_int(amount))
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._backend.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hotlock.Cache backend={self.backend} server={self.server} prefix={self.prefix!r}>"
+
+    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
+        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
+        after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
+        return LockNotAcquired(
+            f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
+        )

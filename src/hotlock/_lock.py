@@ -1,0 +1,115 @@
+"""The lease object: one acquisition, owned by whoever holds the object."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from ._validate import Seconds, ttl_ms
+from .errors import LockLost
+
+if TYPE_CHECKING:
+    from ._backend import Backend
+
+__all__ = ["Lock", "shown"]
+
+log = logging.getLogger("hotlock")
+
+
+def shown(key: str | bytes) -> str:
+    """A key as errors and logs show it."""
+    return key if isinstance(key, str) else key.decode("utf-8", "backslashreplace")
+
+
+class Lock:
+    """A held lock: its key, a hidden token, the pid that took it and a local deadline.
+
+    The token lives here and nowhere else (never in a thread-local or on the cache), so
+    any thread holding the object may extend or release it and two acquisitions never
+    share state. The token is a bearer secret: it is in no repr, log line or message.
+    """
+
+    __slots__ = ("_backend", "_deadline", "_name", "_pid", "_token", "_ttl_ms", "key")
+
+    def __init__(self, backend: Backend, key: str | bytes, name: bytes, token: bytes, ttl: int, sent_at: float) -> None:
+        self._backend = backend
+        self.key = key
+        self._name = name  # the Redis key, prefix included
+        self._token = token  # b"" once released: nothing more is sent for this lock
+        self._ttl_ms = ttl
+        self._pid = os.getpid()
+        # The TTL runs from when the acquire was sent, not from when its reply came back.
+        self._deadline = sent_at + ttl / 1000.0
+
+    @property
+    def ttl(self) -> float:
+        """The TTL in seconds this lock was taken or last extended with."""
+        return self._ttl_ms / 1000.0
+
+    def valid_for(self) -> float:
+        """Seconds this lock is known to be ours; 0.0 once the TTL may have run out."""
+        if not self._sendable():
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+    def extend(self, ttl: Seconds | None = None) -> None:
+        """Set the TTL to ``ttl`` seconds from now (default: the TTL it was taken with).
+
+        Raises LockLost when the key no longer holds this lock's token, and CacheError
+        when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
+        """
+        ms = self._ttl_ms if ttl is None else ttl_ms(ttl)
+        if self._pid != os.getpid():
+            raise LockLost(f"lock {shown(self.key)!r} was taken by process {self._pid}; a forked child cannot extend it",
+                           key=shown(self.key), server=self._backend.server)
+        if not self._token:
+            raise LockLost(f"lock {shown(self.key)!r} was already released", key=shown(self.key), server=self._backend.server)
+        sent = time.monotonic()
+        if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
+            raise LockLost(
+                f"lock {shown(self.key)!r} is no longer held: it expired or was taken over (server {self._backend.server})",
+                key=shown(self.key),
+                server=self._backend.server,
+            )
+
+    def _extended(self, ok: bool, ms: int, sent: float) -> bool:
+        """Record an extend's outcome: a new deadline, or none left."""
+        if ok:
+            self._ttl_ms = ms
+            self._deadline = sent + ms / 1000.0
+        else:
+            self._deadline = sent
+        return ok
+
+    def _sendable(self) -> bool:
+        """Not yet released, and taken by this process (a forked child sends nothing)."""
+        return bool(self._token) and self._pid == os.getpid()
+
+    def unlock(self) -> bool:
+        """Release the lock; True if this call released it, False if it was no longer ours.
+
+        Idempotent, and never raises LockLost. A CacheError (Redis down) keeps the token,
+        so a later call can still release it; otherwise the key expires by its TTL.
+        """
+        if not self._sendable():
+            return False
+        released = self._backend.release(self._name, self._token)
+        self._token = b""
+        return released
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.unlock()
+        except Exception as error:
+            # Never let the release hide the body's own exception or fail a body that
+            # succeeded: the key expires by its TTL.
+            log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
+
+    def __repr__(self) -> str:
+        return f"<hotlock.Lock key={shown(self.key)!r} valid_for={self.valid_for():.3f}s server={self._backend.server}>"

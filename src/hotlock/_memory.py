@@ -1,0 +1,111 @@
+"""The in-process backend: the same lock semantics on the monotonic clock, for one process.
+
+Used only when no Redis URL is configured. Its locks exclude other threads of this
+process and nothing outside it; connect() says so in a WARNING.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ._backend import cache_error
+from ._backoff import poll
+
+__all__ = ["MemoryBackend"]
+
+
+class MemoryBackend:
+    name = "memory"
+    server = "in-process"
+
+    def __init__(self) -> None:
+        # key -> (value, monotonic expiry in seconds, or None for "never", as INCR keys)
+        self._data: dict[bytes, tuple[bytes, float | None]] = {}
+        self._mutex = threading.Lock()
+
+    def _live(self, key: bytes, now: float) -> tuple[bytes, float | None] | None:
+        entry = self._data.get(key)
+        if entry is not None and entry[1] is not None and entry[1] <= now:
+            del self._data[key]
+            return None
+        return entry
+
+    def _acquire_locked(self, key: bytes, token: bytes, ttl_ms: int, now: float) -> int:
+        entry = self._live(key, now)
+        if entry is None or entry[0] == token:
+            self._data[key] = (token, now + ttl_ms / 1000.0)
+            return 0
+        if entry[1] is None:
+            return -1
+        return max(1, int((entry[1] - now) * 1000.0))
+
+    def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        with self._mutex:
+            return self._acquire_locked(key, token, ttl_ms, time.monotonic())
+
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+        return poll(lambda: self.acquire(key, token, ttl_ms), wait_ms)
+
+    def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        with self._mutex:
+            now = time.monotonic()
+            return [self._acquire_locked(k, t, ttl_ms, now) for k, t in zip(keys, tokens, strict=True)]
+
+    def _extend_locked(self, key: bytes, token: bytes, ttl_ms: int, now: float) -> bool:
+        entry = self._live(key, now)
+        if entry is None or entry[0] != token:
+            return False
+        self._data[key] = (token, now + ttl_ms / 1000.0)
+        return True
+
+    def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        with self._mutex:
+            return self._extend_locked(key, token, ttl_ms, time.monotonic())
+
+    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        with self._mutex:
+            now = time.monotonic()
+            return [self._extend_locked(k, t, ttl_ms, now) for k, t in zip(keys, tokens, strict=True)]
+
+    def _release_locked(self, key: bytes, token: bytes, now: float) -> bool:
+        entry = self._live(key, now)
+        if entry is None or entry[0] != token:
+            return False
+        del self._data[key]
+        return True
+
+    def release(self, key: bytes, token: bytes) -> bool:
+        with self._mutex:
+            return self._release_locked(key, token, time.monotonic())
+
+    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        with self._mutex:
+            now = time.monotonic()
+            return [self._release_locked(k, t, now) for k, t in zip(keys, tokens, strict=True)]
+
+    def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
+        with self._mutex:
+            now = time.monotonic()
+            if self._live(key, now) is not None:
+                return False
+            self._data[key] = (value, now + ttl_ms / 1000.0)
+            return True
+
+    def incr(self, key: bytes, amount: int) -> int:
+        with self._mutex:
+            entry = self._live(key, time.monotonic())
+            current = 0 if entry is None else int(entry[0])
+            value = current + amount
+            if not -(2**63) <= value < 2**63:
+                # Redis refuses the same overflow; keep the backends identical.
+                raise cache_error("INCR failed: increment or decrement would overflow", self.server, key)
+            self._data[key] = (str(value).encode(), None if entry is None else entry[1])
+            return value
+
+    def info(self) -> dict[str, str] | None:
+        return {}
+
+    def close(self) -> None:
+        with self._mutex:
+            self._data.clear()

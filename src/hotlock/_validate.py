@@ -1,0 +1,107 @@
+"""Argument checks, once for every backend and for sync and async alike.
+
+Each check raises TypeError/ValueError naming the argument, before any byte is sent,
+and turns seconds (int, float or timedelta) into the integer milliseconds backends speak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from datetime import timedelta
+
+__all__ = [
+    "DEFAULT_TTL",
+    "MAX_KEY_BYTES",
+    "MAX_TTL_MS",
+    "Seconds",
+    "key_bytes",
+    "key_list",
+    "ttl_ms",
+    "value_bytes",
+    "amount_int",
+    "wait_ms",
+]
+
+Seconds = int | float | timedelta
+
+DEFAULT_TTL = 30.0
+MAX_KEY_BYTES = 1024
+# "It always expires" must mean something: a week is the longest lease we grant.
+MAX_TTL_MS = 7 * 24 * 3600 * 1000
+
+
+def key_bytes(key: object, name: str = "key") -> bytes:
+    if isinstance(key, str):
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} cannot be encoded as UTF-8: {exc.reason}") from None
+    elif isinstance(key, bytes):
+        raw = key
+    else:
+        raise TypeError(f"{name} must be str or bytes, not {type(key).__name__}")
+    if not raw:
+        raise ValueError(f"{name} must not be empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"{name} is {len(raw)} bytes; at most {MAX_KEY_BYTES} are allowed")
+    return raw
+
+
+def key_list(keys: object, name: str = "keys") -> list[bytes]:
+    # A lone str/bytes is iterable too, and would silently become one lock per character.
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise TypeError(f"{name} must be an iterable of str or bytes keys, not {type(keys).__name__}")
+    out = [key_bytes(k, f"{name}[{i}]") for i, k in enumerate(keys)]
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} contains the same key twice")
+    return out
+
+
+def _seconds(value: object, name: str) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    # bool is an int subclass; ttl=True is a bug, not one second.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be seconds (int or float) or a timedelta, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, not {value!r}")
+    return float(value)
+
+
+def ttl_ms(ttl: object, name: str = "ttl") -> int:
+    seconds = _seconds(ttl, name)
+    ms = round(seconds * 1000)
+    if ms <= 0:
+        raise ValueError(f"{name} must be at least 1 ms, not {seconds!r} s")
+    if ms > MAX_TTL_MS:
+        raise ValueError(f"{name} of {seconds!r} s exceeds the 7-day maximum")
+    return ms
+
+
+def wait_ms(wait: object, name: str = "wait") -> int:
+    seconds = _seconds(wait, name)
+    if seconds < 0:
+        raise ValueError(f"{name} must not be negative, not {seconds!r} s")
+    ms = round(seconds * 1000)
+    if ms > MAX_TTL_MS:
+        raise ValueError(f"{name} of {seconds!r} s exceeds the 7-day maximum")
+    return ms
+
+
+def value_bytes(value: object, name: str = "value") -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    raise TypeError(f"{name} must be str, bytes or int, not {type(value).__name__}")
+
+
+def amount_int(amount: object, name: str = "amount") -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise TypeError(f"{name} must be an int, not {type(amount).__name__}")
+    if not -(2**63) <= amount < 2**63:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer")
+    return amount
