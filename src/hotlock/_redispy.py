@@ -42,7 +42,6 @@ class RedisPyBackend:
             "socket_connect_timeout": config.connect_timeout,
             "socket_keepalive": True,
             "retry": Retry(NoBackoff(), 0),
-            "retry_on_timeout": False,
             "health_check_interval": 0,
             # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't need.
             "lib_name": None,
