@@ -7,6 +7,7 @@ library owns its retries, so a blackholed server costs one reply timeout, not te
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,10 +44,13 @@ class RedisPyBackend:
             "socket_keepalive": True,
             "retry": Retry(NoBackoff(), 0),
             "health_check_interval": 0,
-            # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't need.
-            "lib_name": None,
-            "lib_version": None,
         }
+        # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
+        # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
+        if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
+            kwargs["driver_info"] = None
+        else:
+            kwargs["lib_name"] = kwargs["lib_version"] = None
         if config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
