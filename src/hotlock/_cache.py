@@ -92,8 +92,8 @@ class Cache:
 
     def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[Lock | None]:
         """Try each key once, in one round trip: a Lock per key, or None where held elsewhere."""
-        given = list(keys) if not isinstance(keys, (str, bytes)) else keys
-        names = [self._lock_prefix + k for k in key_list(given)]
+        given, raw = key_list(keys)
+        names = [self._lock_prefix + k for k in raw]
         ms = ttl_ms(ttl)
         if not names:
             return []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import Any
 
 __all__ = [
     "DEFAULT_TTL",
@@ -48,14 +49,16 @@ def key_bytes(key: object, name: str = "key") -> bytes:
     return raw
 
 
-def key_list(keys: object, name: str = "keys") -> list[bytes]:
+def key_list(keys: object, name: str = "keys") -> tuple[list[Any], list[bytes]]:
+    """The keys as given (a list) and as bytes."""
     # A lone str/bytes is iterable too, and would silently become one lock per character.
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise TypeError(f"{name} must be an iterable of str or bytes keys, not {type(keys).__name__}")
-    out = [key_bytes(k, f"{name}[{i}]") for i, k in enumerate(keys)]
-    if len(set(out)) != len(out):
+    given = list(keys)
+    raw = [key_bytes(k, f"{name}[{i}]") for i, k in enumerate(given)]
+    if len(set(raw)) != len(raw):
         raise ValueError(f"{name} contains the same key twice")
-    return out
+    return given, raw
 
 
 def _seconds(value: object, name: str) -> float:

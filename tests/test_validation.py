@@ -1,0 +1,145 @@
+"""Bad input: TypeError/ValueError naming the argument, before any byte is sent, on every backend.
+
+"Nothing sent" is checked against the server itself: INFO commandstats before and after.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from conftest import RedisServer
+
+import hotlock
+from hotlock import Cache
+
+BAD_KEYS: list[tuple[Any, type[Exception], str]] = [
+    (None, TypeError, "key must be str or bytes"),
+    (42, TypeError, "key must be str or bytes"),
+    ("", ValueError, "key must not be empty"),
+    (b"", ValueError, "key must not be empty"),
+    ("x" * 1025, ValueError, "1025 bytes"),
+    ("\ud800", ValueError, "key cannot be encoded"),
+]
+
+BAD_TTLS: list[tuple[Any, type[Exception], str]] = [
+    (0, ValueError, "ttl must be at least 1 ms"),
+    (-1, ValueError, "ttl must be at least 1 ms"),
+    (0.0001, ValueError, "ttl must be at least 1 ms"),
+    (math.nan, ValueError, "ttl must be finite"),
+    (math.inf, ValueError, "ttl must be finite"),
+    (True, TypeError, "ttl must be seconds"),
+    ("30", TypeError, "ttl must be seconds"),
+    (None, TypeError, "ttl must be seconds"),
+    (7 * 86400 + 1, ValueError, "7-day maximum"),
+    (timedelta(days=8), ValueError, "7-day maximum"),
+    (timedelta(0), ValueError, "ttl must be at least 1 ms"),
+]
+
+BAD_WAITS: list[tuple[Any, type[Exception], str]] = [
+    (-0.5, ValueError, "wait must not be negative"),
+    (math.nan, ValueError, "wait must be finite"),
+    (False, TypeError, "wait must be seconds"),
+    ("1", TypeError, "wait must be seconds"),
+]
+
+
+def commands_sent(client: redis.Redis) -> int:
+    """Every command the server has run, except the INFO calls we look with."""
+    stats = client.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+
+
+def calls(cache: Cache) -> list[tuple[str, Callable[..., Any], dict[str, Any]]]:
+    """Each public call with good arguments; a test swaps one for a bad value."""
+    held = cache.lock("held", ttl=5)
+    return [
+        ("lock", cache.lock, {"key": "k", "ttl": 5}),
+        ("lock_wait", cache.lock_wait, {"key": "k", "ttl": 5, "wait": 0}),
+        ("with_lock", cache.with_lock, {"key": "k", "ttl": 5, "fn": lambda: None}),
+        ("set_nx", cache.set_nx, {"key": "k", "value": "v", "ttl": 5}),
+        ("incr", cache.incr, {"key": "k", "amount": 1}),
+        ("extend", held.extend, {"ttl": 5}),
+    ]
+
+
+def check_nothing_sent(server: RedisServer, backend: str, fn: Callable[[], Any], exc: type[Exception], text: str) -> None:
+    before = commands_sent(server.client()) if backend != "memory" else 0
+    with pytest.raises(exc, match=text):
+        fn()
+    if backend != "memory":
+        assert commands_sent(server.client()) == before, "a bad argument must be refused before any I/O"
+
+
+@pytest.mark.parametrize(("bad", "exc", "text"), BAD_KEYS, ids=[repr(b[0])[:12] for b in BAD_KEYS])
+def test_bad_key(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
+    for name, fn, kwargs in calls(cache):
+        if "key" in kwargs:
+            check_nothing_sent(redis_server, backend, lambda fn=fn, kw=kwargs: fn(**{**kw, "key": bad}), exc, text)
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_many(["ok", bad]), exc, text.replace("key", r"keys\[1\]"))
+
+
+@pytest.mark.parametrize(("bad", "exc", "text"), BAD_TTLS, ids=[repr(b[0])[:12] for b in BAD_TTLS])
+def test_bad_ttl(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
+    for name, fn, kwargs in calls(cache):
+        if "ttl" in kwargs and not (name == "extend" and bad is None):  # extend(None): the lock's own TTL
+            check_nothing_sent(redis_server, backend, lambda fn=fn, kw=kwargs: fn(**{**kw, "ttl": bad}), exc, text)
+    locks = cache.lock_many(["a", "b"])
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_many(["c"], ttl=bad), exc, text)
+    check_nothing_sent(redis_server, backend, lambda: cache.extend_many(locks, ttl=bad), exc, text)
+
+
+@pytest.mark.parametrize(("bad", "exc", "text"), BAD_WAITS, ids=[repr(b[0])[:12] for b in BAD_WAITS])
+def test_bad_wait(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_wait("k", ttl=5, wait=bad), exc, text)
+
+
+def test_bad_values_and_amounts(cache: Cache, backend: str, redis_server: RedisServer) -> None:
+    check_nothing_sent(redis_server, backend, lambda: cache.set_nx("k", None, ttl=5), TypeError, "value must be")  # type: ignore[arg-type]
+    check_nothing_sent(redis_server, backend, lambda: cache.set_nx("k", 1.5, ttl=5), TypeError, "value must be")  # type: ignore[arg-type]
+    check_nothing_sent(redis_server, backend, lambda: cache.incr("k", 1.0), TypeError, "amount must be an int")  # type: ignore[arg-type]
+    check_nothing_sent(redis_server, backend, lambda: cache.incr("k", True), TypeError, "amount must be an int")
+    check_nothing_sent(redis_server, backend, lambda: cache.incr("k", 2**63), ValueError, "64-bit")
+    check_nothing_sent(redis_server, backend, lambda: cache.with_lock("k", 5, "not callable"), TypeError, "fn must be callable")  # type: ignore[arg-type]
+
+
+def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) -> None:
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_many("abc"), TypeError, "keys must be an iterable")
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_many(None), TypeError, "keys must be an iterable")  # type: ignore[arg-type]
+    check_nothing_sent(redis_server, backend, lambda: cache.lock_many(["a", "a"]), ValueError, "same key twice")
+    check_nothing_sent(redis_server, backend, lambda: cache.unlock_many(["a"]), TypeError, r"locks\[0\] must be a Lock")  # type: ignore[list-item]
+    check_nothing_sent(redis_server, backend, lambda: cache.extend_many(5, ttl=1), TypeError, "locks must be an iterable")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "text"),
+    [
+        ({"url": "http://x"}, ValueError, "scheme must be"),
+        ({"url": "redis://h:99999"}, ValueError, "port must be"),
+        ({"url": "redis://h/abc"}, ValueError, "database number"),
+        ({"url": 5}, TypeError, "url must be str"),
+        ({"url": "unix://"}, ValueError, "socket path"),
+        ({"prefix": ""}, ValueError, "prefix must be"),
+        ({"prefix": 3}, TypeError, "prefix must be"),
+        ({"timeout": 0}, ValueError, "timeout must be"),
+        ({"connect_timeout": math.inf}, ValueError, "connect_timeout must be"),
+        ({"timeout": "1"}, TypeError, "timeout must be"),
+        ({"backend": "fast"}, ValueError, "backend must be"),
+    ],
+)
+def test_bad_connect_arguments(kwargs: dict[str, Any], exc: type[Exception], text: str) -> None:
+    with pytest.raises(exc, match=text):
+        hotlock.connect(**{"url": "redis://127.0.0.1:1/0", **kwargs})
+
+
+def test_url_password_never_in_errors() -> None:
+    with pytest.raises(ValueError) as info:
+        hotlock.connect("redis://user:s3cret@127.0.0.1:99999/0")
+    assert "s3cret" not in str(info.value)
+    with pytest.raises(hotlock.CacheError) as info2:
+        hotlock.connect("redis://user:s3cret@127.0.0.1:1/0", connect_timeout=0.2, backend="redis-py")
+    assert "s3cret" not in str(info2.value) and "127.0.0.1:1" in str(info2.value)
