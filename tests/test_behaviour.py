@@ -13,7 +13,7 @@ import pytest
 import hotlock
 from hotlock import Cache, LockLost, LockNotAcquired
 
-from conftest import RedisServer
+from .conftest import RedisServer
 
 
 def test_lock_conflict_is_lock_not_acquired(cache: Cache) -> None:

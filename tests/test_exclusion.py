@@ -13,8 +13,8 @@ import threading
 import time
 
 import pytest
-from conftest import RedisServer, open_cache
-from overlap import OverlapChecker
+from .conftest import RedisServer, open_cache
+from .overlap import OverlapChecker
 
 import hotlock
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import RedisServer
+from .conftest import RedisServer
 
 import hotlock
 from hotlock import Cache
