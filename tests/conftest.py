@@ -70,9 +70,26 @@ def start_redis(*extra: str) -> RedisServer:
         pytest.fail("redis-server is not installed (make test installs it)")
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="hotlock-redis-")
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
-           "--logfile", os.path.join(workdir, "redis.log"), *extra]
+    cmd = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
+        "--logfile",
+        os.path.join(workdir, "redis.log"),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, pid=proc.pid, proc=proc, workdir=workdir)
     deadline = time.monotonic() + 10
@@ -84,7 +101,8 @@ def start_redis(*extra: str) -> RedisServer:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             server.stop()
-            pytest.fail(f"redis-server did not start: {open(os.path.join(workdir, 'redis.log')).read()[-2000:]}")
+            with open(os.path.join(workdir, "redis.log")) as log:
+                pytest.fail(f"redis-server did not start: {log.read()[-2000:]}")
         time.sleep(0.02)
 
 

@@ -13,10 +13,11 @@ import threading
 import time
 
 import pytest
-from .conftest import RedisServer, open_cache
-from .overlap import OverlapChecker
 
 import hotlock
+
+from .conftest import RedisServer, open_cache
+from .overlap import OverlapChecker
 
 KEYS = 3
 
@@ -165,9 +166,7 @@ def test_info_refused_by_acl_is_said_once(
     redis_backend: str, redis_server: RedisServer, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = redis_server.client()
-    client.execute_command(
-        "ACL", "SETUSER", "noinfo", "on", ">pw", "~hotlock:*", "+@all", "-info"
-    )
+    client.execute_command("ACL", "SETUSER", "noinfo", "on", ">pw", "~hotlock:*", "+@all", "-info")
     try:
         url = redis_url.replace("redis://", "redis://noinfo:pw@")
         with caplog.at_level(logging.INFO, "hotlock"):

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import redis
-from .conftest import RedisServer
 
 import hotlock
 from hotlock import Cache
+
+from .conftest import RedisServer
 
 BAD_KEYS: list[tuple[Any, type[Exception], str]] = [
     (None, TypeError, "key must be str or bytes"),
@@ -67,7 +68,9 @@ def calls(cache: Cache) -> list[tuple[str, Callable[..., Any], dict[str, Any]]]:
     ]
 
 
-def check_nothing_sent(server: RedisServer, backend: str, fn: Callable[[], Any], exc: type[Exception], text: str) -> None:
+def check_nothing_sent(
+    server: RedisServer, backend: str, fn: Callable[[], Any], exc: type[Exception], text: str
+) -> None:
     before = commands_sent(server.client()) if backend != "memory" else 0
     with pytest.raises(exc, match=text):
         fn()
@@ -76,15 +79,21 @@ def check_nothing_sent(server: RedisServer, backend: str, fn: Callable[[], Any],
 
 
 @pytest.mark.parametrize(("bad", "exc", "text"), BAD_KEYS, ids=[repr(b[0])[:12] for b in BAD_KEYS])
-def test_bad_key(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
-    for name, fn, kwargs in calls(cache):
+def test_bad_key(
+    cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str
+) -> None:
+    for _name, fn, kwargs in calls(cache):
         if "key" in kwargs:
             check_nothing_sent(redis_server, backend, lambda fn=fn, kw=kwargs: fn(**{**kw, "key": bad}), exc, text)
-    check_nothing_sent(redis_server, backend, lambda: cache.lock_many(["ok", bad]), exc, text.replace("key", r"keys\[1\]"))
+    check_nothing_sent(
+        redis_server, backend, lambda: cache.lock_many(["ok", bad]), exc, text.replace("key", r"keys\[1\]")
+    )
 
 
 @pytest.mark.parametrize(("bad", "exc", "text"), BAD_TTLS, ids=[repr(b[0])[:12] for b in BAD_TTLS])
-def test_bad_ttl(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
+def test_bad_ttl(
+    cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str
+) -> None:
     for name, fn, kwargs in calls(cache):
         if "ttl" in kwargs and not (name == "extend" and bad is None):  # extend(None): the lock's own TTL
             check_nothing_sent(redis_server, backend, lambda fn=fn, kw=kwargs: fn(**{**kw, "ttl": bad}), exc, text)
@@ -94,7 +103,9 @@ def test_bad_ttl(cache: Cache, backend: str, redis_server: RedisServer, bad: Any
 
 
 @pytest.mark.parametrize(("bad", "exc", "text"), BAD_WAITS, ids=[repr(b[0])[:12] for b in BAD_WAITS])
-def test_bad_wait(cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str) -> None:
+def test_bad_wait(
+    cache: Cache, backend: str, redis_server: RedisServer, bad: Any, exc: type[Exception], text: str
+) -> None:
     check_nothing_sent(redis_server, backend, lambda: cache.lock_wait("k", ttl=5, wait=bad), exc, text)
 
 
@@ -104,7 +115,9 @@ def test_bad_values_and_amounts(cache: Cache, backend: str, redis_server: RedisS
     check_nothing_sent(redis_server, backend, lambda: cache.incr("k", 1.0), TypeError, "amount must be an int")  # type: ignore[arg-type]
     check_nothing_sent(redis_server, backend, lambda: cache.incr("k", True), TypeError, "amount must be an int")
     check_nothing_sent(redis_server, backend, lambda: cache.incr("k", 2**63), ValueError, "64-bit")
-    check_nothing_sent(redis_server, backend, lambda: cache.with_lock("k", 5, "not callable"), TypeError, "fn must be callable")  # type: ignore[arg-type]
+    check_nothing_sent(
+        redis_server, backend, lambda: cache.with_lock("k", 5, "not callable"), TypeError, "fn must be callable"
+    )  # type: ignore[arg-type]
 
 
 def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) -> None:
@@ -112,7 +125,9 @@ def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) ->
     check_nothing_sent(redis_server, backend, lambda: cache.lock_many(None), TypeError, "keys must be an iterable")  # type: ignore[arg-type]
     check_nothing_sent(redis_server, backend, lambda: cache.lock_many(["a", "a"]), ValueError, "same key twice")
     check_nothing_sent(redis_server, backend, lambda: cache.unlock_many(["a"]), TypeError, r"locks\[0\] must be a Lock")  # type: ignore[list-item]
-    check_nothing_sent(redis_server, backend, lambda: cache.extend_many(5, ttl=1), TypeError, "locks must be an iterable")  # type: ignore[arg-type]
+    check_nothing_sent(
+        redis_server, backend, lambda: cache.extend_many(5, ttl=1), TypeError, "locks must be an iterable"
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

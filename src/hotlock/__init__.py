@@ -1,8 +1,8 @@
 """hotlock: fast Redis locks that survive a crashed holder.
 
-    cache = hotlock.connect()                      # CACHE_URL, else in-process
-    with cache.lock("settle:invoice-1", ttl=60):   # try once; LockNotAcquired if held
-        ...
+cache = hotlock.connect()                      # CACHE_URL, else in-process
+with cache.lock("settle:invoice-1", ttl=60):   # try once; LockNotAcquired if held
+    ...
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def _log_server(info: dict[str, str] | None, backend: str, server: str, why: str
         log.info("connected to %s with the %s backend%s", server, backend, reason)
         log.info("INFO is refused by the server's ACL: the Redis version and maxmemory-policy go unchecked")
         return
-    log.info("connected to %s (Redis %s) with the %s backend%s", server, info.get("redis_version", "?"), backend, reason)
+    log.info(
+        "connected to %s (Redis %s) with the %s backend%s", server, info.get("redis_version", "?"), backend, reason
+    )
     policy = info.get("maxmemory_policy", _SAFE_POLICY)
     if policy != _SAFE_POLICY:
         log.warning(

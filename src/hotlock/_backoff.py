@@ -9,8 +9,8 @@ schedule in C; tests/test_native.py checks it against ``delay_ms`` here.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 __all__ = ["BASE_MS", "CAP_MS", "Backoff", "ceiling_ms", "delay_ms", "poll"]
 

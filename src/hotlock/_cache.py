@@ -15,7 +15,7 @@ from .errors import LockNotAcquired
 if TYPE_CHECKING:
     from ._backend import Backend
 
-__all__ = ["Cache", "TOKEN_BYTES"]
+__all__ = ["TOKEN_BYTES", "Cache"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -171,7 +171,9 @@ class Cache:
     def __enter__(self) -> Cache:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -63,17 +63,16 @@ class Lock:
         """
         ms = self._ttl_ms if ttl is None else ttl_ms(ttl)
         if self._pid != os.getpid():
-            raise LockLost(f"lock {shown(self.key)!r} was taken by process {self._pid}; a forked child cannot extend it",
-                           key=shown(self.key), server=self._backend.server)
+            raise self._lost(f"was taken by process {self._pid}; a forked child cannot extend it")
         if not self._token:
-            raise LockLost(f"lock {shown(self.key)!r} was already released", key=shown(self.key), server=self._backend.server)
+            raise self._lost("was already released")
         sent = time.monotonic()
         if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
-            raise LockLost(
-                f"lock {shown(self.key)!r} is no longer held: it expired or was taken over (server {self._backend.server})",
-                key=shown(self.key),
-                server=self._backend.server,
-            )
+            raise self._lost("is no longer held: it expired or was taken over")
+
+    def _lost(self, why: str) -> LockLost:
+        key = shown(self.key)
+        return LockLost(f"lock {key!r} {why} (server {self._backend.server})", key=key, server=self._backend.server)
 
     def _extended(self, ok: bool, ms: int, sent: float) -> bool:
         """Record an extend's outcome: a new deadline, or none left."""
@@ -103,7 +102,9 @@ class Lock:
     def __enter__(self) -> Lock:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             self.unlock()
         except Exception as error:

@@ -16,11 +16,11 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_TTL_MS",
     "Seconds",
+    "amount_int",
     "key_bytes",
     "key_list",
     "ttl_ms",
     "value_bytes",
-    "amount_int",
     "wait_ms",
 ]
 
