@@ -7,13 +7,15 @@ import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import redis
 
 import hotlock
 from hotlock import Cache, LockLost, LockNotAcquired
 
-from .conftest import RedisServer
+from .conftest import RedisServer, free_port, start_redis
 
 
 def test_lock_conflict_is_lock_not_acquired(cache: Cache) -> None:
@@ -333,8 +335,6 @@ def test_keys_live_under_the_prefix(redis_backend: str, redis_server: RedisServe
 
 
 def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
-    from conftest import start_redis
-
     server = start_redis()
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     lock = cache.lock("down", ttl=5)
@@ -351,8 +351,6 @@ def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
 
 
 def test_release_failure_in_with_block_is_a_warning(redis_backend: str, caplog: pytest.LogCaptureFixture) -> None:
-    from conftest import start_redis
-
     class Boom(Exception):
         pass
 
@@ -367,11 +365,43 @@ def test_release_failure_in_with_block_is_a_warning(redis_backend: str, caplog: 
 
 
 def test_unreachable_server_is_cache_error_at_connect(redis_backend: str) -> None:
-    from conftest import free_port
-
     url = f"redis://127.0.0.1:{free_port()}/0"
     t0 = time.monotonic()
     with pytest.raises(hotlock.CacheError) as info:
         hotlock.connect(url, backend=redis_backend, connect_timeout=0.5)
     assert time.monotonic() - t0 < 2
     assert url.split("//")[1].split("/")[0] in str(info.value)
+
+
+def test_unix_socket_url(redis_backend: str, tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    server = start_redis("--unixsocket", str(sock), "--unixsocketperm", "700")
+    try:
+        with hotlock.connect(f"unix://{sock}?db=2", backend=redis_backend) as cache:
+            assert cache.server == f"unix://{sock}?db=2"
+            lock = cache.lock("over-unix", ttl=5)
+            server.client().execute_command("SELECT", 2)
+            assert server.client().exists(b"hotlock:lock:over-unix") == 1
+            assert lock.unlock() is True
+    finally:
+        server.stop()
+
+
+def test_acl_user_password_and_db_from_the_url(redis_backend: str, redis_server: RedisServer, redis_url: str) -> None:
+    client = redis_server.client()
+    client.execute_command("ACL", "SETUSER", "locker", "on", ">p@ss:word", "~*", "+@all")
+    try:
+        url = redis_url.replace("redis://", "redis://locker:p%40ss%3Aword@").replace("/0", "/3")
+        with hotlock.connect(url, backend=redis_backend) as cache:
+            assert "p@ss" not in repr(cache) and "locker" not in cache.server
+            lock = cache.lock("in-db-3", ttl=5)
+            db3 = redis.Redis(host=redis_server.host, port=redis_server.port, db=3)
+            assert db3.exists(b"hotlock:lock:in-db-3") == 1
+            db3.close()
+            assert client.exists(b"hotlock:lock:in-db-3") == 0
+            lock.unlock()
+        with pytest.raises(hotlock.CacheError) as info:
+            hotlock.connect(url.replace("p%40ss", "wrong"), backend=redis_backend)
+        assert "wrong" not in str(info.value)
+    finally:
+        client.execute_command("ACL", "DELUSER", "locker")
