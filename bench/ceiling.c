@@ -1,0 +1,193 @@
+/* The C ceiling: hotlock's own EVALSHA commands sent from C over libhiredis.
+ *
+ *   ceiling HOST PORT MODE SECONDS SCRIPTDIR TAG
+ *
+ * MODE  cycle   acquire + release of a fresh key, one round trip each
+ *       extend  extend of one held lock, one round trip each
+ *       batch   100 acquires pipelined, then 100 releases pipelined (fresh keys)
+ *
+ * SCRIPTDIR holds acquire.lua, extend.lua and release.lua, written by bench/ceiling.py
+ * from hotlock._scripts at run time, so the Lua lives in one place only; they are
+ * loaded with SCRIPT LOAD and called by the SHA1 the server returns.
+ *
+ * Every acquisition takes a fresh 16-byte token from getrandom(2), as hotlock takes
+ * one from os.urandom: the same work per cycle, so CPU per cycle compares fairly.
+ * Prints one JSON line: operations, seconds, and the client's user and system CPU
+ * seconds (getrusage) over the timed part only (after a short warm-up).
+ */
+#define _GNU_SOURCE
+#include <hiredis.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#define BATCH 100
+#define TOKEN 16
+#define KEYMAX 96
+/* Check the clock once per CHUNK operations, as the Python loops do. */
+#define CHUNK 16
+
+static redisContext *ctx;
+static char sha_acquire[41], sha_extend[41], sha_release[41];
+static const char *tag;
+static unsigned long serial;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static double cpu(int user) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    struct timeval tv = user ? ru.ru_utime : ru.ru_stime;
+    return tv.tv_sec + tv.tv_usec / 1e6;
+}
+
+static void die(const char *what, redisReply *r) {
+    fprintf(stderr, "ceiling: %s: %s\n", what, r ? (r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply")
+                                                : (ctx->err ? ctx->errstr : "no reply"));
+    exit(1);
+}
+
+static void load(const char *dir, const char *name, char *sha) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s.lua", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        perror(path);
+        exit(1);
+    }
+    static char text[65536];
+    size_t n = fread(text, 1, sizeof text, f);
+    fclose(f);
+    redisReply *r = redisCommand(ctx, "SCRIPT LOAD %b", text, n);
+    if (!r || r->type != REDIS_REPLY_STRING || r->len != 40) die("SCRIPT LOAD", r);
+    memcpy(sha, r->str, 41);
+    freeReplyObject(r);
+}
+
+static void token(unsigned char *buf, size_t n) {
+    if (getrandom(buf, n, 0) != (ssize_t)n) {
+        perror("getrandom");
+        exit(1);
+    }
+}
+
+static size_t next_key(char *key) {
+    return (size_t)snprintf(key, KEYMAX, "hotlock:lock:bench:c:%s:%lu", tag, serial++);
+}
+
+/* EVALSHA sha 1 key token [ttl] */
+static void append(const char *sha, const char *key, size_t keylen, const unsigned char *tok, int with_ttl) {
+    const char *argv[6] = {"EVALSHA", sha, "1", key, (const char *)tok, "30000"};
+    size_t lens[6] = {7, 40, 1, keylen, TOKEN, 5};
+    if (redisAppendCommandArgv(ctx, with_ttl ? 6 : 5, argv, lens) != REDIS_OK) die("append", NULL);
+}
+
+static long long reply_int(void) {
+    redisReply *r;
+    if (redisGetReply(ctx, (void **)&r) != REDIS_OK) die("reply", NULL);
+    if (r->type != REDIS_REPLY_INTEGER) die("EVALSHA", r);
+    long long v = r->integer;
+    freeReplyObject(r);
+    return v;
+}
+
+static void one_cycle(void) {
+    char key[KEYMAX];
+    unsigned char tok[TOKEN];
+    size_t kl = next_key(key);
+    token(tok, TOKEN);
+    append(sha_acquire, key, kl, tok, 1);
+    if (reply_int() != 0) die("acquire found the fresh key held", NULL);
+    append(sha_release, key, kl, tok, 0);
+    if (reply_int() != 1) die("release did not release", NULL);
+}
+
+static char held_key[KEYMAX];
+static size_t held_len;
+static unsigned char held_tok[TOKEN];
+
+static void one_extend(void) {
+    append(sha_extend, held_key, held_len, held_tok, 1);
+    if (reply_int() != 1) die("extend lost the lock", NULL);
+}
+
+static void one_batch(void) {
+    static char keys[BATCH][KEYMAX];
+    static size_t lens[BATCH];
+    static unsigned char toks[BATCH][TOKEN];
+    token(&toks[0][0], sizeof toks); /* one draw for the batch, as lock_many does */
+    for (int i = 0; i < BATCH; i++) {
+        lens[i] = next_key(keys[i]);
+        append(sha_acquire, keys[i], lens[i], toks[i], 1);
+    }
+    for (int i = 0; i < BATCH; i++)
+        if (reply_int() != 0) die("batch acquire found a fresh key held", NULL);
+    for (int i = 0; i < BATCH; i++) append(sha_release, keys[i], lens[i], toks[i], 0);
+    for (int i = 0; i < BATCH; i++)
+        if (reply_int() != 1) die("batch release did not release", NULL);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 7) {
+        fprintf(stderr, "usage: ceiling HOST PORT cycle|extend|batch SECONDS SCRIPTDIR TAG\n");
+        return 2;
+    }
+    const char *mode = argv[3];
+    double seconds = atof(argv[4]);
+    tag = argv[6];
+    void (*op)(void);
+    if (!strcmp(mode, "cycle")) op = one_cycle;
+    else if (!strcmp(mode, "extend")) op = one_extend;
+    else if (!strcmp(mode, "batch")) op = one_batch;
+    else {
+        fprintf(stderr, "ceiling: unknown mode %s\n", mode);
+        return 2;
+    }
+    struct timeval tv = {2, 0};
+    ctx = redisConnectWithTimeout(argv[1], atoi(argv[2]), tv);
+    if (!ctx || ctx->err) {
+        fprintf(stderr, "ceiling: connect: %s\n", ctx ? ctx->errstr : "out of memory");
+        return 1;
+    }
+    redisSetTimeout(ctx, tv); /* a reply timeout, so the loop can never hang */
+    load(argv[5], "acquire", sha_acquire);
+    load(argv[5], "extend", sha_extend);
+    load(argv[5], "release", sha_release);
+    if (op == one_extend) {
+        held_len = (size_t)snprintf(held_key, KEYMAX, "hotlock:lock:bench:c:%s:held", tag);
+        token(held_tok, TOKEN);
+        append(sha_acquire, held_key, held_len, held_tok, 1);
+        if (reply_int() != 0) die("could not take the lock to extend", NULL);
+    }
+
+    double warm = seconds / 5 < 0.2 ? seconds / 5 : 0.2;
+    double end = now() + warm;
+    while (now() < end)
+        for (int i = 0; i < CHUNK; i++) op();
+
+    long ops = 0;
+    double u0 = cpu(1), s0 = cpu(0), t0 = now();
+    end = t0 + seconds;
+    double t1;
+    do {
+        for (int i = 0; i < CHUNK; i++) op();
+        ops += CHUNK;
+    } while ((t1 = now()) < end);
+    double u1 = cpu(1), s1 = cpu(0);
+
+    if (op == one_extend) {
+        append(sha_release, held_key, held_len, held_tok, 0);
+        reply_int();
+    }
+    printf("{\"mode\": \"%s\", \"ops\": %ld, \"seconds\": %.6f, \"user\": %.6f, \"sys\": %.6f, \"batch\": %d}\n", mode,
+           ops, t1 - t0, u1 - u0, s1 - s0, op == one_batch ? BATCH : 1);
+    redisFree(ctx);
+    return 0;
+}
