@@ -52,6 +52,8 @@ def connect(
     connect_timeout: float = 2.0,
     timeout: float = 2.0,
     backend: str | None = None,
+    wait_replicas: int = 0,
+    wait_timeout: float | None = None,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -59,6 +61,12 @@ def connect(
     ``backend`` forces "native" or "redis-py"; by default the native extension is used
     whenever it is built. A configured but unreachable server raises CacheError: the
     in-process fallback is chosen only when no URL is configured at all.
+
+    ``url`` may name a Sentinel-managed primary, ``redis+sentinel://h1:26379,h2:26379/mymaster[/db]``:
+    the primary is looked up at each (re)connect, so the cache follows a failover.
+    ``wait_replicas=N`` makes each acquire wait (``WAIT``, in the same round trip) until N
+    replicas have the lock, up to ``wait_timeout`` seconds (default: half of ``timeout``); if fewer confirm, the acquire is
+    undone and raises CacheError. It narrows, not closes, the two-holder window of a failover.
     """
     raw_prefix = _prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
@@ -66,6 +74,17 @@ def connect(
             raise TypeError(f"{name} must be seconds (int or float), not {type(value).__name__}")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+        raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
+    if wait_replicas < 0:
+        raise ValueError(f"wait_replicas must not be negative, not {wait_replicas!r}")
+    if wait_timeout is None:
+        wait_timeout = timeout / 2
+    if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)):
+        raise TypeError(f"wait_timeout must be seconds (int or float), not {type(wait_timeout).__name__}")
+    # WAIT's reply comes after up to wait_timeout: it must fit in one reply timeout.
+    if not (math.isfinite(wait_timeout) and 0 < wait_timeout < timeout):
+        raise ValueError(f"wait_timeout must be positive and below timeout ({timeout!r} s), not {wait_timeout!r}")
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, not {backend!r}")
     if url is None:
@@ -75,7 +94,13 @@ def connect(
             raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
         log.warning("no cache configured: locks exclude nothing outside this process")
         return Cache(MemoryBackend(), raw_prefix)
-    config = parse_url(url, connect_timeout=float(connect_timeout), timeout=float(timeout))
+    config = parse_url(
+        url,
+        connect_timeout=float(connect_timeout),
+        timeout=float(timeout),
+        wait_replicas=wait_replicas,
+        wait_timeout=float(wait_timeout),
+    )
     opened, why = open_backend(config, backend)
     try:
         _log_server(opened.info(), opened.name, opened.server, why)

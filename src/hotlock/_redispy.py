@@ -7,8 +7,10 @@ library owns its retries, so a blackholed server costs one reply timeout, not te
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -21,6 +23,7 @@ from redis.retry import Retry
 from ._backend import ServerConfig, cache_error
 from ._backoff import poll
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .errors import CacheError
 
 __all__ = ["RedisPyBackend"]
 
@@ -35,6 +38,9 @@ class RedisPyBackend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._timeout = config.timeout
+        self._wait_replicas = config.wait_replicas
+        self._wait_ms = round(config.wait_timeout * 1000)
         kwargs: dict[str, Any] = {
             "username": config.username,
             "password": config.password,
@@ -44,6 +50,9 @@ class RedisPyBackend:
             "socket_keepalive": True,
             "retry": Retry(NoBackoff(), 0),
             "health_check_interval": 0,
+            # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
+            # (and an ACL permission) that would also eat into a lost-reply retry's budget.
+            "protocol": 2,
         }
         # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
         # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
@@ -51,7 +60,16 @@ class RedisPyBackend:
             kwargs["driver_info"] = None
         else:
             kwargs["lib_name"] = kwargs["lib_version"] = None
-        if config.unix_path is not None:
+        if config.sentinels:
+            # redis-py's Sentinel pool asks the sentinels for the primary at each new
+            # connection and turns a READONLY reply (a demoted primary) into a dropped
+            # connection, so the next call reaches the new primary.
+            from redis.sentinel import Sentinel
+
+            asking = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
+            sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**asking, "driver_info": None})  # type: ignore[no-untyped-call]
+            self._redis = sentinel.master_for(config.service, **kwargs)  # type: ignore[no-untyped-call]
+        elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
             self._redis = redis.Redis(host=config.host, port=config.port, ssl=config.tls, **kwargs)
@@ -59,21 +77,99 @@ class RedisPyBackend:
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _call(self, what: str, key: bytes | None, fn: Callable[[], T], retry_lost_reply: bool = False) -> T:
+    def _send(self, commands: list[tuple[Any, ...]], timeout: float | None = None) -> list[Any]:
+        """Write ``commands`` at once on one pooled connection and read every reply.
+
+        Error replies come back in place as exceptions (NoScriptError included). With
+        ``timeout``, all the replies together get at most that many seconds, else each gets
+        the connection's reply timeout. A lost reply leaves the connection closed.
+        """
+        pool = self._redis.connection_pool
+        conn = pool.get_connection()
         try:
-            return fn()
+            conn.send_packed_command(conn.pack_commands(commands))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            replies: list[Any] = []
+            for _ in commands:
+                kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
+                try:
+                    replies.append(conn.read_response(**kw))
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        finally:
+            pool.release(conn)
+
+    def _scripts(self, script: Script, calls: Sequence[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
+        """EVALSHA ``script`` once per (key, *args) in ``calls``, in one round trip."""
+        commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, 1, *call) for call in calls]
+        commands += self._wait_command(script)
+        replies = self._send(commands, timeout)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            # Restart, SCRIPT FLUSH or failover emptied the script cache: load all, then
+            # send again only what did not run (a release that ran must not run twice).
+            self._load_scripts()
+            again = self._send([commands[i] for i in missing] + commands[len(calls) :], timeout)
+            for i, reply in zip(missing, again, strict=False):
+                replies[i] = reply
+            replies[len(calls) :] = again[len(missing) :]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _call(
+        self, what: str, key: bytes | None, fn: Callable[[float | None], T], retry_until: float | None = None
+    ) -> T:
+        """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
+
+        With ``retry_until`` (a time.monotonic()), a lost reply is followed by one more try
+        as it was (same token: the scripts count "already my token" as success, and a
+        release that ran finds nothing to do), sharing whatever time is left until then.
+        """
+        try:
+            return fn(None)
         except _AMBIGUOUS as exc:
-            if not retry_lost_reply:
+            left = 0.0 if retry_until is None else min(self._timeout, retry_until - time.monotonic())
+            if left < 0.001:
                 raise self._error(what, key, exc) from exc
-            # The reply was lost and the command may have run. Send it once more as it
-            # was (an acquire with the same token: the script counts "already my token"
-            # as success), so the outcome is neither a stranded key nor a false conflict.
             try:
-                return fn()
+                return fn(left)
             except (RedisError, OSError) as again:
                 raise self._error(f"{what} (retried after a lost reply)", key, again) from again
         except (RedisError, OSError) as exc:
             raise self._error(what, key, exc) from exc
+
+    def _retry_until(self, wait_ms: int = 0) -> float:
+        """Until when a lost reply may still be retried: a call that may wait ``wait_ms``
+        returns within max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
+        return time.monotonic() + max(wait_ms / 1000.0, self._timeout) + self._timeout
+
+    def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
+        # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
+        # same write as the acquires it confirms: no extra round trip, no other connection.
+        if script is ACQUIRE and self._wait_replicas:
+            return [("WAIT", self._wait_replicas, self._wait_ms)]
+        return []
+
+    def _confirmed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
+    ) -> list[int]:
+        """Under wait_replicas: undo what was acquired unless enough replicas confirmed it."""
+        if not wait_reply or int(wait_reply[0]) >= self._wait_replicas:
+            return results
+        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        if held:
+            # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
+            with contextlib.suppress(CacheError):
+                self.release_many([k for k, _ in held], [t for _, t in held])
+        raise cache_error(
+            f"{what} undone: {int(wait_reply[0])} of {self._wait_replicas} replicas confirmed it "
+            f"within {self._wait_ms} ms (wait_replicas)",
+            self.server,
+            keys[0] if len(keys) == 1 else None,
+        )
 
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         if isinstance(exc, ReadOnlyError):
@@ -83,63 +179,55 @@ class RedisPyBackend:
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source))  # type: ignore[misc]
-
-    def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
-        try:
-            return self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
-        except NoScriptError:
-            # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
-            self._load_scripts()
-            return self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
-
-    def _pipeline(self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int) -> list[Any]:
-        def run() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for key, token in zip(keys, tokens, strict=True):
-                pipe.execute_command("EVALSHA", script.sha, 1, key, token, *args)
-            return pipe.execute(raise_on_error=False)
-
-        replies = run()
-        if any(isinstance(r, NoScriptError) for r in replies):
-            self._load_scripts()
-            replies = run()
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
+            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source))  # type: ignore[misc]
 
     # -- the Backend interface --------------------------------------------------------
 
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
-        return int(self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True))
+        return self._acquire(key, token, ttl_ms, self._retry_until())
+
+    def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float) -> int:
+        replies = self._call(
+            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), retry_until
+        )
+        return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
-        return poll(lambda: self.acquire(key, token, ttl_ms), wait_ms)
+        retry_until = self._retry_until(wait_ms)
+        return poll(lambda: self._acquire(key, token, ttl_ms, retry_until), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
-        replies = self._call("acquire_many", None, lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms), True)
-        return [int(r) for r in replies]
+        calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), self._retry_until())
+        return self._confirmed(
+            "acquire_many", keys, tokens, [int(r) for r in replies[: len(keys)]], replies[len(keys) :]
+        )
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        return bool(self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
+        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        return bool(self._call("extend", key, lambda t: self._scripts(EXTEND, [(key, token, b"%d" % ttl_ms)], t))[0])
 
     def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        replies = self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
-        return [bool(r) for r in replies]
+        calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+        return [bool(r) for r in self._call("extend_many", None, lambda t: self._scripts(EXTEND, calls, t))]
 
     def release(self, key: bytes, token: bytes) -> bool:
-        return bool(self._call("release", key, lambda: self._evalsha(RELEASE, key, token)))
+        # A lost release reply is retried: the second try finds the key gone (False) or
+        # still ours (releases it), and either way the caller sees no error.
+        return bool(
+            self._call("release", key, lambda t: self._scripts(RELEASE, [(key, token)], t), self._retry_until())[0]
+        )
 
     def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        replies = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens))
+        calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
+        replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
         return [bool(r) for r in replies]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return bool(self._call("set_nx", key, lambda: self._redis.set(key, value, nx=True, px=ttl_ms)))
+        return bool(self._call("set_nx", key, lambda _t: self._redis.set(key, value, nx=True, px=ttl_ms)))
 
     def incr(self, key: bytes, amount: int) -> int:
-        return int(self._call("incr", key, lambda: self._redis.incrby(key, amount)))
+        return int(self._call("incr", key, lambda _t: self._redis.incrby(key, amount)))
 
     def info(self) -> dict[str, str] | None:
         try:
