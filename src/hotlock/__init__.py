@@ -65,8 +65,9 @@ def connect(
     ``url`` may name a Sentinel-managed primary, ``redis+sentinel://h1:26379,h2:26379/mymaster[/db]``:
     the primary is looked up at each (re)connect, so the cache follows a failover.
     ``wait_replicas=N`` makes each acquire wait (``WAIT``, in the same round trip) until N
-    replicas have the lock, up to ``wait_timeout`` seconds (default: half of ``timeout``); if fewer confirm, the acquire is
-    undone and raises CacheError. It narrows, not closes, the two-holder window of a failover.
+    replicas have the lock, up to ``wait_timeout`` seconds (default: half of ``timeout``);
+    if fewer confirm, the acquire is undone and raises CacheError. It narrows, not closes,
+    the two-holder window of a failover.
     """
     raw_prefix = _prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
