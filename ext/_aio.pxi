@@ -1,0 +1,351 @@
+# The asyncio protocol under hotlock.aio's native backend (included from _native.pyx).
+#
+# One connection, any number of tasks: every command is formatted by hiredis
+# (redisFormatCommandArgv) into a write buffer that is flushed once per loop iteration
+# (loop.call_soon), so the commands of all tasks that ran in that iteration leave in one
+# transport.write and pipeline without waiting on each other. Replies are parsed by
+# hiredis's C reader and answer the waiting futures in FIFO order, which is Redis's own
+# order on a connection. Only the public loop API is used (create_future, call_soon,
+# call_at, time, transport.write/abort/close), so asyncio and uvloop run it unchanged.
+#
+# It knows bytes, ints and futures, and nothing of locks: retries, NOSCRIPT recovery,
+# reconnection and error wording live in src/hotlock/aio/_native.py (habit 1).
+
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+from posix.unistd cimport getpid as _aio_getpid
+
+from hiredis cimport (
+    REDIS_OK,
+    REDIS_REPLY_ARRAY,
+    REDIS_REPLY_ERROR,
+    REDIS_REPLY_INTEGER,
+    REDIS_REPLY_NIL,
+    REDIS_REPLY_STATUS,
+    REDIS_REPLY_STRING,
+    freeReplyObject,
+    redisFormatCommandArgv,
+    redisFreeCommand,
+    redisReader,
+    redisReaderCreate,
+    redisReaderFeed,
+    redisReaderFree,
+    redisReaderGetReply,
+    redisReply,
+)
+
+import asyncio as _aio_asyncio
+from collections import deque as _aio_deque
+
+
+cdef bytes _aio_arg(object arg):
+    """One command argument as bytes: the backend passes bytes, and ints for TTLs and counts."""
+    if type(arg) is bytes:
+        return <bytes>arg
+    if type(arg) is int:
+        return b"%d" % arg
+    raise TypeError(f"command arguments are bytes or int, not {type(arg).__name__}")
+
+
+cdef int _aio_format(tuple args, bytearray out) except -1:
+    """Append ``args`` to ``out`` as one RESP command, formatted by hiredis."""
+    cdef Py_ssize_t argc = len(args), i, old
+    cdef const char *argv_small[8]
+    cdef size_t lens_small[8]
+    cdef const char **argv = argv_small
+    cdef size_t *lens = lens_small
+    cdef char *cmd = NULL
+    cdef long long length
+    # The bytes objects stay referenced here while hiredis reads their buffers.
+    cdef list keep = [_aio_arg(a) for a in args]
+    if argc == 0:
+        raise ValueError("empty command")
+    if argc > 8:
+        argv = <const char **>malloc(argc * sizeof(char *))
+        lens = <size_t *>malloc(argc * sizeof(size_t))
+        if argv == NULL or lens == NULL:
+            free(argv)
+            free(lens)
+            raise MemoryError()
+    try:
+        for i in range(argc):
+            argv[i] = PyBytes_AS_STRING(keep[i])
+            lens[i] = <size_t>PyBytes_GET_SIZE(keep[i])
+        length = redisFormatCommandArgv(&cmd, <int>argc, argv, lens)
+        if length < 0 or cmd == NULL:
+            raise MemoryError()
+        try:
+            old = PyByteArray_GET_SIZE(out)
+            PyByteArray_Resize(out, old + <Py_ssize_t>length)
+            memcpy(PyByteArray_AS_STRING(out) + old, cmd, <size_t>length)
+        finally:
+            redisFreeCommand(cmd)
+    finally:
+        if argv != argv_small:
+            free(argv)
+            free(lens)
+    return 0
+
+
+cdef object _aio_reply(redisReply *r, object error_class):
+    """A hiredis reply as Python: bytes, int, None, list, or an ``error_class`` instance."""
+    cdef size_t i
+    if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
+        return PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len)
+    if r.type == REDIS_REPLY_INTEGER:
+        return r.integer
+    if r.type == REDIS_REPLY_NIL:
+        return None
+    if r.type == REDIS_REPLY_ERROR:
+        # Returned, not raised: the caller decides (NOSCRIPT is recovered, READONLY drops
+        # the connection), and in a pipeline one error must not hide the other replies.
+        return error_class(PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len).decode("utf-8", "replace"))
+    if r.type == REDIS_REPLY_ARRAY:
+        return [_aio_reply(r.element[i], error_class) for i in range(r.elements)]
+    return error_class(f"unexpected reply type {r.type}")
+
+
+cdef class _AioWaiter:
+    """One future and the replies it takes: 1 for a command, n for a pipeline."""
+
+    cdef object fut
+    cdef Py_ssize_t want
+    cdef list got  # None for a single command
+
+
+cdef class AioCore:
+    """The connection state; AioProtocol adds asyncio.Protocol as a base for the loop's sake."""
+
+    cdef redisReader *_reader
+    cdef object _loop
+    cdef object _transport
+    cdef object _waiters  # deque of _AioWaiter, in the order their commands were written
+    cdef bytearray _wbuf  # commands formatted this loop iteration, not yet written
+    cdef Py_ssize_t _unflushed  # how many waiters at the tail of _waiters are still in _wbuf
+    cdef bint _flush_scheduled
+    cdef object _timer
+    cdef double _timeout
+    cdef double _progress_at
+    cdef bint _closed
+    cdef bint _timed_out
+    cdef str _why  # why this side gave up on the connection, when it did
+    cdef object _reply_error
+    cdef object _not_sent
+    cdef readonly int pid
+
+    def __cinit__(self, loop, double timeout, reply_error, not_sent):
+        self._reader = redisReaderCreate()
+        if self._reader == NULL:
+            raise MemoryError()
+        self._loop = loop
+        self._timeout = timeout
+        self._reply_error = reply_error
+        self._not_sent = not_sent
+        self._waiters = _aio_deque()
+        self._wbuf = bytearray()
+        # Closed until connection_made: nothing may be queued for a socket not yet there.
+        self._closed = True
+        self.pid = _aio_getpid()
+
+    def __dealloc__(self):
+        if self._reader != NULL:
+            redisReaderFree(self._reader)
+            self._reader = NULL
+
+    # -- sending ----------------------------------------------------------------------
+
+    def usable(self):
+        """Open, and opened by this process (a forked child never writes to its parent's socket)."""
+        return not self._closed and self.pid == _aio_getpid()
+
+    def execute(self, *args):
+        """Send one command; a future for its reply."""
+        cdef _AioWaiter w = _AioWaiter.__new__(_AioWaiter)
+        w.fut = self._loop.create_future()
+        w.want = 1
+        if self._closed:
+            w.fut.set_exception(self._not_sent("the connection is closed"))
+            return w.fut
+        _aio_format(args, self._wbuf)
+        self._queue(w)
+        return w.fut
+
+    def pipeline(self, list commands):
+        """Send several commands back to back; a future for the list of their replies."""
+        cdef _AioWaiter w = _AioWaiter.__new__(_AioWaiter)
+        cdef tuple command
+        w.fut = self._loop.create_future()
+        w.want = len(commands)
+        w.got = []
+        if self._closed:
+            w.fut.set_exception(self._not_sent("the connection is closed"))
+            return w.fut
+        if w.want == 0:
+            w.fut.set_result([])
+            return w.fut
+        # Format all first: a bad argument must leave nothing half-queued.
+        cdef bytearray formatted = bytearray()
+        for command in commands:
+            _aio_format(command, formatted)
+        self._wbuf += formatted
+        self._queue(w)
+        return w.fut
+
+    cdef _queue(self, _AioWaiter w):
+        if not self._waiters:
+            # The reply clock starts when the connection goes from idle to busy.
+            self._progress_at = self._loop.time()
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._progress_at + self._timeout, self._check_timeout)
+        self._waiters.append(w)
+        self._unflushed += 1
+        if not self._flush_scheduled:
+            # Coalesce: everything queued until the loop runs its callbacks goes in one write.
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self):
+        self._flush_scheduled = False
+        if self._closed or self._unflushed == 0:
+            # Closing: connection_lost will fail the unwritten waiters as "not sent".
+            return
+        data = self._wbuf
+        # A fresh buffer: the transport may keep a view of the one it was given.
+        self._wbuf = bytearray()
+        self._unflushed = 0
+        self._transport.write(data)
+
+    # -- receiving --------------------------------------------------------------------
+
+    def data_received(self, data):
+        cdef void *reply = NULL
+        cdef bytes chunk = data if type(data) is bytes else bytes(data)
+        if redisReaderFeed(self._reader, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk)) != REDIS_OK:
+            self._broken("the reply buffer could not grow")
+            return
+        self._progress_at = self._loop.time()
+        while True:
+            if redisReaderGetReply(self._reader, &reply) != REDIS_OK:
+                self._broken(f"protocol error: {(<bytes>self._reader.errstr).decode('utf-8', 'replace')}")
+                return
+            if reply == NULL:
+                return
+            try:
+                value = _aio_reply(<redisReply *>reply, self._reply_error)
+            finally:
+                freeReplyObject(reply)
+            if not self._deliver(value):
+                self._broken("a reply came that no command was waiting for")
+                return
+
+    cdef bint _deliver(self, object value) except -1:
+        cdef _AioWaiter w
+        if len(self._waiters) <= self._unflushed:
+            return False
+        w = <_AioWaiter>self._waiters[0]
+        if w.got is None:
+            self._waiters.popleft()
+            # A cancelled waiter still takes its reply off the wire; it is just dropped.
+            if not w.fut.done():
+                w.fut.set_result(value)
+            return True
+        w.got.append(value)
+        if len(w.got) == w.want:
+            self._waiters.popleft()
+            if not w.fut.done():
+                w.fut.set_result(w.got)
+        return True
+
+    def _check_timeout(self):
+        self._timer = None
+        if self._closed or len(self._waiters) == self._unflushed:
+            return
+        # Redis answers a connection in order, so "no reply byte for `timeout` while a
+        # written command waits" is exactly "the oldest command got no reply in time".
+        due = self._progress_at + self._timeout
+        if self._loop.time() >= due:
+            self._timed_out = True
+            self._broken("no reply within the timeout")
+            return
+        self._timer = self._loop.call_at(due, self._check_timeout)
+
+    cdef _broken(self, str why):
+        """Give up on the connection: its replies can no longer be matched to commands."""
+        self._closed = True
+        if self._why is None:
+            self._why = why
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport):
+        self._transport = transport
+        self._closed = False
+
+    def eof_received(self):
+        # The server closed (CLIENT KILL, restart, timeout): stop queueing on this
+        # connection now, before connection_lost, so new commands go to a new one.
+        self._closed = True
+        return False
+
+    def connection_lost(self, exc):
+        cdef Py_ssize_t i, written
+        cdef _AioWaiter w
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        written = len(self._waiters) - self._unflushed
+        if self._why is not None:
+            what = self._why
+        elif exc is not None:
+            what = f"connection lost: {exc}"
+        else:
+            what = "connection closed by the server"
+        waiters = self._waiters
+        self._waiters = _aio_deque()
+        self._wbuf = bytearray()
+        self._unflushed = 0
+        for i in range(len(waiters)):
+            w = <_AioWaiter>waiters[i]
+            if w.fut.done():
+                continue
+            if i >= written:
+                # Never handed to the transport: safe to send again on a new connection.
+                w.fut.set_exception(self._not_sent(what))
+            elif self._timed_out:
+                w.fut.set_exception(TimeoutError(what))
+            else:
+                w.fut.set_exception(ConnectionError(what))
+
+    def pause_writing(self):
+        # The transport buffers what it cannot send yet; commands are small and each one
+        # has a waiter bounded by the reply timeout, so there is nothing to throttle.
+        pass
+
+    def resume_writing(self):
+        pass
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def close(self):
+        """Close after writing what is queued; waiters still pending fail at connection_lost."""
+        self._flush()
+        self._closed = True
+        if self._transport is not None and self.pid == _aio_getpid():
+            self._transport.close()
+
+    def abort(self):
+        """Drop the connection now (READONLY: a demoted primary is not to be used again)."""
+        self._closed = True
+        if self._transport is not None and self.pid == _aio_getpid():
+            self._transport.abort()
+
+
+class AioProtocol(AioCore, _aio_asyncio.Protocol):
+    """hotlock.aio's native connection. asyncio.Protocol as a base so the loop sees a protocol."""
+
+    __slots__ = ()

@@ -1,0 +1,284 @@
+"""The async Cache: the sync Cache's validation, key layout and errors, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from .._backoff import Backoff
+from .._cache import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, TOKEN_BYTES, Cache
+from .._lock import shown
+from .._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
+from ..errors import LockNotAcquired
+from ._lock import AsyncLock
+
+if TYPE_CHECKING:
+    from ._backend import AsyncBackend
+
+__all__ = ["Acquiring", "AsyncCache"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+log = logging.getLogger("hotlock")
+
+# How long close() lets background releases of interrupted acquisitions finish.
+_DRAIN_SECONDS = 2.0
+
+
+class AsyncCache:
+    """Locks, idempotency keys and counters on one async backend. Make one with
+    ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
+
+    __slots__ = ("_background", "_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+
+    def __init__(self, backend: AsyncBackend, prefix: bytes) -> None:
+        self._backend = backend
+        self.prefix = prefix
+        self._lock_prefix = prefix + LOCK_SPACE
+        self._once_prefix = prefix + ONCE_SPACE
+        self._count_prefix = prefix + COUNT_SPACE
+        # Releases of interrupted acquisitions still running; close() waits for them.
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        """False for the in-process fallback, whose locks exclude nothing outside this process."""
+        return self._backend.name != "memory"
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "native", "redis-py" or "memory"."""
+        return self._backend.name
+
+    @property
+    def server(self) -> str:
+        """The server, without credentials."""
+        return self._backend.server
+
+    # -- locks ------------------------------------------------------------------------
+
+    def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Acquiring:
+        """Try once: ``await cache.lock(key)`` gives an AsyncLock or raises LockNotAcquired;
+        ``async with cache.lock(key):`` also releases it however the block ends.
+
+        The arguments are checked here, before anything is awaited or sent.
+        """
+        return Acquiring(self, key, self._lock_prefix + key_bytes(key), ttl_ms(ttl), None)
+
+    def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Acquiring:
+        """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
+
+        Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
+        exactly one attempt. Awaitable, and usable with ``async with``, like lock().
+        """
+        name = self._lock_prefix + key_bytes(key)
+        ms = ttl_ms(ttl)
+        return Acquiring(self, key, name, ms, wait_ms(wait))
+
+    async def _acquire(self, key: str | bytes, name: bytes, ms: int, wait_for: int | None) -> AsyncLock:
+        loop = asyncio.get_running_loop()
+        token = os.urandom(TOKEN_BYTES)
+        backoff = None if wait_for is None else Backoff(wait_for)
+        # True from the moment an acquire with this token may reach Redis until we know it
+        # did not take the key: while it is, an interruption must release the token.
+        maybe_held = False
+        try:
+            while True:
+                sent = loop.time()
+                maybe_held = True
+                result = await self._backend.acquire(name, token, ms)
+                if result == 0:
+                    return AsyncLock(self, loop, key, name, token, ms, sent)
+                maybe_held = False
+                sleep = None if backoff is None else backoff.next_sleep(result)
+                if sleep is None:
+                    raise self._not_acquired(key, result, wait_for)
+                await asyncio.sleep(sleep)
+        except BaseException:
+            # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
+            # taken the key: release it behind that acquire, since nobody will hold the
+            # lock object. The backend's ordering promise puts the release after it.
+            if maybe_held:
+                self._release_in_background([name], [token])
+            raise
+
+    async def with_lock(
+        self, key: str | bytes, ttl: Seconds, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Acquire once, await ``fn(*args, **kwargs)``, release however it ends; return its result.
+
+        Cancellation included: the lock is released and CancelledError propagates.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be a coroutine function, not {type(fn).__name__}")
+        async with self.lock(key, ttl):
+            return await fn(*args, **kwargs)
+
+    async def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[AsyncLock | None]:
+        """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere."""
+        given, raw = key_list(keys)
+        names = [self._lock_prefix + k for k in raw]
+        ms = ttl_ms(ttl)
+        if not names:
+            return []
+        loop = asyncio.get_running_loop()
+        pool = os.urandom(TOKEN_BYTES * len(names))
+        tokens = [pool[i : i + TOKEN_BYTES] for i in range(0, len(pool), TOKEN_BYTES)]
+        sent = loop.time()
+        try:
+            results = await self._backend.acquire_many(names, tokens, ms)
+        except BaseException:
+            self._release_in_background(names, tokens)
+            raise
+        return [
+            None if result else AsyncLock(self, loop, key, name, token, ms, sent)
+            for key, name, token, result in zip(given, names, tokens, results, strict=True)
+        ]
+
+    async def extend_many(self, locks: Iterable[AsyncLock | None], ttl: Seconds) -> list[bool]:
+        """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
+
+        ``None`` entries (as lock_many returns) and released or inherited locks are False
+        without a byte sent for them.
+        """
+        items, live = self._live(locks)
+        ms = ttl_ms(ttl)
+        out = [False] * len(items)
+        if live:
+            sent = asyncio.get_running_loop().time()
+            try:
+                results = await self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
+            except BaseException:
+                # As in AsyncLock.extend: a shorter TTL may be in force now.
+                for _, lock in live:
+                    lock._deadline = min(lock._deadline, sent + ms / 1000.0)
+                raise
+            for (i, lock), ok in zip(live, results, strict=True):
+                lock._extended(ok, ms, sent)
+                out[i] = ok
+        return out
+
+    async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
+        """Release each lock in one round trip; True where this call released it."""
+        items, live = self._live(locks)
+        out = [False] * len(items)
+        if live:
+            names, tokens = [lk._name for _, lk in live], [lk._token for _, lk in live]
+            try:
+                results = await self._backend.release_many(names, tokens)
+            except asyncio.CancelledError:
+                for _, lock in live:
+                    lock._token = b""
+                self._release_in_background(names, tokens)
+                raise
+            for (i, lock), ok in zip(live, results, strict=True):
+                lock._token = b""
+                out[i] = ok
+        return out
+
+    def _live(self, locks: Iterable[AsyncLock | None]) -> tuple[list[AsyncLock | None], list[tuple[int, AsyncLock]]]:
+        """Check ``locks``; return them and the (index, lock) pairs worth sending."""
+        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
+            raise TypeError(f"locks must be an iterable of AsyncLock or None, not {type(locks).__name__}")
+        items = list(locks)
+        live = []
+        for i, lock in enumerate(items):
+            if lock is None:
+                continue
+            if not isinstance(lock, AsyncLock):
+                raise TypeError(f"locks[{i}] must be an AsyncLock or None, not {type(lock).__name__}")
+            if lock._cache is not self:
+                raise ValueError(f"locks[{i}] was taken on another cache")
+            if lock._sendable():
+                live.append((i, lock))
+        return items, live
+
+    # -- idempotency keys and counters -------------------------------------------------
+
+    async def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
+        """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
+        name = self._once_prefix + key_bytes(key)
+        return await self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
+
+    async def incr(self, key: str | bytes, amount: int = 1) -> int:
+        """Add ``amount`` to a counter atomically and return the new value."""
+        name = self._count_prefix + key_bytes(key)
+        return await self._backend.incr(name, amount_int(amount))
+
+    # -- interrupted acquisitions ------------------------------------------------------
+
+    def _release_in_background(self, names: list[bytes], tokens: list[bytes]) -> None:
+        """Release tokens whose acquire or release was interrupted, without the caller.
+
+        A task of its own, so the caller's cancellation cannot stop it; kept referenced
+        until it ends so it is never collected half-way, and awaited by close().
+        """
+        task = asyncio.get_running_loop().create_task(self._release_quietly(names, tokens))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_quietly(self, names: list[bytes], tokens: list[bytes]) -> None:
+        try:
+            await self._backend.release_many(names, tokens)
+        except Exception as error:
+            shown_names = ", ".join(repr(shown(n)) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+            log.warning("release of interrupted lock acquisition %s failed; it expires by its TTL: %s", shown_names, error)
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._background:
+            # Let the releases of interrupted acquisitions land before the connection goes.
+            await asyncio.wait(set(self._background), timeout=_DRAIN_SECONDS)
+        await self._backend.close()
+
+    async def __aenter__(self) -> AsyncCache:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<hotlock.aio.AsyncCache backend={self.backend} server={self.server} prefix={self.prefix!r}>"
+
+    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
+        # The wording is defined once, in Cache; it reads nothing but .server.
+        return Cache._not_acquired(self, key, holder_ttl_ms, waited_ms)  # type: ignore[arg-type]
+
+
+class Acquiring:
+    """What lock() and lock_wait() return: await it for the AsyncLock, or ``async with`` it.
+
+    Each await is one acquisition with its own token.
+    """
+
+    __slots__ = ("_cache", "_held", "_key", "_name", "_ttl_ms", "_wait_ms")
+
+    def __init__(self, cache: AsyncCache, key: str | bytes, name: bytes, ttl: int, wait: int | None) -> None:
+        self._cache = cache
+        self._key = key
+        self._name = name
+        self._ttl_ms = ttl
+        self._wait_ms = wait
+        self._held: AsyncLock | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLock]:
+        return self._cache._acquire(self._key, self._name, self._ttl_ms, self._wait_ms).__await__()
+
+    async def __aenter__(self) -> AsyncLock:
+        self._held = await self
+        return self._held
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            await held.__aexit__(exc_type, exc, tb)

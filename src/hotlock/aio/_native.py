@@ -1,0 +1,258 @@
+"""The native async backend: the Cython asyncio protocol of ext/_aio.pxi, driven from here.
+
+The protocol moves bytes: it formats commands, pipelines every task's commands on one
+connection and answers futures in order. This module owns what the sync native client
+owns in C: connecting (AUTH, SELECT, script loads), reconnecting after a broken
+connection, the retry of a lost acquire reply with the same token, NOSCRIPT recovery,
+READONLY, and turning every failure into a CacheError naming the key and the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from .._backend import ServerConfig, cache_error
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+
+__all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
+
+
+class ReplyError(Exception):
+    """An error reply, as the protocol hands it over: returned as a value, never raised by it."""
+
+
+class NotSent(ConnectionError):
+    """The command never reached the transport, so sending it again cannot run it twice."""
+
+
+class AioConnection(Protocol):
+    """What this module uses of ext/_aio.pxi's AioProtocol."""
+
+    def usable(self) -> bool: ...
+    def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
+    def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+Send = Callable[[AioConnection], Awaitable[Any]]
+
+_LOST = (ConnectionError, TimeoutError)
+
+
+class NativeAsyncBackend:
+    name = "native"
+
+    def __init__(self, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> None:
+        self.server = config.display
+        self._config = config
+        self._protocol_class = protocol_class
+        self._proto: AioConnection | None = None
+        # One connect in flight at a time, shared by every task that needs the connection.
+        self._connecting: asyncio.Task[AioConnection] | None = None
+
+    @classmethod
+    async def open(cls, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> NativeAsyncBackend:
+        backend = cls(config, protocol_class)
+        backend._proto = await backend._open()
+        return backend
+
+    # -- connections ------------------------------------------------------------------
+
+    async def _open(self) -> AioConnection:
+        config = self._config
+        loop = asyncio.get_running_loop()
+
+        def factory() -> AioConnection:
+            return self._protocol_class(loop, config.timeout, ReplyError, NotSent)
+
+        opening: Awaitable[tuple[asyncio.BaseTransport, Any]]
+        if config.unix_path is not None:
+            opening = loop.create_unix_connection(factory, config.unix_path)
+        else:
+            # The loop's transport does TLS, so rediss:// needs nothing from hiredis.
+            tls = ssl.create_default_context() if config.tls else None
+            opening = loop.create_connection(factory, config.host, config.port, ssl=tls)
+        try:
+            _, proto = await asyncio.wait_for(opening, config.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            why = "no answer within the connect timeout" if isinstance(exc, TimeoutError) else str(exc)
+            raise cache_error(f"connect failed: {why}", self.server) from exc
+        # AUTH and SELECT go first, pipelined with the script loads: one round trip, and
+        # the scripts are there before the first EVALSHA.
+        setup: list[tuple[bytes | int, ...]] = []
+        if config.password is not None:
+            user = () if config.username is None else (config.username.encode(),)
+            setup.append((b"AUTH", *user, config.password.encode()))
+        if config.db:
+            setup.append((b"SELECT", config.db))
+        setup += [(b"SCRIPT", b"LOAD", script.source) for script in SCRIPTS]
+        try:
+            replies = await proto.pipeline(setup)
+        except BaseException as exc:
+            proto.abort()
+            if isinstance(exc, _LOST):
+                raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+            raise
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                proto.abort()
+                raise cache_error(f"connect failed: the server replied {reply}", self.server)
+        conn: AioConnection = proto
+        return conn
+
+    async def _connection(self) -> AioConnection:
+        """The live connection, or a new one (shared by every task that finds it broken)."""
+        proto = self._proto
+        if proto is not None and proto.usable():
+            return proto
+        task = self._connecting
+        if task is None:
+            task = self._connecting = asyncio.get_running_loop().create_task(self._open())
+            task.add_done_callback(self._opened)
+        # Shielded: one waiter's cancellation must not cancel the connect the others wait on.
+        return await asyncio.shield(task)
+
+    def _opened(self, task: asyncio.Task[AioConnection]) -> None:
+        self._connecting = None
+        if not task.cancelled() and task.exception() is None:
+            self._proto = task.result()
+
+    # -- round trips ------------------------------------------------------------------
+
+    async def _roundtrip(self, what: str, key: bytes | None, send: Send, retry_lost_reply: bool = False) -> Any:
+        retried = False
+        while True:
+            proto = self._proto
+            if proto is None or not proto.usable():
+                proto = await self._connection()
+            try:
+                return await send(proto)
+            except NotSent as exc:
+                if retried:
+                    raise self._error(what, key, exc) from exc
+                # The connection broke before the command was written: nothing ran, so
+                # sending it on a new connection is safe for any command.
+                retried = True
+            except _LOST as exc:
+                if retried or not retry_lost_reply:
+                    again = " (retried after a lost reply)" if retried else ""
+                    raise self._error(f"{what}{again}", key, exc) from exc
+                # The reply was lost and the command may have run: send it once more as it
+                # was (an acquire with the same token: the script counts "already my
+                # token" as success), so the outcome is neither a stranded key nor a false
+                # conflict.
+                retried = True
+
+    def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
+        return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
+
+    def _refused(self, what: str, key: bytes | None, reply: ReplyError) -> Exception:
+        if str(reply).startswith("READONLY") and self._proto is not None:
+            # A demoted primary: drop the connection so the next call finds the new one.
+            self._proto.abort()
+        return cache_error(f"{what} failed: the server replied {reply}", self.server, key)
+
+    async def _script(self, what: str, script: Script, key: bytes, *args: bytes | int, retry: bool = False) -> Any:
+        command = (b"EVALSHA", script.sha, 1, key, *args)
+        reply = await self._roundtrip(what, key, lambda p: p.execute(*command), retry)
+        if _noscript(reply):
+            # Restart, SCRIPT FLUSH or failover emptied the script cache. The load and
+            # the retry go together on one connection, so they cost one round trip.
+            load = (b"SCRIPT", b"LOAD", script.source)
+            loaded, reply = await self._roundtrip(what, key, lambda p: p.pipeline([load, command]), retry)
+            if isinstance(loaded, ReplyError):
+                raise self._refused(what, key, loaded)
+        if isinstance(reply, ReplyError):
+            raise self._refused(what, key, reply)
+        return reply
+
+    async def _script_many(
+        self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], *args: int, retry: bool = False
+    ) -> list[Any]:
+        def commands(indices: range | list[int]) -> list[tuple[bytes | int, ...]]:
+            return [(b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices]
+
+        batch = commands(range(len(keys)))
+        replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(batch), retry)
+        missing = [i for i, reply in enumerate(replies) if _noscript(reply)]
+        if missing:
+            # Only the calls that did not run are sent again: a release that ran must not
+            # be re-run and reported as "not ours".
+            again = [(b"SCRIPT", b"LOAD", script.source), *commands(missing)]
+            loaded, *redone = await self._roundtrip(what, None, lambda p: p.pipeline(again), retry)
+            if isinstance(loaded, ReplyError):
+                raise self._refused(what, None, loaded)
+            for i, reply in zip(missing, redone, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise self._refused(what, None, reply)
+        return replies
+
+    async def _command(self, what: str, key: bytes, *command: bytes | int) -> Any:
+        reply = await self._roundtrip(what, key, lambda p: p.execute(*command))
+        if isinstance(reply, ReplyError):
+            raise self._refused(what, key, reply)
+        return reply
+
+    # -- the AsyncBackend interface ---------------------------------------------------
+    # Ordering promise: every command of this backend goes through one connection in
+    # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
+
+    async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        return int(await self._script("acquire", ACQUIRE, key, token, ttl_ms, retry=True))
+
+    async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        return [int(r) for r in await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)]
+
+    async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
+
+    async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
+
+    async def release(self, key: bytes, token: bytes) -> bool:
+        return bool(await self._script("release", RELEASE, key, token))
+
+    async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens)]
+
+    async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
+        return await self._command("set_nx", key, b"SET", key, value, b"NX", b"PX", ttl_ms) is not None
+
+    async def incr(self, key: bytes, amount: int) -> int:
+        return int(await self._command("incr", key, b"INCRBY", key, amount))
+
+    async def info(self) -> dict[str, str] | None:
+        reply = await self._roundtrip("INFO", None, lambda p: p.execute(b"INFO"))
+        if isinstance(reply, ReplyError):
+            if str(reply).startswith("NOPERM"):
+                return None
+            raise self._refused("INFO", None, reply)
+        fields: dict[str, str] = {}
+        for line in bytes(reply).decode("utf-8", "replace").splitlines():
+            name, sep, value = line.partition(":")
+            if sep and not line.startswith("#"):
+                fields[name] = value
+        return fields
+
+    async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._proto is not None:
+            self._proto.close()
+            self._proto = None
+
+
+def _noscript(reply: object) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no reply within the timeout"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,216 @@
+"""The pure-Python async backend on redis.asyncio: where the extension is not built.
+
+The same semantics as the sync redis-py backend: its retries off and its timeouts on,
+NOSCRIPT loads the scripts and retries once, a lost acquire reply is retried once with
+the same token, READONLY drops every connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from .._backend import ServerConfig, cache_error
+from .._redispy import _describe
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+
+__all__ = ["RedisAsyncBackend"]
+
+T = TypeVar("T")
+
+# The errors after which a request may or may not have reached the server.
+_AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+# redis.asyncio opens a connection per concurrent command unless the pool is bounded;
+# thousands of tasks would otherwise mean thousands of sockets (and Redis's maxclients).
+# Tasks beyond this queue for a free connection with no time limit of their own: the
+# queue moves as fast as the commands ahead of it, each bounded by the reply timeout, and
+# a long local queue is not a server failure to report as CacheError.
+MAX_CONNECTIONS = 64
+
+
+class RedisAsyncBackend:
+    name = "redis-py"
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = config.display
+        kwargs: dict[str, Any] = {
+            "username": config.username,
+            "password": config.password,
+            "db": config.db,
+            "socket_timeout": config.timeout,
+            "socket_connect_timeout": config.connect_timeout,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        # As in the sync backend: no CLIENT SETINFO round trip on every connect.
+        if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
+            kwargs["driver_info"] = None
+        else:
+            kwargs["lib_name"] = kwargs["lib_version"] = None
+        connection_class: type[Connection] | type[UnixDomainSocketConnection]
+        if config.unix_path is not None:
+            connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
+        else:
+            connection_class = SSLConnection if config.tls else Connection
+            kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
+        pool = aioredis.BlockingConnectionPool(
+            max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
+        # Acquires in flight, by token: a release of that token waits for them (see _settled).
+        self._inflight: dict[bytes, asyncio.Future[Any]] = {}
+
+    @classmethod
+    async def open(cls, config: ServerConfig) -> RedisAsyncBackend:
+        backend = cls(config)
+        try:
+            await backend._load_scripts()
+        except BaseException:
+            await backend.close()
+            raise
+        return backend
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    async def _call(
+        self, what: str, key: bytes | None, fn: Callable[[], Awaitable[T]], retry_lost_reply: bool = False
+    ) -> T:
+        try:
+            return await fn()
+        except _AMBIGUOUS as exc:
+            if not retry_lost_reply:
+                raise await self._error(what, key, exc) from exc
+            # The reply was lost and the command may have run: send it once more as it was
+            # (same token; the acquire script counts "already my token" as success).
+            try:
+                return await fn()
+            except (RedisError, OSError) as again:
+                raise await self._error(f"{what} (retried after a lost reply)", key, again) from again
+        except (RedisError, OSError) as exc:
+            raise await self._error(what, key, exc) from exc
+
+    async def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
+        if isinstance(exc, ReadOnlyError):
+            # A demoted primary: drop every connection so the next call finds the new one.
+            await self._redis.connection_pool.disconnect()
+        return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
+
+    async def _load_scripts(self) -> None:
+        for script in SCRIPTS:
+            await self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+
+    async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
+        try:
+            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
+        except NoScriptError:
+            # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
+            await self._load_scripts()
+            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
+
+    async def _pipeline(self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int) -> list[Any]:
+        async def run(indices: Iterable[int]) -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for i in indices:
+                pipe.execute_command("EVALSHA", script.sha, 1, keys[i], tokens[i], *args)
+            return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        replies = await run(range(len(keys)))
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            # Only the calls that did not run are sent again: a release that ran must not
+            # be re-run and reported as "not ours".
+            await self._load_scripts()
+            for i, reply in zip(missing, await run(missing), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
+        """Run ``work`` to completion even if its caller is cancelled, recorded under ``tokens``.
+
+        Cancelling a redis.asyncio call mid-command drops its connection while the command
+        may still run on the server; a release sent meanwhile on another pooled connection
+        could overtake it and leave the acquire standing. Finishing the acquire first, and
+        having releases of its tokens wait for it, keeps AsyncBackend's ordering promise.
+        """
+        task = asyncio.ensure_future(work)
+        for token in tokens:
+            self._inflight[token] = task
+
+        def done(finished: asyncio.Future[Any]) -> None:
+            for token in tokens:
+                if self._inflight.get(token) is finished:
+                    del self._inflight[token]
+            if not finished.cancelled():
+                finished.exception()  # retrieved: a caller that was cancelled will never see it
+
+        task.add_done_callback(done)
+        return asyncio.shield(task)
+
+    async def _settled(self, tokens: list[bytes]) -> None:
+        pending = {task for token in tokens if (task := self._inflight.get(token)) is not None}
+        if pending:
+            await asyncio.wait(pending)
+
+    # -- the AsyncBackend interface ---------------------------------------------------
+
+    async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        reply = await self._shielded(
+            [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True)
+        )
+        return int(reply)
+
+    async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        replies = await self._shielded(
+            tokens, self._call("acquire_many", None, lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms), True)
+        )
+        return [int(r) for r in replies]
+
+    async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
+
+    async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        replies = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
+        return [bool(r) for r in replies]
+
+    async def release(self, key: bytes, token: bytes) -> bool:
+        await self._settled([token])
+        return bool(await self._call("release", key, lambda: self._evalsha(RELEASE, key, token)))
+
+    async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        await self._settled(tokens)
+        replies = await self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens))
+        return [bool(r) for r in replies]
+
+    async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
+        return bool(await self._call("set_nx", key, lambda: self._redis.set(key, value, nx=True, px=ttl_ms)))
+
+    async def incr(self, key: bytes, amount: int) -> int:
+        return int(await self._call("incr", key, lambda: self._redis.incrby(key, amount)))
+
+    async def info(self) -> dict[str, str] | None:
+        try:
+            raw = await self._redis.execute_command("INFO")
+        except NoPermissionError:
+            return None
+        except (RedisError, OSError) as exc:
+            raise cache_error(f"INFO failed: {_describe(exc)}", self.server) from exc
+        if isinstance(raw, dict):
+            return {str(k): str(v) for k, v in raw.items()}
+        return {}
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+        await self._redis.connection_pool.disconnect()
