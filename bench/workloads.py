@@ -98,7 +98,7 @@ def _section(holder: dict[str, int] | None, key: str, me: int) -> int:
 
 
 def _contend(c: SyncContestant, keys: list[str], start_at: float, seconds: float, me: int,
-             holder: dict[str, int] | None) -> dict[str, Any]:
+             holder: dict[str, int] | None, limit: int | None = None) -> dict[str, Any]:
     rng = random.Random(me)
     waits: list[float] = []
     timeouts = overlaps = 0
@@ -106,7 +106,7 @@ def _contend(c: SyncContestant, keys: list[str], start_at: float, seconds: float
         time.sleep(0.0005)
     c0 = cpu_seconds()
     end = start_at + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and (limit is None or len(waits) < limit):
         key = keys[rng.randrange(len(keys))]
         t0 = time.monotonic()
         try:
@@ -143,15 +143,16 @@ def _summary(parts: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
 
 
 def contention_threads(c: SyncContestant, tag: str, workers: int = 8, nkeys: int = 16,
-                       seconds: float = 2.0) -> dict[str, Any]:
-    """``workers`` threads sharing one client, each locking a random one of ``nkeys`` keys."""
+                       seconds: float = 2.0, limit: int | None = None) -> dict[str, Any]:
+    """``workers`` threads sharing one client, each locking a random one of ``nkeys`` keys,
+    for ``seconds`` (or until each did ``limit`` sections)."""
     keys = [f"bench:{tag}:k{i}" for i in range(nkeys)]
     holder: dict[str, int] = {}
     parts: list[dict[str, Any]] = [{} for _ in range(workers)]
     start_at = time.monotonic() + 0.1
 
     def work(i: int) -> None:
-        parts[i] = _contend(c, keys, start_at, seconds, i, holder)
+        parts[i] = _contend(c, keys, start_at, seconds, i, holder, limit)
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(workers)]
     c0 = cpu_seconds()  # the whole process: a library's helper threads count too
@@ -166,36 +167,49 @@ def contention_threads(c: SyncContestant, tag: str, workers: int = 8, nkeys: int
     return summary
 
 
-def _contend_in_child(name: str, url: str, keys: list[str], start_at: float, seconds: float, me: int,
-                      conn: Any) -> None:
+def _contend_in_child(name: str, url: str, keys: list[str], ready: Any, seconds: float, me: int,
+                      limit: int | None, conn: Any) -> None:
     c = open_sync(name, url)  # after the fork: a connection of its own
     try:
-        conn.send(_contend(c, keys, start_at, seconds, me, None))
+        ready.wait(60)
+        conn.send(_contend(c, keys, time.monotonic(), seconds, me, None, limit))
     finally:
         c.close()
         conn.close()
 
 
 def contention_processes(name: str, url: str, tag: str, workers: int = 4, nkeys: int = 16,
-                         seconds: float = 2.0) -> dict[str, Any]:
-    """``workers`` processes, each with its own client, on ``nkeys`` keys."""
+                         seconds: float = 2.0, limit: int | None = None) -> dict[str, Any]:
+    """``workers`` processes, each with its own client, on ``nkeys`` keys (as contention_threads).
+
+    They start together once all have connected (a barrier), so forking and connecting
+    are not timed.
+    """
     ctx = multiprocessing.get_context("fork")
     keys = [f"bench:{tag}:k{i}" for i in range(nkeys)]
-    start_at = time.monotonic() + 0.5  # room for every child to import and connect
+    ready = ctx.Barrier(workers + 1)
     pipes, procs = [], []
     for i in range(workers):
         mine, theirs = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_contend_in_child, args=(name, url, keys, start_at, seconds, i, theirs), daemon=True)
+        args = (name, url, keys, ready, seconds, i, limit, theirs)
+        p = ctx.Process(target=_contend_in_child, args=args, daemon=True)
         p.start()
         theirs.close()
         pipes.append(mine)
         procs.append(p)
+    ready.wait(60)
+    start_at = time.monotonic()
     parts = []
-    for mine, p in zip(pipes, procs, strict=True):
-        if not mine.poll(seconds + WAIT + 30):
-            raise RuntimeError("a contention process did not report")
-        parts.append(mine.recv())
-        p.join(10)
+    try:
+        for mine in pipes:
+            if not mine.poll(seconds + WAIT + 30):
+                raise RuntimeError("a contention process did not report")
+            parts.append(mine.recv())
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
     return _summary(parts, start_at)
 
 
