@@ -1,0 +1,626 @@
+# The sync client: one redisContext per thread, the GIL released for every round trip.
+#
+# Why a connection per thread rather than a shared one behind a mutex or a pool: a
+# redisContext is a single ordered stream of requests and replies, so a shared one would
+# serialise every thread's round trips behind one lock held across network waits (and
+# taking that lock without the GIL risks a deadlock with it). A per-thread context needs
+# no locking at all on the hot path, and a thread's context dies with the thread
+# (threading.local drops it). The cost is one Redis connection per thread that locks.
+
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
+
+
+cdef const char *_S_EVALSHA = b"EVALSHA"
+cdef const char *_S_ONE = b"1"
+
+
+cdef class _Conn:
+    """One thread's connection. Its context is touched only by its thread, with the GIL
+    held, or without the GIL between `busy = True` and `busy = False`."""
+
+    cdef redisContext *ctx
+    cdef unsigned long gen  # _fork_gen when it connected: another value means inherited
+    cdef bint busy  # a round trip is in flight on ctx without the GIL
+    cdef bint doomed  # close() ran during that round trip: drop ctx when it ends
+    cdef object __weakref__
+
+    def __dealloc__(self):
+        _drop(self)
+
+
+cdef void _drop(_Conn conn) noexcept:
+    """Forget conn's context without sending a byte (never QUIT: a child must stay silent)."""
+    cdef redisContext *ctx = conn.ctx
+    if ctx is NULL:
+        return
+    if conn.busy:
+        if conn.gen == _fork_gen:
+            # Another thread of this process is waiting on it without the GIL; freeing it
+            # now would pull the memory from under that thread. It drops it when done.
+            conn.doomed = True
+            return
+        # Inherited mid-call: the thread that was using it did not survive the fork and
+        # may have left the struct half-updated. Close our copy of the fd (the parent's
+        # socket stays open: close() only drops this process's reference) and leak the
+        # struct rather than walk it.
+        conn.ctx = NULL
+        if ctx.fd >= 0:
+            close(ctx.fd)
+        return
+    conn.ctx = NULL
+    conn.doomed = False
+    # redisFree closes the fd and frees memory; it writes nothing, so it is safe in a
+    # forked child too (the parent's socket stays open).
+    redisFree(ctx)
+
+
+cdef inline bint _stale(redisContext *ctx) noexcept nogil:
+    # An idle connection must have nothing to read. If it has, the server closed it
+    # (CLIENT KILL, timeout, restart) or sent something we did not ask for: reconnect
+    # before sending rather than lose the next command, as redis-py's pool does.
+    cdef pollfd p
+    p.fd = ctx.fd
+    p.events = POLLIN
+    p.revents = 0
+    return poll(&p, 1, 0) != 0
+
+
+cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
+    """Flush the appended commands and read n replies into out, without the GIL.
+
+    0 when all n arrived; -1 on an I/O error or timeout (ctx.err says which). out[i] is a
+    reply or NULL either way: the caller frees them."""
+    cdef redisContext *ctx = conn.ctx
+    cdef Py_ssize_t i
+    cdef int rc = 0
+    for i in range(n):
+        out[i] = NULL
+    conn.busy = True
+    with nogil:
+        for i in range(n):
+            if redisGetReply(ctx, <void **>&out[i]) != REDIS_OK:
+                out[i] = NULL
+                rc = -1
+                break
+    conn.busy = False
+    if rc == 0 and conn.doomed:
+        _drop(conn)
+    return rc
+
+
+cdef inline int _append_evalsha(redisContext *ctx, bytes sha, bytes key, bytes token, long long ms) noexcept:
+    # EVALSHA sha 1 key token [ms]: ms < 0 means no TTL argument (release).
+    cdef const char *argv[6]
+    cdef size_t lens[6]
+    cdef char num[24]
+    argv[0] = _S_EVALSHA
+    lens[0] = 7
+    argv[1] = PyBytes_AS_STRING(sha)
+    lens[1] = <size_t>PyBytes_GET_SIZE(sha)
+    argv[2] = _S_ONE
+    lens[2] = 1
+    argv[3] = PyBytes_AS_STRING(key)
+    lens[3] = <size_t>PyBytes_GET_SIZE(key)
+    argv[4] = PyBytes_AS_STRING(token)
+    lens[4] = <size_t>PyBytes_GET_SIZE(token)
+    if ms < 0:
+        return redisAppendCommandArgv(ctx, 5, argv, lens)
+    argv[5] = num
+    lens[5] = <size_t>snprintf(num, sizeof(num), "%lld", ms)
+    # hiredis copies the arguments into its output buffer here, so the bytes objects
+    # need to live only until this returns.
+    return redisAppendCommandArgv(ctx, 6, argv, lens)
+
+
+cdef int _append_args(redisContext *ctx, tuple args) except -1:
+    """Append one command given as a tuple of bytes (handshake and rare commands)."""
+    cdef Py_ssize_t n = len(args), i
+    cdef const char **argv = <const char **>malloc(n * sizeof(char *))
+    cdef size_t *lens = <size_t *>malloc(n * sizeof(size_t))
+    cdef bytes arg
+    try:
+        if argv is NULL or lens is NULL:
+            raise MemoryError()
+        for i in range(n):
+            arg = args[i]
+            argv[i] = PyBytes_AS_STRING(arg)
+            lens[i] = <size_t>PyBytes_GET_SIZE(arg)
+        if redisAppendCommandArgv(ctx, <int>n, argv, lens) != REDIS_OK:
+            raise MemoryError()
+    finally:
+        free(argv)
+        free(lens)
+    return 0
+
+
+cdef inline bint _is_error(redisReply *r, const char *prefix, size_t n) noexcept:
+    return r.type == REDIS_REPLY_ERROR and r.len >= n and memcmp(r.str, prefix, n) == 0
+
+
+cdef str _io_text(redisContext *ctx):
+    if hotlock_timed_out(ctx):
+        return "no reply within the timeout"
+    text = (<bytes>ctx.errstr).decode("utf-8", "replace")
+    return text or "connection lost"
+
+
+cdef class NativeBackend:
+    """The Backend protocol over libhiredis (see hotlock._backend.Backend)."""
+
+    name = "native"
+
+    cdef readonly str server
+    cdef object _config
+    cdef bytes _host  # TCP host, or the unix socket path when _unix
+    cdef int _port
+    cdef bint _unix
+    cdef bint _sentinel  # ask the sentinels for the primary's address at each connect
+    cdef tuple _auth  # the AUTH command, or None
+    cdef tuple _select  # the SELECT command, or None
+    cdef timeval _connect_tv
+    cdef timeval _reply_tv
+    cdef double _timeout
+    cdef long long _wait_replicas
+    cdef long long _wait_timeout_ms
+    cdef bytes _wait_num  # WAIT's arguments, kept alive for _wait_argv
+    cdef bytes _wait_ms
+    cdef const char *_wait_argv[3]
+    cdef size_t _wait_lens[3]
+    cdef object _local  # threading.local: .conn is this thread's _Conn
+    cdef object _conns  # weakref.WeakSet of every _Conn, for close()
+
+    def __init__(self, config):
+        if config.tls:
+            # hotlock._backend.choose sends rediss:// to redis-py when HAS_TLS is False.
+            raise ValueError("this build of hotlock._native has no TLS")
+        self.server = config.display
+        self._config = config
+        self._sentinel = bool(getattr(config, "sentinels", ()))
+        self._unix = config.unix_path is not None
+        self._host = os.fsencode(config.unix_path) if self._unix else config.host.encode("idna")
+        self._port = config.port
+        if config.password is not None:
+            password = config.password.encode()
+            self._auth = (b"AUTH", config.username.encode(), password) if config.username else (b"AUTH", password)
+        elif config.username:
+            # An ACL user with nopass still authenticates by name.
+            self._auth = (b"AUTH", config.username.encode(), b"")
+        self._select = (b"SELECT", str(config.db).encode()) if config.db else None
+        self._connect_tv = _timeval(config.connect_timeout)
+        self._reply_tv = _timeval(config.timeout)
+        self._timeout = config.timeout
+        self._wait_replicas = getattr(config, "wait_replicas", 0)
+        self._wait_timeout_ms = round(getattr(config, "wait_timeout", 0.5) * 1000)
+        self._wait_num = str(self._wait_replicas).encode()
+        self._wait_ms = str(self._wait_timeout_ms).encode()
+        self._wait_argv[0] = b"WAIT"
+        self._wait_lens[0] = 4
+        self._wait_argv[1] = self._wait_num
+        self._wait_lens[1] = len(self._wait_num)
+        self._wait_argv[2] = self._wait_ms
+        self._wait_lens[2] = len(self._wait_ms)
+        self._local = threading.local()
+        self._conns = weakref.WeakSet()
+        # Connect now: a configured but unreachable server is a CacheError at connect().
+        self._ready(self._conn(), "connect", None)
+
+    # -- connections --------------------------------------------------------------------
+
+    cdef inline _Conn _conn(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _Conn()
+            self._local.conn = conn
+            self._conns.add(conn)
+        return <_Conn>conn
+
+    cdef inline int _ready(self, _Conn conn, str what, bytes key, double limit=0.0) except -1:
+        """Make conn's context usable: drop an inherited, broken or stale one, connect.
+
+        limit > 0 caps the connect and reply timeouts (seconds) until the caller restores
+        them: a retry after a lost reply gets only what is left of its budget."""
+        if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or _stale(conn.ctx)):
+            _drop(conn)
+        if conn.ctx is NULL:
+            self._connect(conn, what, key, limit)
+        elif limit > 0.0:
+            redisSetTimeout(conn.ctx, _timeval(limit))
+        return 0
+
+    cdef int _connect(self, _Conn conn, str what, bytes key, double limit) except -1:
+        cdef redisContext *ctx
+        cdef bytes host_bytes = self._host
+        cdef int port = self._port
+        if self._sentinel:
+            # Whatever the sentinels name as the primary now, so a reconnect follows a failover.
+            address = self._config.primary()
+            host_bytes = address[0].encode("idna")
+            port = address[1]
+        cdef const char *host = host_bytes
+        cdef bint unix = self._unix
+        cdef timeval ctv = self._connect_tv
+        cdef timeval rtv = self._reply_tv
+        if limit > 0.0:
+            if limit < self._timeout:
+                rtv = _timeval(limit)
+            if limit < <double>ctv.tv_sec + <double>ctv.tv_usec * 1e-6:
+                ctv = _timeval(limit)
+        with nogil:
+            if unix:
+                ctx = redisConnectUnixWithTimeout(host, ctv)
+            else:
+                ctx = redisConnectWithTimeout(host, port, ctv)
+            if ctx is not NULL and not ctx.err:
+                # A reply timeout on every read and write (SO_RCVTIMEO/SO_SNDTIMEO), so no
+                # nogil section blocks forever on a blackholed server.
+                redisSetTimeout(ctx, rtv)
+                if not unix:
+                    # Notice a peer that vanished without a FIN (a dead host, a dropped
+                    # NAT entry) on connections that sit idle between locks.
+                    redisEnableKeepAlive(ctx)
+        if ctx is NULL:
+            raise MemoryError()
+        if ctx.err:
+            text = _io_text(ctx)
+            redisFree(ctx)
+            raise cache_error(f"{what} failed: cannot connect: {text}", self.server, key)
+        conn.ctx = ctx
+        conn.gen = _fork_gen
+        conn.doomed = False
+        # AUTH, SELECT and every SCRIPT LOAD in one round trip, so the first EVALSHA after a
+        # (re)connect or a failover never pays for a NOSCRIPT.
+        commands = []
+        if self._auth is not None:
+            commands.append(self._auth)
+        if self._select is not None:
+            commands.append(self._select)
+        self._send(conn, commands, what, key)
+        return 0
+
+    cdef int _load_scripts(self, _Conn conn, str what, bytes key) except -1:
+        self._send(conn, [], what, key)
+        return 0
+
+    cdef int _send(self, _Conn conn, list commands, str what, bytes key) except -1:
+        """Send commands + SCRIPT LOAD of every script in one round trip; raise on any error."""
+        cdef Py_ssize_t n, i
+        cdef redisReply **replies
+        cdef redisReply *r
+        cdef list names = [c[0].decode() for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
+        for args in commands:
+            _append_args(conn.ctx, args)
+        for source in _SOURCES:
+            _append_args(conn.ctx, (b"SCRIPT", b"LOAD", source))
+        n = len(names)
+        replies = <redisReply **>malloc(n * sizeof(redisReply *))
+        if replies is NULL:
+            _drop(conn)
+            raise MemoryError()
+        try:
+            if _exchange(conn, replies, n) != 0:
+                text = _io_text(conn.ctx)
+                _drop(conn)
+                raise cache_error(f"{what} failed: {names[0]}: {text}", self.server, key)
+            for i in range(n):
+                r = replies[i]
+                if r.type == REDIS_REPLY_ERROR:
+                    text = self._reply_error(conn, r)
+                    # Unusable (wrong password, no such db, no SCRIPT permission): drop it
+                    # so the next call starts from a fresh connect.
+                    _drop(conn)
+                    raise cache_error(f"{what} failed: {names[i]}: {text}", self.server, key)
+                if i >= n - len(_SOURCES) and (
+                    r.type != REDIS_REPLY_STRING or r.str[:r.len] != _SHAS[i - (n - len(_SOURCES))]
+                ):
+                    _drop(conn)
+                    raise cache_error(f"{what} failed: SCRIPT LOAD returned an unexpected SHA1", self.server, key)
+        finally:
+            for i in range(n):
+                if replies[i] is not NULL:
+                    freeReplyObject(replies[i])
+            free(replies)
+        return 0
+
+    cdef str _reply_error(self, _Conn conn, redisReply *r):
+        """The text of an error reply; a READONLY one (a demoted primary) drops the connection."""
+        text = r.str[:r.len].decode("utf-8", "replace")
+        if _is_error(r, b"READONLY", 8):
+            # Writes must go to the new primary: reconnect next time (through the same
+            # address, where a proxy or Sentinel-updated DNS points at it).
+            _drop(conn)
+        return f"the server replied {text}"
+
+    cdef str _lost(self, _Conn conn):
+        """The text of an I/O error or timeout; the connection is dropped (its state is unknown)."""
+        text = _io_text(conn.ctx)
+        _drop(conn)
+        return text
+
+    # -- scripts ----------------------------------------------------------------------------
+
+    cdef int _scripts(self, bytes sha, object keys, object tokens, Py_ssize_t n, long long ms,
+                      double retry_until, str what, bytes err_key, long long *values) except -1:
+        """EVALSHA sha 1 key token [ms] for n keys, appended together and read together:
+        one round trip. ``keys``/``tokens`` are one bytes each when n == 1 (the hot path,
+        no list), else lists. Each integer reply goes to values[i].
+
+        NOSCRIPT (restart, SCRIPT FLUSH, failover): load every script and send again only
+        the calls that did not run (a release that ran must not run twice). A lost reply
+        (I/O error, timeout) while retry_until (a monotonic time) is ahead: reconnect and
+        send the same calls once more, with what is left until then as the reply timeout;
+        for an acquire the script counts "already my token" as success, and a release that
+        ran finds nothing to do. Under wait_replicas a WAIT rides in the same write as the
+        acquires; too few replicas undoes them."""
+        cdef redisReply *one[2]
+        cdef char one_todo[1]
+        cdef redisReply **replies = one
+        cdef char *todo = one_todo
+        cdef redisReply *r
+        cdef bint single = n == 1 and type(keys) is bytes
+        cdef bint wait = self._wait_replicas > 0 and sha is _SHA_ACQUIRE
+        cdef bint reloaded = False
+        cdef bint retried = False
+        cdef double override = 0.0
+        cdef double left
+        cdef long long replicas = 0
+        cdef Py_ssize_t i, j, sent, missing
+        cdef int rc
+        cdef _Conn conn = self._conn()
+        if not single:
+            replies = <redisReply **>malloc((n + 1) * sizeof(redisReply *))
+            todo = <char *>malloc(n)
+            if replies is NULL or todo is NULL:
+                free(replies)
+                free(todo)
+                raise MemoryError()
+        memset(todo, 1, n)
+        try:
+            while True:
+                self._ready(conn, what, err_key, override)
+                sent = 0
+                for i in range(n):
+                    if todo[i]:
+                        if single:
+                            rc = _append_evalsha(conn.ctx, sha, <bytes>keys, <bytes>tokens, ms)
+                        else:
+                            rc = _append_evalsha(conn.ctx, sha, <bytes>(<list>keys)[i],
+                                                 <bytes>(<list>tokens)[i], ms)
+                        if rc != REDIS_OK:
+                            _drop(conn)
+                            raise MemoryError()
+                        sent += 1
+                if wait and redisAppendCommandArgv(conn.ctx, 3, self._wait_argv, self._wait_lens) != REDIS_OK:
+                    _drop(conn)
+                    raise MemoryError()
+                if _exchange(conn, replies, sent + wait) != 0:
+                    for j in range(sent + wait):
+                        if replies[j] is not NULL:
+                            freeReplyObject(replies[j])
+                    text = self._lost(conn)
+                    if retry_until > 0.0 and not retried:
+                        left = retry_until - _monotonic()
+                        if left >= 0.001:
+                            retried = True
+                            override = left
+                            what = f"{what} (retried after a lost reply)"
+                            continue
+                    raise cache_error(f"{what} failed: {text}", self.server, err_key)
+                if override > 0.0 and conn.ctx is not NULL:
+                    override = 0.0
+                    redisSetTimeout(conn.ctx, self._reply_tv)
+                error = None
+                missing = 0
+                j = 0
+                for i in range(n):
+                    if not todo[i]:
+                        continue
+                    r = replies[j]
+                    j += 1
+                    if r.type == REDIS_REPLY_INTEGER:
+                        values[i] = r.integer
+                        todo[i] = 0
+                    elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
+                        missing += 1
+                    elif error is None:
+                        error = (self._reply_error(conn, r), keys if single else keys[i])
+                    freeReplyObject(r)
+                if wait:
+                    r = replies[sent]
+                    if r.type == REDIS_REPLY_INTEGER:
+                        replicas = r.integer
+                    elif error is None:
+                        error = (self._reply_error(conn, r), err_key)
+                    freeReplyObject(r)
+                if error is not None:
+                    raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
+                if missing == 0:
+                    break
+                reloaded = True
+                self._load_scripts(conn, what, err_key)
+        finally:
+            if not single:
+                free(replies)
+                free(todo)
+        if wait and replicas < self._wait_replicas:
+            self._undo(keys, tokens, n, values, replicas, what, err_key)
+        return 0
+
+    cdef int _undo(self, object keys, object tokens, Py_ssize_t n, long long *values, long long replicas,
+                   str what, bytes err_key) except -1:
+        """Under wait_replicas: release what too few replicas confirmed, then raise."""
+        if n == 1 and type(keys) is bytes:
+            keys = [keys]
+            tokens = [tokens]
+        held = [i for i in range(n) if values[i] == 0]
+        if held:
+            try:
+                # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
+                self.release_many([keys[i] for i in held], [tokens[i] for i in held])
+            except CacheError:
+                pass
+        raise cache_error(
+            f"{what} undone: {replicas} of {self._wait_replicas} replicas confirmed it "
+            f"within {self._wait_timeout_ms} ms (wait_replicas)", self.server, err_key)
+
+    cdef inline double _retry_until(self, double wait_s):
+        """Until when a lost reply may still be retried: a call that may wait wait_s
+        returns within max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
+        return _monotonic() + (wait_s if wait_s > self._timeout else self._timeout) + self._timeout
+
+    cdef list _many(self, bytes sha, list keys, list tokens, long long ms, double retry_until, str what):
+        cdef Py_ssize_t n = len(keys), i
+        cdef long long *values
+        if len(tokens) != n:
+            raise ValueError("keys and tokens differ in length")
+        for i in range(n):
+            if type(keys[i]) is not bytes or type(tokens[i]) is not bytes:
+                raise TypeError("keys and tokens must be bytes")
+        if n == 0:
+            return []
+        values = <long long *>malloc(n * sizeof(long long))
+        if values is NULL:
+            raise MemoryError()
+        try:
+            self._scripts(sha, keys, tokens, n, ms, retry_until, what, None, values)
+            return [values[i] for i in range(n)]
+        finally:
+            free(values)
+
+    # -- other commands -------------------------------------------------------------------
+
+    cdef object _command(self, tuple args, str what, bytes key):
+        """Send one command; its reply as Python (int, bytes, None, or a _ReplyError), never
+        retried: set_nx and incr are not safe to send twice."""
+        cdef redisReply *r = NULL
+        cdef _Conn conn = self._conn()
+        self._ready(conn, what, key)
+        _append_args(conn.ctx, args)
+        if _exchange(conn, &r, 1) != 0:
+            raise cache_error(f"{what} failed: {self._lost(conn)}", self.server, key)
+        try:
+            if r.type == REDIS_REPLY_INTEGER:
+                return r.integer
+            if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
+                return r.str[:r.len]
+            if r.type == REDIS_REPLY_NIL:
+                return None
+            return _ReplyError(self._reply_error(conn, r), _is_error(r, b"NOPERM", 6))
+        finally:
+            freeReplyObject(r)
+
+    # -- the Backend interface ------------------------------------------------------------
+
+    def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
+        cdef long long value
+        self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, self._retry_until(0.0), "acquire", key, &value)
+        return value
+
+    def acquire_wait(self, bytes key not None, bytes token not None, long long ttl_ms, long long wait_ms):
+        """The _backoff.poll loop in C: attempts until acquired or wait_ms has passed.
+
+        The GIL is released during every round trip and every sleep; between them the
+        loop holds it only to run Python signal handlers (Ctrl-C ends a long wait)."""
+        cdef double deadline = _monotonic() + <double>wait_ms / 1000.0
+        cdef double retry_until = self._retry_until(<double>wait_ms / 1000.0)
+        cdef double sent, remaining_ms, sleep_ms
+        cdef long attempt = 0
+        cdef long long result
+        cdef unsigned long long rng
+        global _rng_state
+        rng = _splitmix64(&_rng_state)  # a private stream for this wait (GIL held here)
+        while True:
+            sent = _monotonic()
+            self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, retry_until, "acquire", key, &result)
+            if result == 0:
+                return 0, sent
+            remaining_ms = (deadline - _monotonic()) * 1000.0
+            if remaining_ms <= 0.0:
+                return result, sent
+            sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, result, _CAP_MS)
+            attempt += 1
+            with nogil:
+                _sleep_ms(sleep_ms)
+            PyErr_CheckSignals()
+
+    def acquire_many(self, list keys not None, list tokens not None, long long ttl_ms):
+        return self._many(_SHA_ACQUIRE, keys, tokens, ttl_ms, self._retry_until(0.0), "acquire_many")
+
+    def extend(self, bytes key not None, bytes token not None, long long ttl_ms):
+        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        cdef long long value
+        self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, 0.0, "extend", key, &value)
+        return value != 0
+
+    def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
+        return [v != 0 for v in self._many(_SHA_EXTEND, keys, tokens, ttl_ms, 0.0, "extend_many")]
+
+    def release(self, bytes key not None, bytes token not None):
+        # A lost release reply is retried: the second try finds the key gone (False) or
+        # still ours (releases it), and either way the caller sees no error.
+        cdef long long value
+        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value)
+        return value != 0
+
+    def release_many(self, list keys not None, list tokens not None):
+        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many")]
+
+    def set_nx(self, bytes key not None, bytes value not None, long long ttl_ms):
+        reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
+        if isinstance(reply, _ReplyError):
+            raise cache_error(f"set_nx failed: {reply.text}", self.server, key)
+        return reply is not None
+
+    def incr(self, bytes key not None, long long amount):
+        reply = self._command((b"INCRBY", key, str(amount).encode()), "incr", key)
+        if isinstance(reply, _ReplyError):
+            raise cache_error(f"incr failed: {reply.text}", self.server, key)
+        if type(reply) is not int:
+            raise cache_error("incr failed: unexpected reply", self.server, key)
+        return reply
+
+    def info(self):
+        reply = self._command((b"INFO",), "INFO", None)
+        if isinstance(reply, _ReplyError):
+            if reply.noperm:
+                return None  # an ACL that refuses INFO: connect() logs that it went unchecked
+            raise cache_error(f"INFO failed: {reply.text}", self.server)
+        if type(reply) is not bytes:
+            raise cache_error("INFO failed: unexpected reply", self.server)
+        fields = {}
+        for line in reply.decode("utf-8", "replace").splitlines():
+            if line and not line.startswith("#"):
+                name, sep, value = line.partition(":")
+                if sep:
+                    fields[name] = value
+        return fields
+
+    def close(self):
+        """Drop every thread's connection (a later call reconnects, as on redis-py)."""
+        for conn in list(self._conns):
+            _drop(<_Conn>conn)
+
+    def __repr__(self):
+        return f"<hotlock._native.NativeBackend server={self.server}>"
+
+
+cdef class _ReplyError:
+    cdef readonly str text
+    cdef readonly bint noperm
+
+    def __cinit__(self, str text, bint noperm):
+        self.text = text
+        self.noperm = noperm
+
+
+cdef timeval _timeval(double seconds):
+    cdef timeval tv
+    tv.tv_sec = <time_t>seconds
+    tv.tv_usec = <suseconds_t>((seconds - <double>tv.tv_sec) * 1e6)
+    return tv
