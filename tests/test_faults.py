@@ -7,15 +7,21 @@ asserts what the caller can observe, against a real redis-server.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
 import hotlock
 from hotlock import CacheError, LockLost, LockNotAcquired
 
-from .conftest import RedisServer, open_cache
+from .conftest import RedisServer, open_cache, start_redis
 from .faultproxy import FaultProxy
 
 # A short reply timeout keeps every lost-reply test fast; it is what each fault costs.
@@ -131,8 +137,6 @@ def test_blackhole_during_lock_wait_is_a_cache_error_within_wait_plus_one_reply_
     started = time.monotonic()
     # Blackhole mid-wait, from another thread: an attempt in flight then loses its reply
     # right before the deadline, the worst moment for the lost-reply retry.
-    import threading
-
     timer = threading.Timer(0.8, proxy.blackhole, (True,))
     timer.start()
     try:
@@ -184,3 +188,255 @@ def test_reset_mid_extend_is_a_cache_error_and_the_next_extend_decides(
         lock.extend(20)
     with pytest.raises(LockLost):
         lock.extend(20)
+
+
+# -- restart and script cache ---------------------------------------------------------
+
+
+def restart(server: RedisServer) -> None:
+    """SIGKILL ``server`` and start a fresh one, without persistence, on the same port."""
+    assert server.proc is not None
+    args = list(server.proc.args)  # type: ignore[arg-type]
+    server.proc.kill()
+    server.proc.wait(10)
+    if server._client is not None:
+        server._client.close()
+    server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server.pid = server.proc.pid
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if server.client().ping():
+                return
+        except redis.ConnectionError:
+            pass
+        assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not restart"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A private redis-server this test may restart, fill or reconfigure."""
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+def test_restart_without_persistence_mid_hold(redis_backend: str, own_server: RedisServer) -> None:
+    cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
+    try:
+        held = cache.lock("restart", ttl=30)
+        restart(own_server)
+        # The new server forgot the lock: extend says so (stale connection, empty script
+        # cache and all), rather than a CacheError or a false success.
+        with pytest.raises(LockLost):
+            held.extend(30)
+        # No user action: the same cache grants the key again, and other keys too.
+        again = cache.lock("restart", ttl=30)
+        assert stored(own_server, "restart") == again._token
+        assert cache.lock("other", ttl=30).unlock() is True
+        assert held.unlock() is False
+        assert again.unlock() is True
+    finally:
+        cache.close()
+
+
+def test_restart_between_calls_costs_no_error(redis_backend: str, own_server: RedisServer) -> None:
+    cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
+    try:
+        cache.lock("warm", ttl=5).unlock()  # a pooled connection now exists
+        restart(own_server)
+        # The pooled connection is dead; the first call notices before sending and reconnects.
+        lock = cache.lock("after-restart", ttl=5)
+        assert lock.unlock() is True
+    finally:
+        cache.close()
+
+
+def test_script_flush_costs_one_reload_per_flush(rcache: hotlock.Cache, redis_server: RedisServer) -> None:
+    rcache.lock("warm", ttl=5).unlock()
+    client = redis_server.client()
+    loads, evalsha = commandstat(redis_server, "script|load"), commandstat(redis_server, "evalsha")
+    flushes, calls = 5, 0
+    for _ in range(flushes):
+        client.script_flush()
+        for i in range(10):
+            lock = rcache.lock(f"flush-{i}", ttl=5)
+            lock.extend(5)
+            assert lock.unlock() is True
+            calls += 3
+    # Each flush: one EVALSHA answered NOSCRIPT, then the three scripts loaded once, and
+    # every later call of every script runs first time.
+    assert commandstat(redis_server, "evalsha") - evalsha == calls + flushes
+    assert commandstat(redis_server, "script|load") - loads == flushes * 3
+
+
+# -- eviction -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl", "volatile-lru"])
+def test_evicting_policy_is_warned_and_an_evicted_lock_is_lost(
+    redis_backend: str, own_server: RedisServer, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    own_server.client().config_set("maxmemory-policy", policy)
+    caplog.set_level("INFO", logger="hotlock")
+    cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
+    try:
+        warnings = [r for r in caplog.records if r.name == "hotlock" and r.levelname == "WARNING"]
+        assert len(warnings) == 1 and policy in warnings[0].getMessage(), warnings
+        lock = cache.lock("evicted", ttl=30)
+        # A 1-byte limit: the next command makes Redis evict what the policy allows, and
+        # under every policy here that includes the lock key (it has a TTL).
+        own_server.client().config_set("maxmemory", 1)
+        with pytest.raises(LockLost):
+            lock.extend(30)
+    finally:
+        own_server.client().config_set("maxmemory", 0)
+        cache.close()
+
+
+def test_noeviction_is_not_warned_and_at_maxmemory_lock_is_an_oom_cache_error(
+    redis_backend: str, own_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    own_server.client().config_set("maxmemory-policy", "noeviction")
+    caplog.set_level("INFO", logger="hotlock")
+    cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
+    try:
+        assert not [r for r in caplog.records if r.name == "hotlock" and r.levelname == "WARNING"]
+        held = [cache.lock(f"held-{i}", ttl=30) for i in range(3)]
+        own_server.client().config_set("maxmemory", 1)
+        with pytest.raises(CacheError, match="OOM") as info:
+            cache.lock("new", ttl=30)
+        assert not isinstance(info.value, LockNotAcquired)
+        assert stored(own_server, "new") is None
+        # What frees or keeps memory still works: extend (PEXPIRE) and unlock (DEL).
+        held[0].extend(60)
+        assert 59_000 < own_server.client().pttl(PREFIX + b"held-0") <= 60_000
+        assert cache.extend_many(held[1:], 60) == [True, True]
+        assert held[0].unlock() is True
+        assert cache.unlock_many(held[1:]) == [True, True]
+        with pytest.raises(CacheError, match="OOM"):
+            cache.set_nx("once", "1", ttl=30)
+    finally:
+        own_server.client().config_set("maxmemory", 0)
+        cache.close()
+
+
+# -- fork -----------------------------------------------------------------------------
+
+
+def _in_child(body: Callable[[], int], timeout: float = 30.0) -> int:
+    """Run ``body`` in a forked child; return its exit status (body's return value)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 99
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("forked child did not finish in time")
+        time.sleep(0.01)
+
+
+def test_forked_child_never_reads_the_parents_replies(rcache: hotlock.Cache) -> None:
+    # The parent has a live connection before the fork; both sides then hammer it. Every
+    # reply is predictable (a private counter counts 1, 2, 3...), so a shared socket would
+    # hand one side the other's replies and show up as mismatches.
+    assert rcache.incr("warm") == 1
+    calls = 2000
+
+    def hammer(name: str) -> int:
+        mismatches = 0
+        for i in range(1, calls + 1):
+            if i % 4 == 0:
+                lock = rcache.lock(f"{name}-lock", ttl=5)
+                mismatches += lock.unlock() is not True
+            elif rcache.incr(name) != i - i // 4:
+                mismatches += 1
+        return mismatches
+
+    pid_before = os.getpid()
+    status: list[int] = []
+    child = threading.Thread(target=lambda: status.append(_in_child(lambda: min(hammer("child"), 90))))
+    child.start()
+    parent_mismatches = hammer("parent")
+    child.join(60)
+    assert os.getpid() == pid_before
+    assert parent_mismatches == 0
+    assert status == [0], f"child saw {status} mismatches (90 = 90 or more)"
+
+
+def test_forked_child_cannot_release_or_extend_the_parents_lock(
+    rcache: hotlock.Cache, redis_server: RedisServer
+) -> None:
+    lock = rcache.lock("parent-held", ttl=30)
+
+    def child() -> int:
+        try:
+            lock.extend(60)
+        except LockLost:
+            pass
+        else:
+            return 1
+        if lock.unlock() is not False:
+            return 2
+        if rcache.unlock_many([lock]) != [False] or rcache.extend_many([lock], 60) != [False]:
+            return 3
+        return 0
+
+    assert _in_child(child) == 0
+    assert stored(redis_server, "parent-held") == lock._token
+    assert redis_server.client().pttl(PREFIX + b"parent-held") <= 30_000  # not extended by the child
+    assert lock.unlock() is True
+
+
+# -- a paused holder ------------------------------------------------------------------
+
+_HOLDER = r"""
+import sys, hotlock
+cache = hotlock.connect(sys.argv[1], backend=sys.argv[2], timeout=2)
+lock = cache.lock("paused", ttl=float(sys.argv[3]))
+print("held", flush=True)
+sys.stdin.readline()          # the test stops us with SIGSTOP around here, then resumes
+try:
+    lock.extend(5)
+except hotlock.LockLost:
+    print("LockLost", flush=True)
+except Exception as exc:
+    print(type(exc).__name__, flush=True)
+else:
+    print("extended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_holder_paused_past_its_ttl_gets_lock_lost_on_first_extend(
+    redis_backend: str, rcache: hotlock.Cache, redis_url: str, taken_over: bool
+) -> None:
+    ttl = 0.3
+    cmd = [sys.executable, "-c", _HOLDER, redis_url, redis_backend, str(ttl)]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "held"
+            os.kill(proc.pid, signal.SIGSTOP)  # a GC pause, a VM migration, a laptop lid
+            time.sleep(ttl + 0.2)
+            if taken_over:
+                rcache.lock("paused", ttl=30)  # the lock expired: someone else rightly has it now
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            # Resumed, the holder cannot tell it was paused; its first extend tells it.
+            assert proc.stdout.readline().strip() == "LockLost"
+            assert proc.wait(10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
+from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError, ResponseError
@@ -244,9 +245,15 @@ class RedisPyBackend:
         self._redis.close()
 
 
+_ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
     if isinstance(exc, ResponseError):
-        return f"the server replied {exc}"
+        # redis-py strips the error code ("OOM", "NOPERM", "READONLY"...) off the text it
+        # maps to a class; put it back, so the message reads as the server's reply did.
+        code = _ERROR_CODES.get(type(exc))
+        return f"the server replied {code} {exc}" if code else f"the server replied {exc}"
     return str(exc) or type(exc).__name__
