@@ -5,6 +5,9 @@ C owns the bytes here (STYLE habit 1): the extension speaks bytes keys, bytes to
 integer milliseconds. The Lua scripts and their SHA1s come from hotlock._scripts, the
 backoff constants from hotlock._backoff, the errors from hotlock._backend.cache_error:
 each defined once, in Python.
+
+Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
+NativeBackend), _aio.pxi (the asyncio protocol under hotlock.aio).
 """
 
 import os
@@ -25,8 +28,8 @@ from hiredis cimport *
 
 from hotlock import _backoff
 from hotlock._backend import cache_error
-from hotlock.errors import CacheError
 from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS
+from hotlock.errors import CacheError
 
 
 cdef extern from "compat.h" nogil:
@@ -46,3 +49,4 @@ cdef tuple _SHAS = tuple([s.sha for s in SCRIPTS])
 
 include "_clock.pxi"
 include "_sync.pxi"
+include "_aio.pxi"

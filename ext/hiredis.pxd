@@ -42,10 +42,6 @@ cdef extern from "hiredis/hiredis.h" nogil:
     int redisEnableKeepAlive(redisContext *c)
     void redisFree(redisContext *c)
 
-    int redisAppendCommandArgv(redisContext *c, int argc, const char **argv, const size_t *argvlen)
-    int redisGetReply(redisContext *c, void **reply)
-    void freeReplyObject(void *reply)
-
     # The reply reader and the command formatter, for the asyncio protocol (_aio.pxi),
     # which does its own I/O through the event loop.
     ctypedef struct redisReader:
@@ -56,5 +52,11 @@ cdef extern from "hiredis/hiredis.h" nogil:
     void redisReaderFree(redisReader *r)
     int redisReaderFeed(redisReader *r, const char *buf, size_t len)
     int redisReaderGetReply(redisReader *r, void **reply)
-    int redisFormatCommandArgv(char **target, int argc, const char **argv, const size_t *argvlen)
+
+    # int in 0.14, long long in 1.x: declared as the wider one, which holds both.
+    long long redisFormatCommandArgv(char **target, int argc, const char **argv, const size_t *argvlen)
     void redisFreeCommand(char *cmd)
+
+    int redisAppendCommandArgv(redisContext *c, int argc, const char **argv, const size_t *argvlen)
+    int redisGetReply(redisContext *c, void **reply)
+    void freeReplyObject(void *reply)
