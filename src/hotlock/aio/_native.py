@@ -216,10 +216,12 @@ class NativeAsyncBackend:
         return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
-        return bool(await self._script("release", RELEASE, key, token))
+        # A lost release reply is retried, as in sync: the second try finds the key gone
+        # (False) or still ours (releases it), and either way the caller sees no error.
+        return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens)]
+        return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         return await self._command("set_nx", key, b"SET", key, value, b"NX", b"PX", ttl_ms) is not None

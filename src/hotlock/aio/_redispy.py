@@ -51,6 +51,8 @@ class RedisAsyncBackend:
             "socket_timeout": config.timeout,
             "socket_connect_timeout": config.connect_timeout,
             "retry": Retry(NoBackoff(), 0),
+            # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
+            "protocol": 2,
         }
         # As in the sync backend: no CLIENT SETINFO round trip on every connect.
         if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
@@ -144,6 +146,8 @@ class RedisAsyncBackend:
         may still run on the server; a release sent meanwhile on another pooled connection
         could overtake it and leave the acquire standing. Finishing the acquire first, and
         having releases of its tokens wait for it, keeps AsyncBackend's ordering promise.
+        Releases run shielded too: redis.asyncio swallows a cancellation that lands in
+        some of its steps, and behind the shield the caller's cancel always lands at once.
         """
         task = asyncio.ensure_future(work)
         for token in tokens:
@@ -187,11 +191,15 @@ class RedisAsyncBackend:
 
     async def release(self, key: bytes, token: bytes) -> bool:
         await self._settled([token])
-        return bool(await self._call("release", key, lambda: self._evalsha(RELEASE, key, token)))
+        # A lost release reply is retried, as in sync: the second try finds the key gone
+        # (False) or still ours (releases it), and either way the caller sees no error.
+        work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
+        return bool(await self._shielded([token], work))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._settled(tokens)
-        replies = await self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens))
+        work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
+        replies = await self._shielded(tokens, work)
         return [bool(r) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
