@@ -7,6 +7,7 @@ libhiredis gives a pure-Python install and one clear line saying why.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -32,10 +33,16 @@ def hiredis_flags() -> dict[str, list[str]] | None:
         libs = subprocess.run(["pkg-config", "--libs", "hiredis"], check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError:
         return None
-    flags: dict[str, list[str]] = {"include_dirs": [], "library_dirs": [], "libraries": []}
+    flags: dict[str, list[str]] = {"include_dirs": [], "library_dirs": [], "libraries": [], "defines": []}
     for token in (cflags.stdout + " " + libs.stdout).split():
         if token.startswith("-I"):
             flags["include_dirs"].append(token[2:])
+            # The sources include <hiredis/hiredis.h>; hiredis 0.14's .pc points inside
+            # that directory and 1.x's at its parent, so give the compiler both.
+            if token.rstrip("/").endswith("/hiredis"):
+                flags["include_dirs"].append(os.path.dirname(token[2:].rstrip("/")))
+        elif token.startswith("-D"):
+            flags["defines"].append(token)  # 1.x asks for -D_FILE_OFFSET_BITS=64, as the library was built
         elif token.startswith("-L"):
             flags["library_dirs"].append(token[2:])
         elif token.startswith("-l"):
@@ -69,7 +76,9 @@ def extensions() -> list[Extension]:
         include_dirs=["ext", *flags["include_dirs"]],
         library_dirs=flags["library_dirs"],
         libraries=flags["libraries"],
-        extra_compile_args=["-O2"],
+        extra_compile_args=["-O2", *flags["defines"]],
+        # Rebuild when a part changes, not only the .pyx (compat.h is C, unseen by Cython).
+        depends=sorted(glob.glob("ext/*.pxi") + glob.glob("ext/*.pxd") + glob.glob("ext/*.h")),
     )
     built = cythonize([ext], compiler_directives={"language_level": "3"}, include_path=["ext"])
     # cythonize() drops `optional`, so set it afterwards: a failed compile then degrades
