@@ -83,7 +83,11 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(params=BACKENDS)
 def aio(
-    request: pytest.FixtureRequest, loop_kind: str, redis_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    loop_kind: str,
+    redis_url: str,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Aio:
     _require(request.param)
     monkeypatch.delenv("CACHE_URL", raising=False)
@@ -92,7 +96,11 @@ def aio(
 
 @pytest.fixture(params=REDIS_BACKENDS)
 def raio(
-    request: pytest.FixtureRequest, loop_kind: str, redis_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    loop_kind: str,
+    redis_url: str,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Aio:
     """The backends that talk to Redis (for tests that look at the server)."""
     _require(request.param)
@@ -102,6 +110,13 @@ def raio(
 
 def lock_key(name: str) -> bytes:
     return b"hotlock:lock:" + name.encode()
+
+
+def stored(aio: Aio, name: str) -> bytes | None:
+    """What the server holds under a lock's key: its token, or None."""
+    value = aio.side.get(lock_key(name))
+    assert value is None or isinstance(value, bytes)
+    return value
 
 
 # -- the lock -------------------------------------------------------------------------
@@ -238,7 +253,7 @@ def test_the_token_belongs_to_the_lock_object_and_any_task_may_release_it(raio: 
     async def main() -> None:
         async with await raio.connect() as cache:
             a, b = await asyncio.gather(cache.lock("a", ttl=5), cache.lock("b", ttl=5))
-            stored_a, stored_b = raio.side.get(lock_key("a")), raio.side.get(lock_key("b"))
+            stored_a, stored_b = stored(raio, "a"), stored(raio, "b")
             # The key layout under the prefix, and a fresh 16-byte token per acquisition.
             assert stored_a is not None and stored_b is not None
             assert len(stored_a) == 16 and len(stored_b) == 16 and stored_a != stored_b
@@ -423,13 +438,14 @@ def test_bad_input_raises_before_any_io(raio: Aio) -> None:
 
 def test_connect_checks_its_arguments_and_logs_like_sync(aio: Aio, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        for kwargs, error in [
+        cases: list[tuple[dict[str, Any], type[Exception]]] = [
             ({"timeout": 0}, ValueError),
             ({"connect_timeout": "2"}, TypeError),
             ({"timeout": True}, TypeError),
             ({"prefix": ""}, ValueError),
             ({"backend": "nope"}, ValueError),
-        ]:
+        ]
+        for kwargs, error in cases:
             with pytest.raises(error):
                 await hotlock.aio.connect("redis://127.0.0.1:1/0", **kwargs)
         with pytest.raises(ValueError, match="needs a url"):
@@ -489,7 +505,7 @@ def test_noscript_after_script_flush_is_recovered(raio: Aio) -> None:
 
 
 def _kill_clients(side: redis.Redis) -> int:
-    return int(side.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))
+    return int(side.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))  # type: ignore[no-untyped-call]
 
 
 def test_reconnects_after_client_kill(raio: Aio) -> None:
@@ -660,4 +676,3 @@ def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
                 assert int(aio.side.info("clients")["connected_clients"]) == clients_before
 
     aio.run(main())
-

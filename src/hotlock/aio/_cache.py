@@ -34,7 +34,7 @@ class AsyncCache:
     """Locks, idempotency keys and counters on one async backend. Make one with
     ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
 
-    __slots__ = ("_background", "_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+    __slots__ = ("_backend", "_background", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
 
     def __init__(self, backend: AsyncBackend, prefix: bytes) -> None:
         self._backend = backend
@@ -152,7 +152,9 @@ class AsyncCache:
         if live:
             sent = asyncio.get_running_loop().time()
             try:
-                results = await self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
+                results = await self._backend.extend_many(
+                    [lk._name for _, lk in live], [lk._token for _, lk in live], ms
+                )
             except BaseException:
                 # As in AsyncLock.extend: a shorter TTL may be in force now.
                 for _, lock in live:
@@ -227,7 +229,9 @@ class AsyncCache:
             await self._backend.release_many(names, tokens)
         except Exception as error:
             shown_names = ", ".join(repr(shown(n)) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-            log.warning("release of interrupted lock acquisition %s failed; it expires by its TTL: %s", shown_names, error)
+            log.warning(
+                "release of interrupted lock acquisition %s failed; it expires by its TTL: %s", shown_names, error
+            )
 
     # -- lifetime ---------------------------------------------------------------------
 

@@ -137,4 +137,5 @@ class AsyncLock:
             log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
 
     def __repr__(self) -> str:
-        return f"<hotlock.aio.AsyncLock key={shown(self.key)!r} valid_for={self.valid_for():.3f}s server={self._backend.server}>"
+        key, server = shown(self.key), self._backend.server
+        return f"<hotlock.aio.AsyncLock key={key!r} valid_for={self.valid_for():.3f}s server={server}>"

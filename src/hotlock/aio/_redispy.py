@@ -113,18 +113,18 @@ class RedisAsyncBackend:
 
     async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
         try:
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
+            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
         except NoScriptError:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
             await self._load_scripts()
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)
+            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
 
     async def _pipeline(self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int) -> list[Any]:
         async def run(indices: Iterable[int]) -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
             for i in indices:
                 pipe.execute_command("EVALSHA", script.sha, 1, keys[i], tokens[i], *args)
-            return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+            return await pipe.execute(raise_on_error=False)
 
         replies = await run(range(len(keys)))
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
@@ -210,7 +210,7 @@ class RedisAsyncBackend:
 
     async def info(self) -> dict[str, str] | None:
         try:
-            raw = await self._redis.execute_command("INFO")
+            raw = await self._redis.execute_command("INFO")  # type: ignore[no-untyped-call]
         except NoPermissionError:
             return None
         except (RedisError, OSError) as exc:
