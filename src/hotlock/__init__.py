@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from ._backend import BACKEND_NAMES, native_module, open_backend, parse_url
+from ._backend import BACKEND_NAMES, ServerConfig, native_module, open_backend, parse_url
 from ._cache import Cache
 from ._lock import Lock
 from ._memory import MemoryBackend
@@ -69,6 +69,29 @@ def connect(
     if fewer confirm, the acquire is undone and raises CacheError. It narrows, not closes,
     the two-holder window of a failover.
     """
+    raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    if config is None:
+        return Cache(MemoryBackend(), raw_prefix)
+    opened, why = open_backend(config, backend)
+    try:
+        _log_server(opened.info(), opened.name, opened.server, why)
+    except BaseException:
+        opened.close()
+        raise
+    return Cache(opened, raw_prefix)
+
+
+def _connect_config(
+    url: str | None,
+    prefix: object,
+    connect_timeout: float,
+    timeout: float,
+    backend: str | None,
+    wait_replicas: int,
+    wait_timeout: float | None,
+) -> tuple[bytes, ServerConfig | None]:
+    """connect()'s argument checks and URL, shared with hotlock.aio.connect(): the prefix as
+    bytes and the server, or None (after its WARNING) for the in-process fallback."""
     raw_prefix = _prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -94,21 +117,14 @@ def connect(
         if backend is not None:
             raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
         log.warning("no cache configured: locks exclude nothing outside this process")
-        return Cache(MemoryBackend(), raw_prefix)
-    config = parse_url(
+        return raw_prefix, None
+    return raw_prefix, parse_url(
         url,
         connect_timeout=float(connect_timeout),
         timeout=float(timeout),
         wait_replicas=wait_replicas,
         wait_timeout=float(wait_timeout),
     )
-    opened, why = open_backend(config, backend)
-    try:
-        _log_server(opened.info(), opened.name, opened.server, why)
-    except BaseException:
-        opened.close()
-        raise
-    return Cache(opened, raw_prefix)
 
 
 def _prefix_bytes(prefix: object) -> bytes:
