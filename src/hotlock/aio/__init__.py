@@ -11,13 +11,10 @@ Runs on asyncio and on uvloop alike. A cache belongs to the event loop it was co
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
-from .. import _log_server, _prefix_bytes, log
-from .._backend import BACKEND_NAMES, parse_url
+from .. import _connect_config, _log_server
 from .._validate import DEFAULT_TTL, Seconds
 from ._backend import native_aio, open_backend
 from ._cache import Acquiring, AsyncCache
@@ -37,29 +34,17 @@ async def connect(
     connect_timeout: float = 2.0,
     timeout: float = 2.0,
     backend: str | None = None,
+    wait_replicas: int = 0,
+    wait_timeout: float | None = None,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
-    The arguments, their checks and the log lines are hotlock.connect()'s. ``backend``
+    hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio).
     """
-    raw_prefix = _prefix_bytes(prefix)
-    # hotlock.connect()'s checks, in its order and words (they live inline there).
-    for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be seconds (int or float), not {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    if backend is not None and backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, not {backend!r}")
-    if url is None:
-        url = os.environ.get("CACHE_URL") or None
-    if url is None:
-        if backend is not None:
-            raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
-        log.warning("no cache configured: locks exclude nothing outside this process")
+    raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    if config is None:
         return AsyncCache(AsyncMemoryBackend(), raw_prefix)
-    config = parse_url(url, connect_timeout=float(connect_timeout), timeout=float(timeout))
     opened, why = await open_backend(config, backend)
     try:
         _log_server(await opened.info(), opened.name, opened.server, why)
