@@ -562,6 +562,21 @@ def test_a_lost_acquire_reply_is_retried_with_the_same_token(raio: Aio) -> None:
         raio.run(main(proxy))
 
 
+def test_wait_replicas_undoes_an_acquire_too_few_replicas_confirmed(raio: Aio) -> None:
+    async def main() -> None:
+        # The session's server has no replica: WAIT 1 confirms nothing.
+        async with await raio.connect(wait_replicas=1, wait_timeout=0.05) as cache:
+            with pytest.raises(hotlock.CacheError, match="0 of 1 replicas confirmed") as info:
+                await cache.lock("job", ttl=5)
+            assert "hotlock:lock:job" in str(info.value)
+            with pytest.raises(hotlock.CacheError, match="replicas"):
+                await cache.lock_many(["a", "b"], ttl=5)
+        # Undone: none of them is held.
+        assert not raio.side.exists(lock_key("job"), lock_key("a"), lock_key("b"))
+
+    raio.run(main())
+
+
 # -- cancellation ---------------------------------------------------------------------
 
 

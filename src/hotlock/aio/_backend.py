@@ -10,9 +10,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Protocol
 
-from .._backend import ServerConfig, native_module
+from .._backend import ServerConfig, cache_error, native_module
+from ..errors import CacheError
 
-__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
+__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend", "unconfirmed"]
 
 
 class AsyncBackend(Protocol):
@@ -79,3 +80,13 @@ async def open_backend(config: ServerConfig, requested: str | None) -> tuple[Asy
 
         backend = await RedisAsyncBackend.open(config)
     return backend, why
+
+
+def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | None) -> CacheError:
+    """Under wait_replicas: the error for an acquire undone because too few replicas had it."""
+    return cache_error(
+        f"{what} undone: {replicas} of {config.wait_replicas} replicas confirmed it "
+        f"within {round(config.wait_timeout * 1000)} ms (wait_replicas)",
+        config.display,
+        key,
+    )

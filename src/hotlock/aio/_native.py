@@ -10,12 +10,15 @@ READONLY, and turning every failure into a CacheError naming the key and the ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._backend import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from ..errors import CacheError
+from ._backend import unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
@@ -73,9 +76,15 @@ class NativeAsyncBackend:
         if config.unix_path is not None:
             opening = loop.create_unix_connection(factory, config.unix_path)
         else:
+            host, port = config.host, config.port
+            if config.sentinels:
+                # Whatever the sentinels name as the primary now, so a reconnect follows a
+                # failover. ServerConfig.primary is a short blocking exchange (bounded by the
+                # connect timeout): it runs in the default executor, off the loop.
+                host, port = await loop.run_in_executor(None, config.primary)
             # The loop's transport does TLS, so rediss:// needs nothing from hiredis.
             tls = ssl.create_default_context() if config.tls else None
-            opening = loop.create_connection(factory, config.host, config.port, ssl=tls)
+            opening = loop.create_connection(factory, host, port, ssl=tls)
         try:
             _, proto = await asyncio.wait_for(opening, config.connect_timeout)
         except (OSError, TimeoutError) as exc:
@@ -171,23 +180,38 @@ class NativeAsyncBackend:
         return reply
 
     async def _script_many(
-        self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], *args: int, retry: bool = False
+        self,
+        what: str,
+        script: Script,
+        keys: list[bytes],
+        tokens: list[bytes],
+        *args: int,
+        retry: bool = False,
+        trailer: tuple[bytes | int, ...] | None = None,
     ) -> list[Any]:
+        """EVALSHA ``script`` once per key, in one write; ``trailer`` (a WAIT) rides last
+        and its reply comes last."""
+        tail: list[tuple[bytes | int, ...]] = [] if trailer is None else [trailer]
+
         def commands(indices: range | list[int]) -> list[tuple[bytes | int, ...]]:
-            return [(b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices]
+            calls: list[tuple[bytes | int, ...]] = [
+                (b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices
+            ]
+            return calls + tail
 
         batch = commands(range(len(keys)))
         replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(batch), retry)
-        missing = [i for i, reply in enumerate(replies) if _noscript(reply)]
+        missing = [i for i, reply in enumerate(replies[: len(keys)]) if _noscript(reply)]
         if missing:
             # Only the calls that did not run are sent again: a release that ran must not
-            # be re-run and reported as "not ours".
+            # be re-run and reported as "not ours". The trailer follows them again.
             again = [(b"SCRIPT", b"LOAD", script.source), *commands(missing)]
             loaded, *redone = await self._roundtrip(what, None, lambda p: p.pipeline(again), retry)
             if isinstance(loaded, ReplyError):
                 raise self._refused(what, None, loaded)
-            for i, reply in zip(missing, redone, strict=True):
+            for i, reply in zip(missing, redone, strict=False):
                 replies[i] = reply
+            replies[len(keys) :] = redone[len(missing) :]
         for reply in replies:
             if isinstance(reply, ReplyError):
                 raise self._refused(what, None, reply)
@@ -204,10 +228,30 @@ class NativeAsyncBackend:
     # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
 
     async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        if self._config.wait_replicas:
+            return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms))[0]
         return int(await self._script("acquire", ACQUIRE, key, token, ttl_ms, retry=True))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        if self._config.wait_replicas:
+            return await self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms)
         return [int(r) for r in await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)]
+
+    async def _acquire_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        """Under wait_replicas: the acquires and a WAIT behind them on the same connection
+        (WAIT confirms the writes made before it on its own connection), in one write."""
+        config = self._config
+        wait = (b"WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        *replies, confirmed = await self._script_many(what, ACQUIRE, keys, tokens, ttl_ms, retry=True, trailer=wait)
+        results = [int(r) for r in replies]
+        if int(confirmed) >= config.wait_replicas:
+            return results
+        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        if held:
+            # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
+            with contextlib.suppress(CacheError):
+                await self.release_many([k for k, _ in held], [t for _, t in held])
+        raise unconfirmed(what, int(confirmed), config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))

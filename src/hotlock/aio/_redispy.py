@@ -8,6 +8,7 @@ the same token, READONLY drops every connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -23,6 +24,8 @@ from redis.retry import Retry
 from .._backend import ServerConfig, cache_error
 from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from ..errors import CacheError
+from ._backend import unconfirmed
 
 __all__ = ["RedisAsyncBackend"]
 
@@ -59,16 +62,29 @@ class RedisAsyncBackend:
             kwargs["driver_info"] = None
         else:
             kwargs["lib_name"] = kwargs["lib_version"] = None
+        self._config = config
+        self._redis: aioredis.Redis
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
-        if config.unix_path is not None:
-            connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
+        if config.sentinels:
+            # As in sync: redis-py's Sentinel pool asks the sentinels for the primary at
+            # each new connection and drops the connection on READONLY (a demoted primary).
+            # Its pool is not a blocking one, so it is left unbounded.
+            from redis.asyncio.sentinel import Sentinel
+
+            asking = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
+            sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**asking, "protocol": 2})  # type: ignore[no-untyped-call]
+            assert config.service is not None
+            self._redis = sentinel.master_for(config.service, socket_keepalive=True, **kwargs)
         else:
-            connection_class = SSLConnection if config.tls else Connection
-            kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
-        pool = aioredis.BlockingConnectionPool(
-            max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
+            if config.unix_path is not None:
+                connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
+            else:
+                connection_class = SSLConnection if config.tls else Connection
+                kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
+            pool = aioredis.BlockingConnectionPool(
+                max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
+            )
+            self._redis = aioredis.Redis(connection_pool=pool)
         # Acquires in flight, by token: a release of that token waits for them (see _settled).
         self._inflight: dict[bytes, asyncio.Future[Any]] = {}
 
@@ -119,21 +135,30 @@ class RedisAsyncBackend:
             await self._load_scripts()
             return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
 
-    async def _pipeline(self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int) -> list[Any]:
+    async def _pipeline(
+        self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int, trailer: tuple[Any, ...] = ()
+    ) -> list[Any]:
+        """EVALSHA ``script`` once per key in one round trip; ``trailer`` (a WAIT) rides last
+        on the same connection and its reply comes last."""
+
         async def run(indices: Iterable[int]) -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
             for i in indices:
                 pipe.execute_command("EVALSHA", script.sha, 1, keys[i], tokens[i], *args)
+            if trailer:
+                pipe.execute_command(*trailer)
             return await pipe.execute(raise_on_error=False)
 
         replies = await run(range(len(keys)))
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        missing = [i for i, r in enumerate(replies[: len(keys)]) if isinstance(r, NoScriptError)]
         if missing:
             # Only the calls that did not run are sent again: a release that ran must not
-            # be re-run and reported as "not ours".
+            # be re-run and reported as "not ours". The trailer follows them again.
             await self._load_scripts()
-            for i, reply in zip(missing, await run(missing), strict=True):
+            redone = await run(missing)
+            for i, reply in zip(missing, redone, strict=False):
                 replies[i] = reply
+            replies[len(keys) :] = redone[len(missing) :]
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -171,16 +196,43 @@ class RedisAsyncBackend:
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        if self._config.wait_replicas:
+            return (await self._shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[0]
         reply = await self._shielded(
             [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True)
         )
         return int(reply)
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        if self._config.wait_replicas:
+            return await self._shielded(tokens, self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms))
         replies = await self._shielded(
             tokens, self._call("acquire_many", None, lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms), True)
         )
         return [int(r) for r in replies]
+
+    async def _acquire_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        """Under wait_replicas: the acquires and a WAIT behind them on the same connection
+        (WAIT confirms the writes made before it on its own connection), in one round trip."""
+        config = self._config
+        wait = ("WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        replies = await self._call(
+            what,
+            keys[0] if len(keys) == 1 else None,
+            lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms, trailer=wait),
+            True,
+        )
+        results, confirmed = [int(r) for r in replies[:-1]], int(replies[-1])
+        if confirmed >= config.wait_replicas:
+            return results
+        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        if held:
+            # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
+            with contextlib.suppress(CacheError):
+                await self._call(
+                    "undo", None, lambda: self._pipeline(RELEASE, [k for k, _ in held], [t for _, t in held])
+                )
+        raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
