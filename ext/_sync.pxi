@@ -230,6 +230,9 @@ cdef class NativeBackend:
             _drop(conn)
         if conn.ctx is NULL:
             self._connect(conn, what, key, limit)
+            if conn.ctx is NULL:
+                # close() ran (from another thread) while this one was connecting.
+                raise cache_error(f"{what} failed: the cache was closed meanwhile", self.server, key)
         elif limit > 0.0:
             redisSetTimeout(conn.ctx, _timeval(limit))
         return 0
