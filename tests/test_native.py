@@ -158,9 +158,7 @@ def counter() -> Iterator[Counter]:
     c.join()
 
 
-def test_native_round_trip_releases_the_gil(
-    ncache: hotlock.Cache, redis_server: RedisServer, counter: Counter
-) -> None:
+def test_native_round_trip_releases_the_gil(ncache: hotlock.Cache, redis_server: RedisServer, counter: Counter) -> None:
     # CLIENT PAUSE holds every reply for 500 ms: the acquire waits on its socket that long.
     ncache.lock("warm").unlock()
     redis_server.client().execute_command("CLIENT", "PAUSE", 500, "ALL")
@@ -194,7 +192,7 @@ def test_native_reply_timeout_bounds_every_read(redis_url: str, redis_server: Re
         lock = cache.lock("t", ttl=5)
         redis_server.client().execute_command("CLIENT", "PAUSE", 2000, "ALL")
         started = time.monotonic()
-        with pytest.raises(CacheError, match="retried after a lost reply.*no reply within the timeout"):
+        with pytest.raises(CacheError, match=r"retried after a lost reply.*no reply within the timeout"):
             cache.lock("u", ttl=5)  # one same-token retry, within one more reply timeout
         assert time.monotonic() - started < 2 * 0.3 + 0.3
         started = time.monotonic()
@@ -471,9 +469,7 @@ class TurnCountingProxy:
         self.listener.close()
 
 
-def test_native_batches_are_one_round_trip_with_results_in_order(
-    redis_url: str, redis_server: RedisServer
-) -> None:
+def test_native_batches_are_one_round_trip_with_results_in_order(redis_url: str, redis_server: RedisServer) -> None:
     proxy = TurnCountingProxy(redis_server.port)
     cache = hotlock.connect(f"redis://127.0.0.1:{proxy.port}/0", backend="native")
     try:
@@ -631,7 +627,7 @@ def test_native_module_facts() -> None:
     assert isinstance(native.HIREDIS_VERSION, str) and native.HIREDIS_VERSION.count(".") == 2
     pkg = subprocess.run(["pkg-config", "--modversion", "hiredis"], capture_output=True, text=True)
     if pkg.returncode == 0:
-        assert native.HIREDIS_VERSION == pkg.stdout.strip()
+        assert pkg.stdout.strip() == native.HIREDIS_VERSION
     assert native.HAS_TLS is False
     # rediss:// goes to redis-py, saying why.
     name, why = choose(parse_url("rediss://127.0.0.1:6380/0", connect_timeout=1, timeout=1), None)
