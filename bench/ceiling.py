@@ -49,8 +49,7 @@ def build(out: Path = OUT) -> tuple[Path | None, str]:
     return exe, " ".join(cmd)
 
 
-def run_c(exe: Path, host: str, port: int, mode: str, seconds: float, tag: str,
-          taskset: list[str]) -> dict[str, Any]:
+def run_c(exe: Path, host: str, port: int, mode: str, seconds: float, tag: str, taskset: list[str]) -> dict[str, Any]:
     """One run of the C loop; {"ops", "seconds", "cpu"}, ops counted in cycles/extends/batches."""
     scripts = write_scripts()
     cmd = [*taskset, str(exe), host, str(port), mode, f"{seconds}", str(scripts), tag]
@@ -67,8 +66,24 @@ def _children_cpu() -> float:
 
 
 def _bench(host: str, port: int, requests: int, pipeline: int, args: list[str], taskset: list[str]) -> dict[str, Any]:
-    cmd = [*taskset, "redis-benchmark", "-h", host, "-p", str(port), "-c", "1", "-n", str(requests),
-           "-P", str(pipeline), "-r", "100000000", "--csv", *args]
+    cmd = [
+        *taskset,
+        "redis-benchmark",
+        "-h",
+        host,
+        "-p",
+        str(port),
+        "-c",
+        "1",
+        "-n",
+        str(requests),
+        "-P",
+        str(pipeline),
+        "-r",
+        "100000000",
+        "--csv",
+        *args,
+    ]
     c0 = _children_cpu()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     cpu = _children_cpu() - c0
@@ -86,8 +101,9 @@ def _sized(host: str, port: int, seconds: float, pipeline: int, args: list[str],
     return _bench(host, port, requests, pipeline, args, taskset)
 
 
-def run_redis_benchmark(host: str, port: int, mode: str, seconds: float, tag: str,
-                        taskset: list[str]) -> dict[str, Any]:
+def run_redis_benchmark(
+    host: str, port: int, mode: str, seconds: float, tag: str, taskset: list[str]
+) -> dict[str, Any]:
     """redis-benchmark, one connection, sending hotlock's EVALSHA calls.
 
     It cannot pair an acquire with the release of the same key and token, so a cycle is
@@ -115,9 +131,14 @@ def run_redis_benchmark(host: str, port: int, mode: str, seconds: float, tag: st
     # Both halves ran the same number of calls: a cycle is one of each.
     cycles = 1.0 / (1.0 / a["rps"] + 1.0 / rel["rps"])
     ops = cycles if mode == "cycle" else cycles / 100
-    cpu_per_call = (a["cpu"] / a["ops"] + rel["cpu"] / rel["ops"])
-    return {"ops": ops, "seconds": 1.0, "cpu": cpu_per_call * (1 if mode == "cycle" else 100) * ops,
-            "acquire_rps": a["rps"], "release_rps": rel["rps"]}
+    cpu_per_call = a["cpu"] / a["ops"] + rel["cpu"] / rel["ops"]
+    return {
+        "ops": ops,
+        "seconds": 1.0,
+        "cpu": cpu_per_call * (1 if mode == "cycle" else 100) * ops,
+        "acquire_rps": a["rps"],
+        "release_rps": rel["rps"],
+    }
 
 
 def _text(value: bytes | str) -> str:

@@ -82,8 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
 
 
-def _run(args: argparse.Namespace, server: RedisServer, pin: Pinning, runs: int, sec: float, csec: float,
-         rounds: int, sections: set[str], started: float) -> int:
+def _run(
+    args: argparse.Namespace,
+    server: RedisServer,
+    pin: Pinning,
+    runs: int,
+    sec: float,
+    csec: float,
+    rounds: int,
+    sections: set[str],
+    started: float,
+) -> int:
     client = pin.prefix(pin.client)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     exe, why_c = ceiling.build()
@@ -120,12 +129,24 @@ def _run(args: argparse.Namespace, server: RedisServer, pin: Pinning, runs: int,
     print(f"pinning: {pin.note}; server {server.url} pid {server.pid}; {runs} rounds")
 
     def child(cell: Cell, i: int) -> dict[str, Any]:
-        spec = {**cell.params, "kind": cell.section if cell.section in ("async", "contention", "handoff") else "sync",
-                "contestant": cell.contestant, "url": server.url, "tag": f"r{i}{random.randrange(10**9)}"}
+        spec = {
+            **cell.params,
+            "kind": cell.section if cell.section in ("async", "contention", "handoff") else "sync",
+            "contestant": cell.contestant,
+            "url": server.url,
+            "tag": f"r{i}{random.randrange(10**9)}",
+        }
         if cell.section in ("cycle", "extend", "batch"):
             spec["workload"] = cell.section
-        done = subprocess.run([*client, sys.executable, "-m", "bench.run", json.dumps(spec)], capture_output=True,
-                              text=True, env=env, cwd=ROOT, timeout=300, check=False)
+        done = subprocess.run(
+            [*client, sys.executable, "-m", "bench.run", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -136,8 +157,9 @@ def _run(args: argparse.Namespace, server: RedisServer, pin: Pinning, runs: int,
         return ceiling.run_c(exe, server.host, server.port, cell.section, sec, f"r{i}{random.randrange(10**9)}", client)
 
     def rbench(cell: Cell, i: int) -> dict[str, Any]:
-        return ceiling.run_redis_benchmark(server.host, server.port, cell.section, sec,
-                                           f"r{i}{random.randrange(10**9)}", client)
+        return ceiling.run_redis_benchmark(
+            server.host, server.port, cell.section, sec, f"r{i}{random.randrange(10**9)}", client
+        )
 
     cells: list[Cell] = []
     for workload in ("cycle", "extend", "batch"):
@@ -153,8 +175,10 @@ def _run(args: argparse.Namespace, server: RedisServer, pin: Pinning, runs: int,
                 cells += [Cell("async", n, {"loop": loop, "tasks": tasks, "seconds": sec}, child) for n in ASYNC]
     if "contention" in sections:
         for mode, workers in (("threads", 8), ("processes", 4)):
-            cells += [Cell("contention", n, {"mode": mode, "workers": workers, "keys": 16, "seconds": csec}, child)
-                      for n in (*HOTLOCK, *PEERS)]
+            cells += [
+                Cell("contention", n, {"mode": mode, "workers": workers, "keys": 16, "seconds": csec}, child)
+                for n in (*HOTLOCK, *PEERS)
+            ]
     if "handoff" in sections:
         cells += [Cell("handoff", n, {"rounds": rounds}, child) for n in (*HOTLOCK, *PEERS)]
 
@@ -177,13 +201,26 @@ def _run(args: argparse.Namespace, server: RedisServer, pin: Pinning, runs: int,
                 shown = f"p50 {result['p50'] * 1000:.2f} ms, p99 {result['p99'] * 1000:.2f} ms"
             else:
                 shown = f"{result['ops'] / result['seconds']:,.0f}/s"
-            print(f"[round {i + 1}/{runs} {n}/{len(order)}] {cell.label}: {shown} ({time.monotonic() - t:.1f} s)",
-                  flush=True)
+            print(
+                f"[round {i + 1}/{runs} {n}/{len(order)}] {cell.label}: {shown} ({time.monotonic() - t:.1f} s)",
+                flush=True,
+            )
 
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    data = {"meta": meta, "cells": [
-        {"section": c.section, "contestant": c.contestant, "params": c.params, "results": c.results,
-         "errors": c.errors, "unavailable": unavailable.get(c.contestant)} for c in cells]}
+    data = {
+        "meta": meta,
+        "cells": [
+            {
+                "section": c.section,
+                "contestant": c.contestant,
+                "params": c.params,
+                "results": c.results,
+                "errors": c.errors,
+                "unavailable": unavailable.get(c.contestant),
+            }
+            for c in cells
+        ],
+    }
     text = report.markdown(data)
     print()
     print(text)
@@ -215,6 +252,7 @@ def _pkg_version(name: str) -> str:
 
 
 def _git_head() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     return done.stdout.strip() or "?"

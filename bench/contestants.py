@@ -298,8 +298,12 @@ def sync_unavailable(name: str) -> str | None:
         if info["backend"] != "native":
             return f"not built: {info['reason']}"
         return None
-    modules = {"hotlock-redis-py": "redis", "redis-py-Lock": "redis", "python-redis-lock": "redis_lock",
-               "pottery-Redlock": "pottery"}
+    modules = {
+        "hotlock-redis-py": "redis",
+        "redis-py-Lock": "redis",
+        "python-redis-lock": "redis_lock",
+        "pottery-Redlock": "pottery",
+    }
     try:
         __import__(modules[name])
     except ImportError as exc:
@@ -398,4 +402,3 @@ def async_unavailable(name: str, url: str) -> str | None:
         return None
 
     return asyncio.run(probe())
-

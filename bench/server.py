@@ -112,9 +112,28 @@ def start_redis(core: int | None = None, *extra: str) -> RedisServer:
         raise SystemExit("bench: redis-server is not installed (apt-get install redis-server)")
     host, port = "127.0.0.1", free_port()
     workdir = tempfile.mkdtemp(prefix="hotlock-bench-redis-")
-    cmd = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-           "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
-           "--logfile", os.path.join(workdir, "redis.log"), "--maxclients", "4096", *extra]
+    cmd = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
+        "--logfile",
+        os.path.join(workdir, "redis.log"),
+        "--maxclients",
+        "4096",
+        *extra,
+    ]
     if core is not None and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(core), *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -39,8 +39,9 @@ def test_contention_8_threads(benchmark, backend: str, redis_url: str) -> None:
     results: list[dict] = []
 
     def run() -> None:
-        results.append(contention_threads(contestant, uuid.uuid4().hex, workers=8, nkeys=16, seconds=LIMIT_S,
-                                          limit=SECTIONS))
+        results.append(
+            contention_threads(contestant, uuid.uuid4().hex, workers=8, nkeys=16, seconds=LIMIT_S, limit=SECTIONS)
+        )
 
     try:
         benchmark.pedantic(run, rounds=3, iterations=1)
@@ -54,8 +55,17 @@ def test_contention_4_processes(benchmark, backend: str, redis_url: str, workers
     results: list[dict] = []
 
     def run() -> None:
-        results.append(contention_processes(f"hotlock-{backend}", redis_url, uuid.uuid4().hex, workers=workers,
-                                            nkeys=16, seconds=LIMIT_S, limit=SECTIONS))
+        results.append(
+            contention_processes(
+                f"hotlock-{backend}",
+                redis_url,
+                uuid.uuid4().hex,
+                workers=workers,
+                nkeys=16,
+                seconds=LIMIT_S,
+                limit=SECTIONS,
+            )
+        )
 
     benchmark.pedantic(run, rounds=3, iterations=1)
     _record(benchmark, results[-1])

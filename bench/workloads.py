@@ -97,8 +97,15 @@ def _section(holder: dict[str, int] | None, key: str, me: int) -> int:
     return overlap
 
 
-def _contend(c: SyncContestant, keys: list[str], start_at: float, seconds: float, me: int,
-             holder: dict[str, int] | None, limit: int | None = None) -> dict[str, Any]:
+def _contend(
+    c: SyncContestant,
+    keys: list[str],
+    start_at: float,
+    seconds: float,
+    me: int,
+    holder: dict[str, int] | None,
+    limit: int | None = None,
+) -> dict[str, Any]:
     rng = random.Random(me)
     waits: list[float] = []
     timeouts = overlaps = 0
@@ -119,8 +126,14 @@ def _contend(c: SyncContestant, keys: list[str], start_at: float, seconds: float
         c.release(handle)
         waits.append(t1 - t0)
     cpu = cpu_seconds() - c0  # the process's: meaningful for one worker per process only
-    return {"n": len(waits), "waits": waits, "timeouts": timeouts, "overlaps": overlaps,
-            "finished": time.monotonic(), "cpu": cpu}
+    return {
+        "n": len(waits),
+        "waits": waits,
+        "timeouts": timeouts,
+        "overlaps": overlaps,
+        "finished": time.monotonic(),
+        "cpu": cpu,
+    }
 
 
 def _summary(parts: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
@@ -142,8 +155,9 @@ def _summary(parts: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
     }
 
 
-def contention_threads(c: SyncContestant, tag: str, workers: int = 8, nkeys: int = 16,
-                       seconds: float = 2.0, limit: int | None = None) -> dict[str, Any]:
+def contention_threads(
+    c: SyncContestant, tag: str, workers: int = 8, nkeys: int = 16, seconds: float = 2.0, limit: int | None = None
+) -> dict[str, Any]:
     """``workers`` threads sharing one client, each locking a random one of ``nkeys`` keys,
     for ``seconds`` (or until each did ``limit`` sections)."""
     keys = [f"bench:{tag}:k{i}" for i in range(nkeys)]
@@ -167,8 +181,9 @@ def contention_threads(c: SyncContestant, tag: str, workers: int = 8, nkeys: int
     return summary
 
 
-def _contend_in_child(name: str, url: str, keys: list[str], ready: Any, seconds: float, me: int,
-                      limit: int | None, conn: Any) -> None:
+def _contend_in_child(
+    name: str, url: str, keys: list[str], ready: Any, seconds: float, me: int, limit: int | None, conn: Any
+) -> None:
     c = open_sync(name, url)  # after the fork: a connection of its own
     try:
         ready.wait(60)
@@ -178,8 +193,9 @@ def _contend_in_child(name: str, url: str, keys: list[str], ready: Any, seconds:
         conn.close()
 
 
-def contention_processes(name: str, url: str, tag: str, workers: int = 4, nkeys: int = 16,
-                         seconds: float = 2.0, limit: int | None = None) -> dict[str, Any]:
+def contention_processes(
+    name: str, url: str, tag: str, workers: int = 4, nkeys: int = 16, seconds: float = 2.0, limit: int | None = None
+) -> dict[str, Any]:
     """``workers`` processes, each with its own client, on ``nkeys`` keys (as contention_threads).
 
     They start together once all have connected (a barrier), so forking and connecting
@@ -235,8 +251,9 @@ def _waiter(name: str, url: str, key: str, conn: Any) -> None:
         c.close()
 
 
-def handoff(name: str, url: str, tag: str, rounds: int = 40,
-            hold: tuple[float, float] = (0.005, 0.015)) -> dict[str, Any]:
+def handoff(
+    name: str, url: str, tag: str, rounds: int = 40, hold: tuple[float, float] = (0.005, 0.015)
+) -> dict[str, Any]:
     """Release -> waiter's acquire, in seconds, ``rounds`` times.
 
     This process holds the key; a forked waiter blocks on it in its library's own wait
@@ -275,8 +292,14 @@ def handoff(name: str, url: str, tag: str, rounds: int = 40,
         if p.is_alive():
             p.kill()
         c.close()
-    return {"ops": len(samples), "samples": samples, "timeouts": timeouts,
-            "p50": percentile(samples, 50), "p99": percentile(samples, 99), "max": max(samples, default=0.0)}
+    return {
+        "ops": len(samples),
+        "samples": samples,
+        "timeouts": timeouts,
+        "p50": percentile(samples, 50),
+        "p99": percentile(samples, 99),
+        "max": max(samples, default=0.0),
+    }
 
 
 # -- async ---------------------------------------------------------------------------
