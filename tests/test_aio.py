@@ -24,7 +24,7 @@ import hotlock
 import hotlock.aio
 from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer
+from .conftest import RedisServer, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -575,6 +575,71 @@ def test_wait_replicas_undoes_an_acquire_too_few_replicas_confirmed(raio: Aio) -
         assert not raio.side.exists(lock_key("job"), lock_key("a"), lock_key("b"))
 
     raio.run(main())
+
+
+def test_auth_and_select_from_the_url(raio: Aio) -> None:
+    raio.side.acl_setuser("hotlock-aio", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"])
+    host, port = raio.server.host, raio.server.port
+
+    async def main() -> None:
+        url = f"redis://hotlock-aio:s3cret@{host}:{port}/3"
+        async with await hotlock.aio.connect(url, backend=raio.backend) as cache:
+            lock = await cache.lock("job", ttl=5)
+            db3 = redis.Redis(host=host, port=port, db=3)
+            assert db3.get(lock_key("job")) == lock._token  # SELECTed db 3, as that user
+            assert not raio.side.exists(lock_key("job"))
+            db3.close()
+            assert await lock.unlock()
+        with pytest.raises(hotlock.CacheError) as info:
+            await hotlock.aio.connect(f"redis://hotlock-aio:wrong@{host}:{port}/3", backend=raio.backend)
+        assert "wrong" not in str(info.value)  # the password never shows
+
+    try:
+        raio.run(main())
+    finally:
+        raio.side.acl_deluser("hotlock-aio")
+
+
+def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
+    path = str(tmp_path / "redis.sock")
+    server = start_redis("--unixsocket", path, "--unixsocketperm", "700")
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(f"unix://{path}?db=2", backend=raio.backend) as cache:
+            lock = await cache.lock("job", ttl=5)
+            assert redis.Redis(unix_socket_path=path, db=2).get(lock_key("job")) == lock._token
+            assert await lock.unlock()
+
+    try:
+        raio.run(main())
+    finally:
+        server.stop()
+
+
+def test_readonly_is_a_cache_error_that_drops_the_connection(raio: Aio) -> None:
+    replica = start_redis("--replicaof", raio.server.host, str(raio.server.port))
+
+    async def main() -> None:
+        side = replica.client()
+
+        def ours() -> set[str]:
+            return {c["id"] for c in side.client_list()} - {str(side.client_id())}
+
+        async with await hotlock.aio.connect(replica.url, backend=raio.backend) as cache:
+            before = ours()
+            assert before
+            with pytest.raises(hotlock.CacheError, match="READONLY") as info:
+                await cache.lock("job", ttl=5)
+            assert "hotlock:lock:job" in str(info.value)
+            await asyncio.sleep(0.05)  # the server notices the close
+            # A demoted primary is not used again: the connection that met READONLY is
+            # gone (the release of the failed acquire may have opened a new one).
+            assert not before & ours()
+
+    try:
+        raio.run(main())
+    finally:
+        replica.stop()
 
 
 # -- cancellation ---------------------------------------------------------------------
