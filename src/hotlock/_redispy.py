@@ -24,6 +24,7 @@ from redis.retry import Retry
 from ._backend import ServerConfig, cache_error
 from ._backoff import poll
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from ._sentinel import PrimaryWatch
 from .errors import CacheError
 
 __all__ = ["RedisPyBackend"]
@@ -32,6 +33,18 @@ T = TypeVar("T")
 
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class _PrimaryConnection(redis.Connection):
+    """A connection to whichever primary the sentinels name at the moment it connects."""
+
+    def __init__(self, *, primary: PrimaryWatch, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self._primary = primary
+
+    def _connect(self) -> Any:
+        self.host, self.port = self._primary.address()
+        return super()._connect()  # type: ignore[no-untyped-call]
 
 
 class RedisPyBackend:
@@ -61,15 +74,18 @@ class RedisPyBackend:
             kwargs["driver_info"] = None
         else:
             kwargs["lib_name"] = kwargs["lib_version"] = None
+        self._watch: PrimaryWatch | None = None
+        self._redis: Any  # redis.Redis; Any, since the connection-level API it reaches is untyped
         if config.sentinels:
-            # redis-py's Sentinel pool asks the sentinels for the primary at each new
-            # connection and turns a READONLY reply (a demoted primary) into a dropped
-            # connection, so the next call reaches the new primary.
-            from redis.sentinel import Sentinel
-
-            asking = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
-            sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**asking, "driver_info": None})  # type: ignore[no-untyped-call]
-            self._redis = sentinel.master_for(config.service, **kwargs)  # type: ignore[no-untyped-call]
+            # One resolver for every backend (ServerConfig.primary: SENTINEL
+            # get-master-addr-by-name) asked at each connect, rather than redis.sentinel,
+            # whose SENTINEL MASTERS check skips a sentinel that has just switched and can
+            # hand out the old primary for a while after a failover. The watch drops pooled
+            # connections once the sentinels name another primary, since the old one may
+            # accept writes until Sentinel demotes it.
+            self._watch = PrimaryWatch(config.primary)
+            pool = redis.ConnectionPool(connection_class=_PrimaryConnection, primary=self._watch, **kwargs)
+            self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
@@ -86,6 +102,9 @@ class RedisPyBackend:
         the connection's reply timeout. A lost reply leaves the connection closed.
         """
         pool = self._redis.connection_pool
+        if self._watch is not None and self._watch.moved():
+            # A failover: connections to the replaced primary must not take another write.
+            pool.disconnect()
         conn = pool.get_connection()
         try:
             conn.send_packed_command(conn.pack_commands(commands))

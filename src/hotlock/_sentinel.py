@@ -7,11 +7,14 @@ the primary at each (re)connect without importing redis-py.
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from collections.abc import Callable
 from urllib.parse import unquote
 
 from .errors import CacheError
 
-__all__ = ["SCHEME", "parse_sentinel_netloc", "primary_address"]
+__all__ = ["SCHEME", "PrimaryWatch", "parse_sentinel_netloc", "primary_address"]
 
 SCHEME = "redis+sentinel"
 
@@ -101,3 +104,48 @@ def primary_address(
         f"no sentinel gave the primary of {service!r} ({'; '.join(errors)}) (server {display})",
         server=display,
     )
+
+
+class PrimaryWatch:
+    """Which primary the sentinels name, asked again at most every REFRESH_S seconds.
+
+    A connection made before a failover keeps talking to the old primary, which may go on
+    accepting writes until Sentinel demotes it (it looks at a replica's INFO every 10 s):
+    locks granted there are lost with it. So before each call a backend asks ``moved()``,
+    which is a clock read except every REFRESH_S, when it asks the sentinels; when the
+    answer changed, the backend drops its connections and reconnects to the new primary.
+    That bounds how long a client keeps writing to a replaced primary to REFRESH_S after
+    the sentinels switch, for one sentinel round trip per REFRESH_S per process.
+    """
+
+    REFRESH_S = 0.5
+
+    def __init__(self, ask: Callable[[], tuple[str, int]]) -> None:
+        self._ask = ask  # ServerConfig.primary
+        self._address: tuple[str, int] | None = None
+        self._asked = 0.0
+        self._mutex = threading.Lock()
+
+    def address(self) -> tuple[str, int]:
+        """Ask the sentinels now (at each connect) and remember the answer."""
+        found = self._ask()
+        with self._mutex:
+            self._address, self._asked = found, time.monotonic()
+        return found
+
+    def moved(self) -> bool:
+        """True when, asked again after REFRESH_S, the sentinels name another primary."""
+        now = time.monotonic()
+        with self._mutex:
+            if now - self._asked < self.REFRESH_S:
+                return False
+            # Whatever the outcome, not again before REFRESH_S: sentinels that do not
+            # answer must not cost every call a connect timeout.
+            self._asked, before = now, self._address
+        try:
+            found = self._ask()
+        except CacheError:
+            return False  # no news; the connection we have answers or fails on its own
+        with self._mutex:
+            self._address = found
+        return before is not None and found != before
