@@ -29,6 +29,7 @@ from hiredis cimport *
 from hotlock import _backoff
 from hotlock._backend import cache_error
 from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS
+from hotlock._sentinel import PrimaryWatch
 from hotlock.errors import CacheError
 
 

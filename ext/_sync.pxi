@@ -27,6 +27,7 @@ cdef class _Conn:
 
     cdef redisContext *ctx
     cdef unsigned long gen  # _fork_gen when it connected: another value means inherited
+    cdef unsigned long epoch  # under Sentinel, the PrimaryWatch epoch it connected in
     cdef bint busy  # a round trip is in flight on ctx without the GIL
     cdef bint doomed  # close() ran during that round trip: drop ctx when it ends
     cdef object __weakref__
@@ -161,7 +162,7 @@ cdef class NativeBackend:
     cdef bytes _host  # TCP host, or the unix socket path when _unix
     cdef int _port
     cdef bint _unix
-    cdef bint _sentinel  # ask the sentinels for the primary's address at each connect
+    cdef object _watch  # under Sentinel, the PrimaryWatch asked at each connect; else None
     cdef tuple _auth  # the AUTH command, or None
     cdef tuple _select  # the SELECT command, or None
     cdef timeval _connect_tv
@@ -182,7 +183,7 @@ cdef class NativeBackend:
             raise ValueError("this build of hotlock._native has no TLS")
         self.server = config.display
         self._config = config
-        self._sentinel = bool(getattr(config, "sentinels", ()))
+        self._watch = PrimaryWatch(config.primary) if getattr(config, "sentinels", ()) else None
         self._unix = config.unix_path is not None
         self._host = os.fsencode(config.unix_path) if self._unix else config.host.encode("idna")
         self._port = config.port
@@ -228,6 +229,10 @@ cdef class NativeBackend:
         them: a retry after a lost reply gets only what is left of its budget."""
         if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or _stale(conn.ctx)):
             _drop(conn)
+        elif conn.ctx is not NULL and self._watch is not None and conn.epoch != self._watch.refresh():
+            # The sentinels name another primary: the old one may still take writes until
+            # it is demoted, so no more on this connection.
+            _drop(conn)
         if conn.ctx is NULL:
             self._connect(conn, what, key, limit)
             if conn.ctx is NULL:
@@ -241,9 +246,9 @@ cdef class NativeBackend:
         cdef redisContext *ctx
         cdef bytes host_bytes = self._host
         cdef int port = self._port
-        if self._sentinel:
+        if self._watch is not None:
             # Whatever the sentinels name as the primary now, so a reconnect follows a failover.
-            address = self._config.primary()
+            address = self._watch.address()
             host_bytes = address[0].encode("idna")
             port = address[1]
         cdef const char *host = host_bytes
@@ -276,6 +281,8 @@ cdef class NativeBackend:
             raise cache_error(f"{what} failed: cannot connect: {text}", self.server, key)
         conn.ctx = ctx
         conn.gen = _fork_gen
+        if self._watch is not None:
+            conn.epoch = self._watch.epoch
         conn.doomed = False
         # AUTH, SELECT and every SCRIPT LOAD in one round trip, so the first EVALSHA after a
         # (re)connect or a failover never pays for a NOSCRIPT.

@@ -84,6 +84,7 @@ class RedisPyBackend:
             # connections once the sentinels name another primary, since the old one may
             # accept writes until Sentinel demotes it.
             self._watch = PrimaryWatch(config.primary)
+            self._epoch = 0
             pool = redis.ConnectionPool(connection_class=_PrimaryConnection, primary=self._watch, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
@@ -102,8 +103,9 @@ class RedisPyBackend:
         the connection's reply timeout. A lost reply leaves the connection closed.
         """
         pool = self._redis.connection_pool
-        if self._watch is not None and self._watch.moved():
+        if self._watch is not None and self._watch.refresh() != self._epoch:
             # A failover: connections to the replaced primary must not take another write.
+            self._epoch = self._watch.epoch
             pool.disconnect()
         conn = pool.get_connection()
         try:

@@ -6,6 +6,7 @@ the primary at each (re)connect without importing redis-py.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -111,11 +112,12 @@ class PrimaryWatch:
 
     A connection made before a failover keeps talking to the old primary, which may go on
     accepting writes until Sentinel demotes it (it looks at a replica's INFO every 10 s):
-    locks granted there are lost with it. So before each call a backend asks ``moved()``,
-    which is a clock read except every REFRESH_S, when it asks the sentinels; when the
-    answer changed, the backend drops its connections and reconnects to the new primary.
-    That bounds how long a client keeps writing to a replaced primary to REFRESH_S after
-    the sentinels switch, for one sentinel round trip per REFRESH_S per process.
+    locks granted there are lost with it. So a backend calls ``refresh()`` before each
+    call, a clock read except every REFRESH_S, when it asks the sentinels; ``epoch`` goes
+    up whenever they name another primary, and a connection made in an older epoch is
+    dropped and remade. That bounds how long a client keeps writing to a replaced primary
+    to REFRESH_S after the sentinels switch, for one sentinel round trip per REFRESH_S
+    per process.
     """
 
     REFRESH_S = 0.5
@@ -124,28 +126,32 @@ class PrimaryWatch:
         self._ask = ask  # ServerConfig.primary
         self._address: tuple[str, int] | None = None
         self._asked = 0.0
+        self.epoch = 0
         self._mutex = threading.Lock()
 
     def address(self) -> tuple[str, int]:
-        """Ask the sentinels now (at each connect) and remember the answer."""
+        """Ask the sentinels now (at each connect); raises CacheError if none answers."""
         found = self._ask()
-        with self._mutex:
-            self._address, self._asked = found, time.monotonic()
+        self._note(found)
         return found
 
-    def moved(self) -> bool:
-        """True when, asked again after REFRESH_S, the sentinels name another primary."""
+    def refresh(self) -> int:
+        """The current epoch, after asking the sentinels again if REFRESH_S has passed."""
         now = time.monotonic()
         with self._mutex:
             if now - self._asked < self.REFRESH_S:
-                return False
+                return self.epoch
             # Whatever the outcome, not again before REFRESH_S: sentinels that do not
             # answer must not cost every call a connect timeout.
-            self._asked, before = now, self._address
-        try:
-            found = self._ask()
-        except CacheError:
-            return False  # no news; the connection we have answers or fails on its own
+            self._asked = now
+        # No answer is no news: the connection we have answers or fails on its own.
+        with contextlib.suppress(CacheError):
+            self._note(self._ask())
+        return self.epoch
+
+    def _note(self, found: tuple[str, int]) -> None:
         with self._mutex:
+            self._asked = time.monotonic()
+            if self._address is not None and found != self._address:
+                self.epoch += 1
             self._address = found
-        return before is not None and found != before
