@@ -91,10 +91,13 @@ def _wait(what: str, ok: object, timeout: float = 15.0) -> None:
 
 
 def start_topology(replica_via_proxy: bool = False) -> Topology:
-    primary = start_redis()
+    # No 5 s pause before a full sync (the diskless default), on either side: the replica
+    # syncs at start, and the old primary from the new one after a failover.
+    fast_sync = ("--repl-diskless-sync-delay", "0")
+    primary = start_redis(*fast_sync)
     proxy = FaultProxy(primary.port).start() if replica_via_proxy else None
     upstream = proxy.port if proxy is not None else primary.port
-    replica = start_redis("--replicaof", "127.0.0.1", str(upstream))
+    replica = start_redis(*fast_sync, "--replicaof", "127.0.0.1", str(upstream))
     workdir = tempfile.mkdtemp(prefix="hotlock-sentinel-")
     # Sentinel "fixes" a replica whose master address is not the primary's (ours points at
     # the proxy) once failover-timeout has passed; a long one keeps the proxy in the path.
