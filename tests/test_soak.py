@@ -1,0 +1,226 @@
+"""Soak: 16 processes x 8 keys hammering each Redis backend, checked for overlapping
+critical sections (issue 6 item 8), clean and through the fault proxy's jittered delays
+and periodic resets.
+
+The checker needs no shared instrument: every worker logs (key, entered, left) on the
+system-wide monotonic clock (CLOCK_MONOTONIC, shared by all processes on the host), and
+the test sorts each key's sections and looks for one that starts before the previous one
+ended. Its self-test runs the same workers on a deliberately broken lock.
+
+CI runs a short soak (SECONDS per phase); the 60 s form is marked slow.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import hotlock
+from hotlock import CacheError, LockNotAcquired
+
+from .conftest import RedisServer
+from .faultproxy import FaultProxy
+
+PROCESSES = 16
+KEYS = 8
+SECONDS = 5.0  # per phase: clean + proxied + the checker's self-test stay under 15 s per backend
+LONG_SECONDS = 60.0
+TTL = 1.0  # short, so a lock stranded by a fault (reset mid-acquire) frees its key soon
+
+
+@dataclass
+class Soak:
+    sections: int
+    overlaps: int
+    overran: int  # sections that ended after their lease may have run out (never expected)
+    cache_errors: int
+    conflicts: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.sections} sections, {self.overlaps} overlaps, {self.overran} overran, "
+            f"{self.cache_errors} CacheErrors, {self.conflicts} wait deadlines"
+        )
+
+
+def _worker(url: str, backend: str, start: float, seconds: float, broken: bool, out: str, seed: int) -> None:
+    """Lock random keys until the deadline; log each critical section to ``out``."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    errors = conflicts = overran = 0
+    for attempt in range(20):
+        try:
+            cache = hotlock.connect(url, backend=backend, timeout=0.5, connect_timeout=0.5)
+            break
+        except CacheError:
+            # The proxy may reset connect()'s own INFO/SCRIPT LOAD: a CacheError, as it should.
+            if attempt == 19:
+                raise
+            errors += 1
+    while time.monotonic() < start:
+        time.sleep(0.001)
+    deadline = start + seconds
+    while time.monotonic() < deadline:
+        key = rng.randrange(KEYS)
+        try:
+            if broken:
+                # The broken lock: "held elsewhere" is ignored and the section entered anyway.
+                try:
+                    lock: hotlock.Lock | None = cache.lock(f"soak-{key}", ttl=TTL)
+                except LockNotAcquired:
+                    lock = None
+            else:
+                lock = cache.lock_wait(f"soak-{key}", ttl=TTL, wait=0.5)
+        except LockNotAcquired:
+            conflicts += 1
+            continue
+        except CacheError:
+            errors += 1
+            continue
+        entered = time.monotonic_ns()
+        # Hold it a little: long enough for a broken lock to overlap often.
+        time.sleep(rng.uniform(0, 0.002))
+        left = time.monotonic_ns()
+        if lock is not None and lock.valid_for() <= 0:
+            overran += 1
+        lines.append(f"{key} {entered} {left}\n")
+        if lock is not None:
+            try:
+                lock.unlock()
+            except CacheError:
+                errors += 1  # the key expires by its TTL; nobody else entered meanwhile
+    cache.close()
+    with open(out, "w") as f:
+        f.write(f"# {errors} {conflicts} {overran}\n")
+        f.writelines(lines)
+
+
+def check(logs: list[Path]) -> Soak:
+    """Merge the workers' logs and count sections that began before another one on the same key ended."""
+    by_key: dict[int, list[tuple[int, int]]] = {k: [] for k in range(KEYS)}
+    errors = conflicts = overran = 0
+    for path in logs:
+        with open(path) as f:
+            header = f.readline().split()
+            errors += int(header[1])
+            conflicts += int(header[2])
+            overran += int(header[3])
+            for line in f:
+                key, entered, left = line.split()
+                by_key[int(key)].append((int(entered), int(left)))
+    sections = overlaps = 0
+    for intervals in by_key.values():
+        intervals.sort()
+        sections += len(intervals)
+        latest_exit = -1
+        for entered, left in intervals:
+            if entered < latest_exit:
+                overlaps += 1
+            latest_exit = max(latest_exit, left)
+    return Soak(sections, overlaps, overran, errors, conflicts)
+
+
+def soak(url: str, backend: str, seconds: float, tmp: Path, broken: bool = False) -> Soak:
+    ctx = mp.get_context("fork")
+    start = time.monotonic() + 1.0  # every worker connected and waiting before the clock starts
+    logs = [tmp / f"worker-{n}.log" for n in range(PROCESSES)]
+    procs = [
+        ctx.Process(target=_worker, args=(url, backend, start, seconds, broken, str(logs[n]), n))
+        for n in range(PROCESSES)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(seconds + 30)
+            assert p.exitcode == 0, f"worker exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return check(logs)
+
+
+@pytest.fixture
+def resetting_proxy(redis_server: RedisServer, redis_url: str) -> Iterator[FaultProxy]:
+    """A proxy with jittered delays (0-3 ms each way) and resets every 0.25 s."""
+    stop = threading.Event()
+    with FaultProxy(redis_server.port) as proxy:
+        proxy.delay(0.0, jitter=0.003)
+
+        def resets() -> None:
+            # Every 0.25 s, alternately: RST every connection (mostly idle ones), or let the
+            # next two requests reach the server and RST them before their replies (lost
+            # replies in the middle of acquires and releases).
+            n = 0
+            while not stop.wait(0.25):
+                n += 1
+                if n % 2:
+                    proxy.reset()
+                else:
+                    proxy.reset_after_request(2)
+
+        resetter = threading.Thread(target=resets, daemon=True)
+        resetter.start()
+        yield proxy
+        stop.set()
+        resetter.join(5)
+
+
+def test_overlap_checker_catches_a_broken_lock(redis_backend: str, redis_url: str, tmp_path: Path) -> None:
+    result = soak(redis_url, redis_backend, 1.5, tmp_path, broken=True)
+    print(f"\nbroken lock [{redis_backend}]: {result}")
+    assert result.sections > 500
+    assert result.overlaps > 0, "the checker must see two holders when the lock is broken"
+
+
+def test_soak_no_overlaps(redis_backend: str, redis_url: str, tmp_path: Path) -> None:
+    result = soak(redis_url, redis_backend, SECONDS, tmp_path)
+    print(f"\nsoak [{redis_backend}] {SECONDS:.0f} s: {result}")
+    assert result.sections > 1000, "the soak did too little to prove anything"
+    assert result.overlaps == 0 and result.overran == 0
+    assert result.cache_errors == 0
+
+
+def test_soak_no_overlaps_through_delays_and_resets(
+    redis_backend: str, resetting_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    result = soak(resetting_proxy.url, redis_backend, SECONDS, tmp_path)
+    print(f"\nsoak via proxy [{redis_backend}] {SECONDS:.0f} s, {resetting_proxy.resets} resets: {result}")
+    assert resetting_proxy.resets > PROCESSES, "the proxy reset too little to prove anything"
+    assert result.sections > 500
+    assert result.overlaps == 0 and result.overran == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LONG_SECONDS + 90)
+def test_soak_long(redis_backend: str, redis_url: str, tmp_path: Path) -> None:
+    result = soak(redis_url, redis_backend, LONG_SECONDS, tmp_path)
+    print(f"\nsoak [{redis_backend}] {LONG_SECONDS:.0f} s: {result}")
+    assert result.sections > 10_000
+    assert result.overlaps == 0 and result.overran == 0 and result.cache_errors == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LONG_SECONDS + 90)
+def test_soak_long_through_delays_and_resets(redis_backend: str, resetting_proxy: FaultProxy, tmp_path: Path) -> None:
+    result = soak(resetting_proxy.url, redis_backend, LONG_SECONDS, tmp_path)
+    print(f"\nsoak via proxy [{redis_backend}] {LONG_SECONDS:.0f} s, {resetting_proxy.resets} resets: {result}")
+    assert result.sections > 5000
+    assert result.overlaps == 0 and result.overran == 0
+
+
+def test_check_counts_overlaps(tmp_path: Path) -> None:
+    """The merge itself: nested, chained and disjoint sections."""
+    log = tmp_path / "w.log"
+    log.write_text("# 0 0 0\n0 10 20\n0 15 16\n0 20 30\n1 5 50\n1 49 60\n1 70 80\n")
+    result = check([log])
+    assert (result.sections, result.overlaps) == (6, 2)
