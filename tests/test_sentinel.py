@@ -7,6 +7,7 @@ takes a couple of seconds. Every topology is private to its test and stopped by 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -21,10 +22,12 @@ import pytest
 import redis
 
 import hotlock
+import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
 from hotlock._backend import parse_url
+from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, free_port, start_redis
+from .conftest import REQUIRE_NATIVE, RedisServer, free_port, start_redis
 from .faultproxy import FaultProxy
 
 SERVICE = "mymaster"
@@ -370,3 +373,47 @@ def test_errors_during_a_failover_under_load_are_cache_errors(redis_backend: str
         cache.close()
     assert seen == []
     assert done[0] > before  # locking resumed on the new primary
+
+
+# -- the async API --------------------------------------------------------------------
+
+AIO_BACKENDS = ["redis-py"] + (["native"] if native_aio()[0] is not None or REQUIRE_NATIVE else [])
+
+
+@pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
+def test_async_follows_the_primary_through_sentinel_failover(aio_backend: str, topology: Topology) -> None:
+    if aio_backend == "native" and native_aio()[0] is None:
+        pytest.fail(f"HOTLOCK_REQUIRE_EXTENSIONS=1 but the native async backend is not live: {native_aio()[1]}")
+
+    async def main() -> dict[str, object]:
+        old = topology.primary_port()
+        cache = await hotlock.aio.connect(topology.url, backend=aio_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT)
+        try:
+            assert await (await cache.lock("before", ttl=5)).unlock() is True
+            with topology.sentinel() as s:
+                s.execute_command("SENTINEL", "FAILOVER", SERVICE)
+            errors: list[BaseException] = []
+            switched = landed = None
+            deadline = time.monotonic() + 15
+            i = 0
+            while time.monotonic() < deadline:
+                i += 1
+                now = time.monotonic()
+                port = topology.primary_port()
+                if switched is None and port != old:
+                    switched = now
+                try:
+                    lock = await cache.lock(f"gap-{i}", ttl=5)
+                except Exception as exc:
+                    errors.append(exc)
+                    await asyncio.sleep(0.02)
+                    continue
+                if port != old and topology.node(port).get(PREFIX + f"gap-{i}".encode()) == lock._token:
+                    landed = time.monotonic()
+                    break
+                await asyncio.sleep(0.02)
+            return {"switched": switched, "landed": landed, "errors": errors}
+        finally:
+            await cache.close()
+
+    _check_resumed(asyncio.run(main()))

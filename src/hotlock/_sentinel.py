@@ -135,6 +135,10 @@ class PrimaryWatch:
         self._note(found)
         return found
 
+    def due(self) -> bool:
+        """Whether refresh() would ask the sentinels now (async code then runs it off the loop)."""
+        return time.monotonic() - self._asked >= self.REFRESH_S
+
     def refresh(self) -> int:
         """The current epoch, after asking the sentinels again if REFRESH_S has passed."""
         now = time.monotonic()

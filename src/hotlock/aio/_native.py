@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from .._backend import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._backend import unconfirmed
 
@@ -54,6 +55,9 @@ class NativeAsyncBackend:
         self._config = config
         self._protocol_class = protocol_class
         self._proto: AioConnection | None = None
+        # Under Sentinel: where the primary is, and the watch epoch the live connection is of.
+        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
+        self._epoch = 0
         # One connect in flight at a time, shared by every task that needs the connection.
         self._connecting: asyncio.Task[AioConnection] | None = None
 
@@ -79,9 +83,11 @@ class NativeAsyncBackend:
             host, port = config.host, config.port
             if config.sentinels:
                 # Whatever the sentinels name as the primary now, so a reconnect follows a
-                # failover. ServerConfig.primary is a short blocking exchange (bounded by the
-                # connect timeout): it runs in the default executor, off the loop.
-                host, port = await loop.run_in_executor(None, config.primary)
+                # failover. Asking is a short blocking exchange (bounded by the connect
+                # timeout): it runs in the default executor, off the loop.
+                assert self._watch is not None
+                host, port = await loop.run_in_executor(None, self._watch.address)
+                self._epoch = self._watch.epoch
             # The loop's transport does TLS, so rediss:// needs nothing from hiredis.
             tls = ssl.create_default_context() if config.tls else None
             opening = loop.create_connection(factory, host, port, ssl=tls)
@@ -136,6 +142,9 @@ class NativeAsyncBackend:
         retried = False
         while True:
             proto = self._proto
+            if proto is not None and self._watch is not None and await self._primary_moved():
+                # The old primary may take writes until it is demoted: not one more here.
+                proto.abort()
             if proto is None or not proto.usable():
                 proto = await self._connection()
             try:
@@ -155,6 +164,15 @@ class NativeAsyncBackend:
                 # token" as success), so the outcome is neither a stranded key nor a false
                 # conflict.
                 retried = True
+
+    async def _primary_moved(self) -> bool:
+        """Whether the sentinels now name another primary than the live connection's
+        (asked again every PrimaryWatch.REFRESH_S, off the loop)."""
+        watch = self._watch
+        assert watch is not None
+        if watch.due():
+            await asyncio.get_running_loop().run_in_executor(None, watch.refresh)
+        return watch.epoch != self._epoch
 
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)

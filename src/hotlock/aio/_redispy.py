@@ -24,6 +24,7 @@ from redis.retry import Retry
 from .._backend import ServerConfig, cache_error
 from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._backend import unconfirmed
 
@@ -40,6 +41,19 @@ _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 # queue moves as fast as the commands ahead of it, each bounded by the reply timeout, and
 # a long local queue is not a server failure to report as CacheError.
 MAX_CONNECTIONS = 64
+
+
+class _PrimaryConnection(Connection):
+    """A connection to whichever primary the sentinels name at the moment it connects."""
+
+    def __init__(self, *, primary: PrimaryWatch, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._primary = primary
+
+    async def _connect(self) -> None:
+        # Asking is a short blocking exchange (bounded by the connect timeout): off the loop.
+        self.host, self.port = await asyncio.get_running_loop().run_in_executor(None, self._primary.address)
+        await super()._connect()  # type: ignore[no-untyped-call]
 
 
 class RedisAsyncBackend:
@@ -65,26 +79,26 @@ class RedisAsyncBackend:
         self._config = config
         self._redis: aioredis.Redis
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
-        if config.sentinels:
-            # As in sync: redis-py's Sentinel pool asks the sentinels for the primary at
-            # each new connection and drops the connection on READONLY (a demoted primary).
-            # Its pool is not a blocking one, so it is left unbounded.
-            from redis.asyncio.sentinel import Sentinel
-
-            asking = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
-            sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**asking, "protocol": 2})  # type: ignore[no-untyped-call]
-            assert config.service is not None
-            self._redis = sentinel.master_for(config.service, socket_keepalive=True, **kwargs)
+        # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
+        self._watch: PrimaryWatch | None = None
+        self._epoch = 0
+        if config.unix_path is not None:
+            connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
+        elif config.sentinels:
+            # As in sync: every connection asks the sentinels for the primary when it
+            # connects (ServerConfig.primary, not redis.asyncio.sentinel, which can hand
+            # out the old primary for a while after a switch), and _call drops every
+            # connection once the sentinels name another primary.
+            self._watch = PrimaryWatch(config.primary)
+            connection_class = _PrimaryConnection
+            kwargs.update(primary=self._watch, socket_keepalive=True)
         else:
-            if config.unix_path is not None:
-                connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
-            else:
-                connection_class = SSLConnection if config.tls else Connection
-                kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
-            pool = aioredis.BlockingConnectionPool(
-                max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
-            )
-            self._redis = aioredis.Redis(connection_pool=pool)
+            connection_class = SSLConnection if config.tls else Connection
+            kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
+        pool = aioredis.BlockingConnectionPool(
+            max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
         # Acquires in flight, by token: a release of that token waits for them (see _settled).
         self._inflight: dict[bytes, asyncio.Future[Any]] = {}
 
@@ -103,6 +117,8 @@ class RedisAsyncBackend:
     async def _call(
         self, what: str, key: bytes | None, fn: Callable[[], Awaitable[T]], retry_lost_reply: bool = False
     ) -> T:
+        if self._watch is not None:
+            await self._follow_primary()
         try:
             return await fn()
         except _AMBIGUOUS as exc:
@@ -116,6 +132,17 @@ class RedisAsyncBackend:
                 raise await self._error(f"{what} (retried after a lost reply)", key, again) from again
         except (RedisError, OSError) as exc:
             raise await self._error(what, key, exc) from exc
+
+    async def _follow_primary(self) -> None:
+        """Drop every connection once the sentinels name another primary: the old one may
+        take writes until it is demoted (asked again every PrimaryWatch.REFRESH_S, off the loop)."""
+        watch = self._watch
+        assert watch is not None
+        if watch.due():
+            await asyncio.get_running_loop().run_in_executor(None, watch.refresh)
+        if watch.epoch != self._epoch:
+            self._epoch = watch.epoch
+            await self._redis.connection_pool.disconnect()
 
     async def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         if isinstance(exc, ReadOnlyError):
