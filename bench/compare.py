@@ -119,7 +119,7 @@ def _run(
         "hotlock_native_reason": info["reason"],
         "unavailable": {k: v for k, v in unavailable.items() if v},
         "measured_hotlock": [n for n in (*HOTLOCK, "hotlock-aio-native", "hotlock-aio-redis-py") if not unavailable[n]],
-        "command": "python -m bench " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m bench", *sys.argv[1:]]),
         "git": _git_head(),
     }
     print(f"hotlock backends measured: {', '.join(LABELS[n] for n in meta['measured_hotlock']) or 'none'}")
