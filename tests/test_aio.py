@@ -11,6 +11,9 @@ import asyncio
 import logging
 import os
 import random
+import shutil
+import subprocess
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +27,7 @@ import hotlock
 import hotlock.aio
 from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, start_redis
+from .conftest import RedisServer, free_port, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -640,6 +643,44 @@ def test_readonly_is_a_cache_error_that_drops_the_connection(raio: Aio) -> None:
         raio.run(main())
     finally:
         replica.stop()
+
+
+def test_sentinel_url_finds_the_primary(raio: Aio, tmp_path: Any) -> None:
+    """A one-sentinel topology over the session's server: enough to see the async backends
+    ask the sentinel for the primary (failover itself is tests/test_sentinel.py's)."""
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor aiomaster {raio.server.host} {raio.server.port} 1\n"
+    )
+    exe = shutil.which("redis-sentinel")
+    if exe is None:
+        pytest.fail("redis-sentinel is not installed (make test installs it)")
+    proc = subprocess.Popen([exe, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def main() -> None:
+        deadline = time.monotonic() + 10
+        while True:  # until the sentinel answers
+            try:
+                cache = await hotlock.aio.connect(f"redis+sentinel://127.0.0.1:{port}/aiomaster", backend=raio.backend)
+                break
+            except hotlock.CacheError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        async with cache:
+            lock = await cache.lock("job", ttl=5)
+            assert stored(raio, "job") == lock._token  # it landed on the primary
+            assert await lock.unlock()
+        with pytest.raises(hotlock.CacheError, match="nosuch"):
+            await hotlock.aio.connect(f"redis+sentinel://127.0.0.1:{port}/nosuch", backend=raio.backend)
+
+    try:
+        raio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(5)
 
 
 # -- cancellation ---------------------------------------------------------------------
