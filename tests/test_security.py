@@ -6,6 +6,7 @@ exception text.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import shutil
@@ -21,9 +22,11 @@ import pytest
 import redis
 
 import hotlock
+import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
+from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, free_port
+from .conftest import REQUIRE_NATIVE, RedisServer, free_port
 from .faultproxy import FaultProxy
 
 USER = "hotlock_sec"
@@ -308,3 +311,28 @@ def test_config_and_cache_reprs_hide_the_password(redis_backend: str, acl_user: 
     with hotlock.connect(acl_user, backend=redis_backend) as cache:
         for text in (repr(config), config.display, repr(cache), cache.server, str(hotlock.backend_info())):
             assert PASSWORD not in text
+
+
+AIO_BACKENDS = ["redis-py"] + (["native"] if native_aio()[0] is not None or REQUIRE_NATIVE else [])
+
+
+@pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
+def test_the_readme_acl_list_is_enough_for_the_async_api(aio_backend: str, acl_user: str) -> None:
+    async def main() -> None:
+        async with await hotlock.aio.connect(acl_user, backend=aio_backend) as cache:
+            lock = await cache.lock("a", ttl=5)
+            with pytest.raises(LockNotAcquired):
+                await cache.lock("a", ttl=5)
+            await lock.extend(5)
+            assert await lock.unlock() is True
+            await (await cache.lock_wait("b", ttl=5, wait=0.1)).unlock()
+            locks = await cache.lock_many(["d", "e"], ttl=5)
+            assert await cache.extend_many(locks, 5) == [True, True]
+            assert await cache.unlock_many(locks) == [True, True]
+            assert await cache.set_nx("once", "1", ttl=5) is True
+            assert await cache.incr("n") == 1
+        async with await hotlock.aio.connect(acl_user, backend=aio_backend, prefix="elsewhere:") as cache:
+            with pytest.raises(CacheError, match=REFUSED):
+                await cache.lock("a", ttl=5)
+
+    asyncio.run(main())
