@@ -121,6 +121,7 @@ def _run(
         "measured_hotlock": [n for n in (*HOTLOCK, "hotlock-aio-native", "hotlock-aio-redis-py") if not unavailable[n]],
         "command": " ".join(["python -m bench", *sys.argv[1:]]),
         "git": _git_head(),
+        "loadavg_start": _loadavg(),
     }
     print(f"hotlock backends measured: {', '.join(LABELS[n] for n in meta['measured_hotlock']) or 'none'}")
     for n, why in meta["unavailable"].items():
@@ -207,6 +208,7 @@ def _run(
             )
 
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["loadavg_end"] = _loadavg()
     data = {
         "meta": meta,
         "cells": [
@@ -249,6 +251,14 @@ def _machine() -> str:
 def _pkg_version(name: str) -> str:
     done = subprocess.run(["pkg-config", "--modversion", name], capture_output=True, text=True, check=False)
     return done.stdout.strip() or "?"
+
+
+def _loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages: how busy the machine was besides this run."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 def _git_head() -> str:

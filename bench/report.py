@@ -141,6 +141,11 @@ def markdown(data: dict[str, Any]) -> str:
         f"libhiredis {meta['hiredis']}"
     )
     add(f"- pinning: {meta['pinning']}")
+    if "loadavg_start" in meta:
+        add(
+            f"- load average (1/5/15 min) at start {meta['loadavg_start']}, at end {meta.get('loadavg_end', '?')}: "
+            "the run itself accounts for about 2; more means other work shared the cores"
+        )
     add(
         f"- {meta['runs']} rounds, interleaved; {meta['seconds']} s per single-connection and async run, "
         f"{meta['contention_seconds']} s per contention run, {meta['handoff_rounds']} handoffs per handoff run; "
@@ -153,6 +158,13 @@ def markdown(data: dict[str, Any]) -> str:
     add("")
 
     c_agg = {w: _agg(data, w, "C-hiredis") for w in ("cycle", "extend", "batch")}
+
+    glance = at_a_glance(data)
+    if glance:
+        add("## At a glance")
+        add("")
+        lines.extend(f"- {line}" for line in glance)
+        add("")
 
     add("## One connection, no contention")
     add("")
@@ -302,6 +314,49 @@ def markdown(data: dict[str, Any]) -> str:
         add(NOTES.read_text().rstrip())
         add("")
     return "\n".join(lines)
+
+
+def at_a_glance(data: dict[str, Any]) -> list[str]:
+    """A few headline sentences, each from numbers in the tables below."""
+    out: list[str] = []
+    for w, what in (("cycle", "acquire + release"), ("extend", "extend")):
+        nat = _agg(data, w, "hotlock-native")
+        c = _agg(data, w, "C-hiredis")
+        peer_name, peer = _best_peer(data, w)
+        if nat and peer and c:
+            out.append(
+                f"{what}, one connection: hotlock native {_num(nat['median'])}/s, "
+                f"{nat['median'] / peer['median']:.2f}{X} the best peer ({LABELS[peer_name or '']}), "
+                f"{nat['median'] / c['median']:.2f}{X} the C loop"
+            )
+    aio = _agg(data, "async", "hotlock-aio-native", loop="uvloop", tasks=100)
+    base = _agg(data, "async", "redis.asyncio-Lock", loop="uvloop", tasks=100)
+    if aio and base:
+        out.append(
+            f"asyncio, 100 tasks on uvloop: hotlock.aio native {_num(aio['median'])} cycles/s, "
+            f"{aio['median'] / base['median']:.1f}{X} redis.asyncio's Lock"
+        )
+    for mode, who in (("threads", "8 threads"), ("processes", "4 processes")):
+        nat = _agg(data, "contention", "hotlock-native", mode=mode)
+        peer_name, peer = _best_peer(data, "contention", mode=mode)
+        if nat and peer:
+            out.append(
+                f"contention, {who} on 16 keys: hotlock native {_num(nat['median'])} sections/s with p99 wait "
+                f"{_ms(nat['wait_p99'])} ms; best peer {LABELS[peer_name or '']} {_num(peer['median'])} sections/s, "
+                f"p99 {_ms(peer['wait_p99'])} ms"
+            )
+    hand = {n: _agg(data, "handoff", n) for n in ("hotlock-native", "python-redis-lock", "redis-py-Lock")}
+    if all(hand.values()):
+        out.append(
+            "handoff p50/p99: hotlock native "
+            + ", ".join(
+                f"{LABELS[n] + ' ' if n != 'hotlock-native' else ''}{_ms(a['p50'])}/{_ms(a['p99'])} ms"
+                for n, a in hand.items()
+                if a
+            )
+            + " (python-redis-lock is woken by its release; hotlock polls with backoff)"
+        )
+    return out
 
 
 def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
