@@ -186,6 +186,52 @@ def test_native_lock_wait_sleeps_without_the_gil(ncache: hotlock.Cache, counter:
     assert counter.ran_for(before) > 0.4 * elapsed
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_native_lock_wait_runs_signal_handlers_between_attempts(ncache: hotlock.Cache) -> None:
+    """The C loop hands the GIL back between attempts, so Ctrl-C (any Python signal
+    handler) ends a long wait promptly instead of after it."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    ncache.lock("held-for-signal", ttl=30)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            ncache.lock_wait("held-for-signal", ttl=5, wait=10)
+        assert time.monotonic() - started < 0.2 + 0.3
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_native_error_replies_are_cache_errors_naming_key_and_server(
+    ncache: hotlock.Cache, redis_server: RedisServer
+) -> None:
+    redis_server.client().set(b"hotlock:count:text", b"not a number")
+    with pytest.raises(CacheError, match="not an integer") as info:
+        ncache.incr("text")
+    assert info.value.key == "hotlock:count:text"
+    assert info.value.server == ncache.server
+    # A key of another type under the lock's name: the script's error, not contention.
+    redis_server.client().rpush(PREFIX + b"wrongtype", b"x")
+    with pytest.raises(CacheError, match="WRONGTYPE") as lock_info:
+        ncache.lock("wrongtype", ttl=5)
+    assert not isinstance(lock_info.value, LockNotAcquired)
+    # The connection survives an error reply: nothing is left unread on it.
+    connections = connections_received(redis_server)
+    assert ncache.incr("fine", 2) == 2
+    fields = ncache._backend.info()
+    assert fields is not None and fields["redis_version"] == redis_server.client().info()["redis_version"]
+    assert connections_received(redis_server) == connections
+
+
 def test_native_reply_timeout_bounds_every_read(redis_url: str, redis_server: RedisServer) -> None:
     cache = hotlock.connect(redis_url, backend="native", timeout=0.3)
     try:
