@@ -134,6 +134,9 @@ cdef class AioCore:
     cdef object _reply_error
     cdef object _not_sent
     cdef readonly int pid
+    # transport.write calls so far: the coalescing of one loop iteration's commands into
+    # one write is the point of this protocol, and tests hold it to that.
+    cdef readonly unsigned long long writes
 
     def __cinit__(self, loop, double timeout, reply_error, not_sent):
         self._reader = redisReaderCreate()
@@ -215,6 +218,7 @@ cdef class AioCore:
         # A fresh buffer: the transport may keep a view of the one it was given.
         self._wbuf = bytearray()
         self._unflushed = 0
+        self.writes += 1
         self._transport.write(data)
 
     # -- receiving --------------------------------------------------------------------
@@ -260,12 +264,17 @@ cdef class AioCore:
 
     def _check_timeout(self):
         self._timer = None
-        if self._closed or len(self._waiters) == self._unflushed:
+        if self._closed or not self._waiters:
             return
+        now = self._loop.time()
+        if len(self._waiters) == self._unflushed:
+            # Nothing written is waiting, only commands about to be flushed: their clock
+            # starts now. (Stopping the timer here would leave them with none at all.)
+            self._progress_at = now
         # Redis answers a connection in order, so "no reply byte for `timeout` while a
         # written command waits" is exactly "the oldest command got no reply in time".
         due = self._progress_at + self._timeout
-        if self._loop.time() >= due:
+        if now >= due:
             self._timed_out = True
             self._broken("no reply within the timeout")
             return

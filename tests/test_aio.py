@@ -171,7 +171,7 @@ def test_lock_wait_gets_the_lock_when_the_holder_releases(aio: Aio) -> None:
             loop.call_later(0.05, lambda: asyncio.ensure_future(holder.unlock()))
             start = loop.time()
             lock = await cache.lock_wait("job", ttl=5, wait=2)
-            assert 0.03 < loop.time() - start < 1.0
+            assert 0.03 < loop.time() - start < 2.0
             assert await lock.unlock()
 
     aio.run(main())
@@ -186,12 +186,12 @@ def test_lock_wait_gives_up_at_the_deadline_and_wait_zero_is_one_attempt(aio: Ai
             with pytest.raises(hotlock.LockNotAcquired) as info:
                 await cache.lock_wait("job", ttl=5, wait=timedelta(milliseconds=150))
             took = loop.time() - start
-            assert 0.14 <= took < 0.6
+            assert 0.14 <= took < 1.5
             assert "after waiting 0.150 s" in str(info.value)
             start = loop.time()
             with pytest.raises(hotlock.LockNotAcquired):
                 await cache.lock_wait("job", ttl=5, wait=0)
-            assert loop.time() - start < 0.1
+            assert loop.time() - start < 0.5
             # The module-level twin, usable with async with.
             async with hotlock.aio.lock_wait(cache, "other", 5, 0.1) as lock:
                 assert lock.key == "other"
@@ -205,8 +205,8 @@ def test_lock_wait_wakes_when_the_holders_ttl_runs_out(aio: Aio) -> None:
             await cache.lock("job", ttl=0.1)  # never released: expires by its TTL
             loop = asyncio.get_running_loop()
             start = loop.time()
-            lock = await cache.lock_wait("job", ttl=5, wait=3)
-            assert loop.time() - start < 1.0
+            lock = await cache.lock_wait("job", ttl=5, wait=5)
+            assert loop.time() - start < 2.5
             assert await lock.unlock()
 
     aio.run(main())
@@ -538,8 +538,8 @@ def test_a_silent_server_costs_one_reply_timeout_and_then_it_reconnects(raio: Ai
             start = loop.time()
             with pytest.raises(hotlock.CacheError, match="no reply within the timeout") as info:
                 await cache.incr("n")
-            # One reply timeout, not redis-py's default ten retries.
-            assert loop.time() - start < 0.5
+            # One reply timeout (0.2 s), not redis-py's default ten retries (2 s).
+            assert loop.time() - start < 1.5
             assert "hotlock:count:n" in str(info.value) and cache.server in str(info.value)
             proxy.blackhole(False)
             assert await cache.incr("m") == 1
@@ -712,13 +712,15 @@ def test_cancelling_unlock_still_releases(aio: Aio) -> None:
 
 
 def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
-    """1000 tasks each take a lock of its own (some via lock_wait on a contended key, some
-    via with_lock, some releasing it again), each cancelled at a random moment. Afterwards
-    no key may hold a token whose acquisition was cancelled."""
+    """1000 tasks each take a lock of its own (by lock, lock_wait, with_lock or lock_many,
+    some releasing it again), each cancelled at a random moment. Afterwards no key may hold
+    a token whose acquisition was cancelled."""
     rng = random.Random(4)
 
     async def main() -> None:
-        cache = await aio.connect()
+        # A generous reply timeout: on a loaded CI machine a 2 s one can run out, and a
+        # release that times out leaves its key to the TTL by design, not by a bug.
+        cache = await aio.connect(timeout=15)
         loop = asyncio.get_running_loop()
         kept: dict[str, hotlock.aio.AsyncLock] = {}
         cancelled = 0
@@ -727,15 +729,19 @@ def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
             await asyncio.sleep(rng.uniform(0, 0.002))
 
         async def attempt(i: int) -> None:
-            key, kind = f"c{i}", i % 4
+            key, kind = f"c{i}", i % 5
             if kind == 0:
                 kept[key] = await cache.lock(key, ttl=30)
             elif kind == 1:
                 await (await cache.lock(key, ttl=30)).unlock()
             elif kind == 2:
                 await cache.with_lock(key, 30, body)
-            else:
+            elif kind == 3:
                 kept[key] = await cache.lock_wait(key, ttl=30, wait=5)
+            else:
+                (lock,) = await cache.lock_many([key], ttl=30)
+                assert lock is not None
+                kept[key] = lock
 
         # A first timing pass measures one round trip, so the cancel points spread over
         # before the send, in flight, and after the reply on every backend and loop.
@@ -757,7 +763,8 @@ def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
                 elif outcome is not None:
                     raise outcome
         await cache.close()  # lets the background releases land
-        assert cancelled > 300, "the cancellations mostly missed: the test tests nothing"
+        # The in-process backend has no await inside an operation, so fewer cancels land.
+        assert cancelled > (150 if aio.backend == "memory" else 300), "the cancellations mostly missed"
 
         # Every key not held by a surviving lock object is free; the held ones hold their token.
         async with await aio.connect() as check:
@@ -775,8 +782,25 @@ def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
 # -- many tasks, one connection -------------------------------------------------------
 
 
+def test_native_commands_of_one_loop_iteration_leave_in_one_write(raio: Aio) -> None:
+    if raio.backend != "native":
+        pytest.skip("the write coalescing is the native protocol's")
+
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            proto: Any = cache._backend._proto  # type: ignore[attr-defined]
+            before = proto.writes
+            # 100 tasks, each sending an acquire in the same loop iteration: one write.
+            locks = await asyncio.gather(*(cache.lock(f"k{i}", ttl=5) for i in range(100)))
+            assert proto.writes == before + 1
+            assert all(await asyncio.gather(*(lk.unlock() for lk in locks)))
+            assert proto.writes == before + 2
+
+    raio.run(main())
+
+
 def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
-    n = 10_000 if aio.backend != "redis-py" else 2_000  # redis.asyncio queues on its pool
+    n = 10_000 if aio.backend != "redis-py" else 1_000  # redis.asyncio queues on its pool
 
     async def main() -> None:
         async with await aio.connect() as cache:

@@ -26,9 +26,6 @@ R = TypeVar("R")
 
 log = logging.getLogger("hotlock")
 
-# How long close() lets background releases of interrupted acquisitions finish.
-_DRAIN_SECONDS = 2.0
-
 
 class AsyncCache:
     """Locks, idempotency keys and counters on one async backend. Make one with
@@ -237,8 +234,9 @@ class AsyncCache:
 
     async def close(self) -> None:
         if self._background:
-            # Let the releases of interrupted acquisitions land before the connection goes.
-            await asyncio.wait(set(self._background), timeout=_DRAIN_SECONDS)
+            # Let the releases of interrupted acquisitions land before the connection goes
+            # (each is bounded by the reply and connect timeouts, so this wait is too).
+            await asyncio.wait(set(self._background))
         await self._backend.close()
 
     async def __aenter__(self) -> AsyncCache:
