@@ -274,6 +274,26 @@ def test_script_flush_costs_one_reload_per_flush(rcache: hotlock.Cache, redis_se
     assert commandstat(redis_server, "script|load") - loads == flushes * 3
 
 
+def test_readonly_is_a_cache_error_that_drops_the_connection(redis_backend: str, own_server: RedisServer) -> None:
+    """A primary demoted under a client (what a failover does to the old one)."""
+    other = start_redis()
+    cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
+    try:
+        cache.lock("before", ttl=5).unlock()
+        own_server.client().replicaof("127.0.0.1", other.port)
+        with pytest.raises(CacheError, match="READONLY") as info:
+            cache.lock("refused", ttl=5)
+        assert not isinstance(info.value, LockNotAcquired)
+        own_server.client().replicaof("NO", "ONE")
+        connects = int(own_server.client().info("stats")["total_connections_received"])
+        # The connection that saw READONLY was dropped: the next call makes a new one.
+        cache.lock("after", ttl=5)
+        assert int(own_server.client().info("stats")["total_connections_received"]) > connects
+    finally:
+        cache.close()
+        other.stop()
+
+
 # -- eviction -------------------------------------------------------------------------
 
 
