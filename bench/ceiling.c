@@ -14,6 +14,9 @@
  * one from os.urandom: the same work per cycle, so CPU per cycle compares fairly.
  * Prints one JSON line: operations, seconds, and the client's user and system CPU
  * seconds (getrusage) over the timed part only (after a short warm-up).
+ *
+ * CEILING_COUNT=N in the environment runs exactly N operations with no warm-up instead
+ * of a timed loop: for instruction counts under callgrind (bench/profile_notes.md).
  */
 #define _GNU_SOURCE
 #include <hiredis.h>
@@ -165,6 +168,15 @@ int main(int argc, char **argv) {
         token(held_tok, TOKEN);
         append(sha_acquire, held_key, held_len, held_tok, 1);
         if (reply_int() != 0) die("could not take the lock to extend", NULL);
+    }
+
+    const char *count = getenv("CEILING_COUNT");
+    if (count) {
+        long n = atol(count);
+        for (long i = 0; i < n; i++) op();
+        printf("{\"mode\": \"%s\", \"ops\": %ld}\n", mode, n);
+        redisFree(ctx);
+        return 0;
     }
 
     double warm = seconds / 5 < 0.2 ? seconds / 5 : 0.2;
