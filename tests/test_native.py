@@ -317,6 +317,8 @@ def test_native_close_while_another_thread_waits_on_a_reply(ncache: hotlock.Cach
 # -- fork ----------------------------------------------------------------------------------
 
 
+# Python 3.12+ warns about fork() with other threads alive (a daemon thread of an earlier
+# test may be); these tests fork on purpose, and the child touches only what they check.
 def _in_child(fn: object) -> int:
     """Run fn() in a forked child; its exit status (0: fn returned; 1: it raised)."""
     pid = os.fork()
@@ -333,6 +335,7 @@ def _in_child(fn: object) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_native_forked_child_inherited_lock_does_nothing(ncache: hotlock.Cache, redis_server: RedisServer) -> None:
     lock = ncache.lock("parent", ttl=30)
     evalsha = commandstat(redis_server, "evalsha")
@@ -360,6 +363,7 @@ def test_native_forked_child_inherited_lock_does_nothing(ncache: hotlock.Cache, 
     assert lock.unlock() is True
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_native_forked_child_reconnects_and_locks(ncache: hotlock.Cache, redis_server: RedisServer) -> None:
     parent_lock = ncache.lock("p", ttl=30)
     connections = connections_received(redis_server)
