@@ -108,6 +108,7 @@ class RedisPyBackend:
             self._epoch = self._watch.epoch
             pool.disconnect()
         conn = pool.get_connection()
+        complete = False
         try:
             conn.send_packed_command(conn.pack_commands(commands))
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -118,8 +119,13 @@ class RedisPyBackend:
                     replies.append(conn.read_response(**kw))
                 except ResponseError as exc:
                     replies.append(exc)
+            complete = True
             return replies
         finally:
+            if not complete:
+                # Interrupted between replies (KeyboardInterrupt, say): replies may still be
+                # on their way, and the next user of this connection would read them.
+                conn.disconnect()
             pool.release(conn)
 
     def _scripts(self, script: Script, calls: Sequence[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
