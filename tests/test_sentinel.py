@@ -323,6 +323,8 @@ def test_wait_replicas_closes_the_simple_two_holder_window(redis_backend: str, p
         assert topo.node(topo.primary.port).get(PREFIX + b"invoice-1") is None
         with pytest.raises(CacheError, match="replicas"):
             a.lock_many(["invoice-2", "invoice-3"], ttl=30)
+        with pytest.raises(CacheError, match="replicas"):
+            a.lock_wait("invoice-4", ttl=30, wait=1)
         assert topo.node(topo.primary.port).keys(PREFIX + b"*") == []
         # ...and after the failover there is exactly one holder.
         _failover_to_the_stale_replica(topo)
