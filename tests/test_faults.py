@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import hotlock
 import hotlock.aio
@@ -58,6 +60,24 @@ def commandstat(server: RedisServer, command: str) -> int:
     stats = server.client().info("commandstats")
     entry = stats.get(f"cmdstat_{command}")
     return int(entry["calls"]) if entry else 0
+
+
+def test_fault_proxy_stops_promptly_with_connections_open(redis_server: RedisServer) -> None:
+    """The proxy is bounded: stop() ends its thread even mid-blackhole with clients connected."""
+    proxy = FaultProxy(redis_server.port).start()
+    # No retries: redis-py's default ones would stretch each failure below into seconds.
+    client = redis.Redis(port=proxy.port, socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    assert client.ping() is True
+    proxy.blackhole(True)
+    with pytest.raises(redis.TimeoutError):
+        client.ping()
+    started = time.monotonic()
+    proxy.stop()
+    assert time.monotonic() - started < 2.0
+    assert not proxy._thread.is_alive()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()  # nothing listens any more
+    client.close()
 
 
 # -- ambiguous replies ----------------------------------------------------------------
