@@ -448,8 +448,12 @@ def chart(data: dict[str, Any], path: Path) -> None:
         if line:
             ax.axvline(line[1], color="black", linestyle="--", linewidth=1)
             ax.text(line[1], len(rows) - 0.5, f" {line[0]}", fontsize=7, va="bottom")
-        for i, m in enumerate(med):
-            ax.text(m, i, f" {m:,.0f}", va="center", fontsize=7)
+        # Value labels right of the error bars, with room made for them.
+        ends = [a["max"] for _, a in rows]
+        for i, (m, end) in enumerate(zip(med, ends, strict=True)):
+            ax.text(end, i, f"  {m:,.0f}", va="center", fontsize=7)
+        if ends:
+            ax.set_xlim(0, max([*ends, line[1] if line else 0.0]) * 1.3)
 
     def rows_for(section: str, names: list[str], **params: Any) -> list[tuple[str, dict[str, Any] | None]]:
         return [(LABELS[n], _agg(data, section, n, **params)) for n in names]
@@ -490,8 +494,8 @@ def chart(data: dict[str, Any], path: Path) -> None:
     ax.set_yticks(list(ys), [n for n, _ in hrows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_title("handoff: release → waiter's acquire (lower is better)", fontsize=10)
-    ax.set_xlabel("ms (log scale)", fontsize=8)
+    ax.set_title("handoff: release → waiter's acquire", fontsize=10)
+    ax.set_xlabel("ms, log scale (lower is better)", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=90)
