@@ -40,7 +40,9 @@ _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 # Tasks beyond this queue for a free connection with no time limit of their own: the
 # queue moves as fast as the commands ahead of it, each bounded by the reply timeout, and
 # a long local queue is not a server failure to report as CacheError.
-MAX_CONNECTIONS = 64
+# 128 keeps a hundred concurrent tasks out of the queue (its wake-ups cost more than the
+# commands) while bounding what one process asks of Redis.
+MAX_CONNECTIONS = 128
 
 
 class _PrimaryConnection(Connection):
