@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
+from ._ident import TOKEN_BYTES, new_token, new_tokens
 from ._lock import Lock, shown
 from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
 from .errors import LockNotAcquired
@@ -19,8 +19,6 @@ __all__ = ["TOKEN_BYTES", "Cache"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-TOKEN_BYTES = 16
 
 # The key layout under the prefix (documented in the README).
 LOCK_SPACE = b"lock:"
@@ -61,7 +59,7 @@ class Cache:
         """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
         name = self._lock_prefix + key_bytes(key)
         ms = ttl_ms(ttl)
-        token = os.urandom(TOKEN_BYTES)
+        token = new_token()
         sent = time.monotonic()
         result = self._backend.acquire(name, token, ms)
         if result:
@@ -77,7 +75,7 @@ class Cache:
         name = self._lock_prefix + key_bytes(key)
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
-        token = os.urandom(TOKEN_BYTES)
+        token = new_token()
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
         if result:
             raise self._not_acquired(key, result, wait_for)
@@ -97,8 +95,7 @@ class Cache:
         ms = ttl_ms(ttl)
         if not names:
             return []
-        pool = os.urandom(TOKEN_BYTES * len(names))
-        tokens = [pool[i : i + TOKEN_BYTES] for i in range(0, len(pool), TOKEN_BYTES)]
+        tokens = new_tokens(len(names))
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
         return [

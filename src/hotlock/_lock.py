@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from . import _ident
 from ._validate import Seconds, ttl_ms
 from .errors import LockLost
 
@@ -40,7 +40,7 @@ class Lock:
         self._name = name  # the Redis key, prefix included
         self._token = token  # b"" once released: nothing more is sent for this lock
         self._ttl_ms = ttl
-        self._pid = os.getpid()
+        self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
 
@@ -62,7 +62,7 @@ class Lock:
         when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
         """
         ms = self._ttl_ms if ttl is None else ttl_ms(ttl)
-        if self._pid != os.getpid():
+        if self._pid != _ident.pid:
             raise self._lost(f"was taken by process {self._pid}; a forked child cannot extend it")
         if not self._token:
             raise self._lost("was already released")
@@ -85,7 +85,7 @@ class Lock:
 
     def _sendable(self) -> bool:
         """Not yet released, and taken by this process (a forked child sends nothing)."""
-        return bool(self._token) and self._pid == os.getpid()
+        return bool(self._token) and self._pid == _ident.pid
 
     def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.

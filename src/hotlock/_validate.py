@@ -26,7 +26,7 @@ __all__ = [
 
 Seconds = int | float | timedelta
 
-DEFAULT_TTL = 30.0
+DEFAULT_TTL = 30
 MAX_KEY_BYTES = 1024
 # "It always expires" must mean something: a week is the longest lease we grant.
 MAX_TTL_MS = 7 * 24 * 3600 * 1000
@@ -73,6 +73,9 @@ def _seconds(value: object, name: str) -> float:
 
 
 def ttl_ms(ttl: object, name: str = "ttl") -> int:
+    # The common case, whole seconds in range, skips the general checks: this is the hot path.
+    if type(ttl) is int and 0 < ttl <= MAX_TTL_MS // 1000:
+        return ttl * 1000
     seconds = _seconds(ttl, name)
     ms = round(seconds * 1000)
     if ms <= 0:
