@@ -171,28 +171,26 @@ int main(int argc, char **argv) {
     }
 
     const char *count = getenv("CEILING_COUNT");
-    if (count) {
-        long n = atol(count);
-        for (long i = 0; i < n; i++) op();
-        printf("{\"mode\": \"%s\", \"ops\": %ld}\n", mode, n);
-        redisFree(ctx);
-        return 0;
-    }
-
-    double warm = seconds / 5 < 0.2 ? seconds / 5 : 0.2;
-    double end = now() + warm;
-    while (now() < end)
-        for (int i = 0; i < CHUNK; i++) op();
-
     long ops = 0;
-    double u0 = cpu(1), s0 = cpu(0), t0 = now();
-    end = t0 + seconds;
-    double t1;
-    do {
-        for (int i = 0; i < CHUNK; i++) op();
-        ops += CHUNK;
-    } while ((t1 = now()) < end);
-    double u1 = cpu(1), s1 = cpu(0);
+    double u0, s0, t0, t1, u1, s1;
+    if (count) {
+        ops = atol(count);
+        u0 = cpu(1), s0 = cpu(0), t0 = now();
+        for (long i = 0; i < ops; i++) op();
+    } else {
+        double warm = seconds / 5 < 0.2 ? seconds / 5 : 0.2;
+        double end = now() + warm;
+        while (now() < end)
+            for (int i = 0; i < CHUNK; i++) op();
+        u0 = cpu(1), s0 = cpu(0), t0 = now();
+        end = t0 + seconds;
+        do {
+            for (int i = 0; i < CHUNK; i++) op();
+            ops += CHUNK;
+        } while (now() < end);
+    }
+    t1 = now();
+    u1 = cpu(1), s1 = cpu(0);
 
     if (op == one_extend) {
         append(sha_release, held_key, held_len, held_tok, 0);
