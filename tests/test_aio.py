@@ -221,7 +221,7 @@ def test_extend_sets_the_ttl_from_now_and_raises_lock_lost_when_gone(aio: Aio) -
             if aio.backend != "memory":
                 assert 29_000 < aio.side.pttl(lock_key("job")) <= 30_000
             await lock.extend(0.1)  # shorter: never added to what is left
-            assert lock.valid_for() <= 0.1
+            assert lock.valid_for() <= 0.1 + 1e-9  # (float noise of sent + 0.1 - now)
             await asyncio.sleep(0.15)
             assert lock.valid_for() == 0.0
             with pytest.raises(hotlock.LockLost) as info:

@@ -7,13 +7,14 @@ tokens, integer milliseconds, CacheError for every Redis failure. There is no
 
 from __future__ import annotations
 
+import asyncio
 from types import ModuleType
 from typing import Protocol
 
 from .._backend import ServerConfig, cache_error, native_module
 from ..errors import CacheError
 
-__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend", "unconfirmed"]
+__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend", "retry_until", "unconfirmed"]
 
 
 class AsyncBackend(Protocol):
@@ -26,7 +27,12 @@ class AsyncBackend(Protocol):
     # release an interrupted acquisition in the background.
 
     # 0 for "acquired", else the holder's remaining TTL in ms or -1: _scripts.ACQUIRE.
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int: ...
+    # ``since`` (loop time) and ``wait_ms`` are those of the lock_wait this attempt belongs
+    # to: as in sync, a lost-reply retry ends by since + max(wait, timeout) + timeout, so
+    # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout.
+    async def acquire(
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0
+    ) -> int: ...
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]: ...
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool: ...
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]: ...
@@ -90,3 +96,9 @@ def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | Non
         config.display,
         key,
     )
+
+
+def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
+    """Until when (loop time) a lost acquire reply may still be retried; see AsyncBackend.acquire."""
+    start = asyncio.get_running_loop().time() if since is None else since
+    return start + max(wait_ms / 1000.0, timeout) + timeout

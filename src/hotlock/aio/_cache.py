@@ -84,11 +84,12 @@ class AsyncCache:
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
+        since = loop.time()
         try:
             while True:
                 sent = loop.time()
                 maybe_held = True
-                result = await self._backend.acquire(name, token, ms)
+                result = await self._backend.acquire(name, token, ms, since, wait_for or 0)
                 if result == 0:
                     return AsyncLock(self, loop, key, name, token, ms, sent)
                 maybe_held = False

@@ -19,7 +19,7 @@ from .._backend import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._backend import unconfirmed
+from ._backend import retry_until, unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
@@ -138,7 +138,12 @@ class NativeAsyncBackend:
 
     # -- round trips ------------------------------------------------------------------
 
-    async def _roundtrip(self, what: str, key: bytes | None, send: Send, retry_lost_reply: bool = False) -> Any:
+    async def _roundtrip(
+        self, what: str, key: bytes | None, send: Send, retry_lost_reply: bool = False, until: float | None = None
+    ) -> Any:
+        """Send on the live connection (reconnecting first if it broke); with
+        ``retry_lost_reply``, a lost reply is followed by one more try, which ends by
+        ``until`` (loop time) when given, else within one more reply timeout."""
         retried = False
         while True:
             proto = self._proto
@@ -164,6 +169,27 @@ class NativeAsyncBackend:
                 # token" as success), so the outcome is neither a stranded key nor a false
                 # conflict.
                 retried = True
+                if until is not None:
+                    return await self._retry_by(what, key, send, until, exc)
+
+    async def _retry_by(self, what: str, key: bytes | None, send: Send, until: float, lost: BaseException) -> Any:
+        """The one retry after a lost reply, reconnect included, cut off at ``until``."""
+        left = min(self._config.timeout, until - asyncio.get_running_loop().time())
+        if left < 0.001:
+            raise self._error(what, key, lost) from lost
+
+        async def once() -> Any:
+            proto = self._proto
+            if proto is None or not proto.usable():
+                proto = await self._connection()
+            return await send(proto)
+
+        try:
+            # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
+            # connect in flight goes on for the next caller: cutting this short is safe.
+            return await asyncio.wait_for(once(), left)
+        except _LOST as again:
+            raise self._error(f"{what} (retried after a lost reply)", key, again) from again
 
     async def _primary_moved(self) -> bool:
         """Whether the sentinels now name another primary than the live connection's
@@ -183,14 +209,16 @@ class NativeAsyncBackend:
             self._proto.abort()
         return cache_error(f"{what} failed: the server replied {reply}", self.server, key)
 
-    async def _script(self, what: str, script: Script, key: bytes, *args: bytes | int, retry: bool = False) -> Any:
+    async def _script(
+        self, what: str, script: Script, key: bytes, *args: bytes | int, retry: bool = False, until: float | None = None
+    ) -> Any:
         command = (b"EVALSHA", script.sha, 1, key, *args)
-        reply = await self._roundtrip(what, key, lambda p: p.execute(*command), retry)
+        reply = await self._roundtrip(what, key, lambda p: p.execute(*command), retry, until)
         if _noscript(reply):
             # Restart, SCRIPT FLUSH or failover emptied the script cache. The load and
             # the retry go together on one connection, so they cost one round trip.
             load = (b"SCRIPT", b"LOAD", script.source)
-            loaded, reply = await self._roundtrip(what, key, lambda p: p.pipeline([load, command]), retry)
+            loaded, reply = await self._roundtrip(what, key, lambda p: p.pipeline([load, command]), retry, until)
             if isinstance(loaded, ReplyError):
                 raise self._refused(what, key, loaded)
         if isinstance(reply, ReplyError):
@@ -245,10 +273,11 @@ class NativeAsyncBackend:
     # Ordering promise: every command of this backend goes through one connection in
     # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
         if self._config.wait_replicas:
             return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms))[0]
-        return int(await self._script("acquire", ACQUIRE, key, token, ttl_ms, retry=True))
+        until = retry_until(since, wait_ms, self._config.timeout)
+        return int(await self._script("acquire", ACQUIRE, key, token, ttl_ms, retry=True, until=until))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         if self._config.wait_replicas:

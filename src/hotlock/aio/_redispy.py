@@ -26,7 +26,7 @@ from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._backend import unconfirmed
+from ._backend import retry_until, unconfirmed
 
 __all__ = ["RedisAsyncBackend"]
 
@@ -63,6 +63,7 @@ class RedisAsyncBackend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._timeout = config.timeout
         kwargs: dict[str, Any] = {
             "username": config.username,
             "password": config.password,
@@ -117,8 +118,16 @@ class RedisAsyncBackend:
     # -- plumbing ---------------------------------------------------------------------
 
     async def _call(
-        self, what: str, key: bytes | None, fn: Callable[[], Awaitable[T]], retry_lost_reply: bool = False
+        self,
+        what: str,
+        key: bytes | None,
+        fn: Callable[[], Awaitable[T]],
+        retry_lost_reply: bool = False,
+        until: float | None = None,
     ) -> T:
+        """Run ``fn`` and turn every failure into CacheError. With ``retry_lost_reply``, a
+        lost reply is followed by one more try, which ends by ``until`` (loop time) when
+        given, else within one more reply timeout."""
         if self._watch is not None:
             await self._follow_primary()
         try:
@@ -128,8 +137,13 @@ class RedisAsyncBackend:
                 raise await self._error(what, key, exc) from exc
             # The reply was lost and the command may have run: send it once more as it was
             # (same token; the acquire script counts "already my token" as success).
+            left = None if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
+            if left is not None and left < 0.001:
+                raise await self._error(what, key, exc) from exc
             try:
-                return await fn()
+                return await (fn() if left is None else asyncio.wait_for(fn(), left))
+            except TimeoutError as again:  # the retry's own time ran out (wait_for)
+                raise await self._error(f"{what} (retried after a lost reply)", key, RedisTimeoutError()) from again
             except (RedisError, OSError) as again:
                 raise await self._error(f"{what} (retried after a lost reply)", key, again) from again
         except (RedisError, OSError) as exc:
@@ -224,11 +238,12 @@ class RedisAsyncBackend:
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
         if self._config.wait_replicas:
             return (await self._shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[0]
+        until = retry_until(since, wait_ms, self._timeout)
         reply = await self._shielded(
-            [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True)
+            [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True, until)
         )
         return int(reply)
 
