@@ -497,11 +497,6 @@ def aio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hotlock.aio retries a lost acquire reply with a second full reply timeout: AsyncBackend.acquire "
-    "is not told the lock_wait deadline (measured wait + 2 timeouts); the sync backends bound the retry",
-)
 def test_async_blackhole_during_lock_wait_is_a_cache_error_within_wait_plus_one_reply_timeout(
     aio_backend: str, proxy: FaultProxy
 ) -> None:
