@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 APT_PACKAGES := redis-server redis-sentinel redis-tools libhiredis-dev pkg-config gcc openssl
 
-.PHONY: deps venv compile test test-pure lint bench demo clean
+.PHONY: deps venv compile test test-slow test-pure lint bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -35,12 +35,16 @@ venv: deps $(VENV)/.installed
 compile: venv
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
 
+# The long fault and soak runs (marked slow) have short forms that run here; test-slow runs them whole.
 test: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q
+	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m "not slow"
+
+test-slow: compile
+	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m slow
 
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv
-	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q
+	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples
