@@ -47,6 +47,24 @@ class _PrimaryConnection(redis.Connection):
         return super()._connect()  # type: ignore[no-untyped-call]
 
 
+class _TLSConnection(redis.SSLConnection):
+    """TLS that is not mistaken for a dirty connection.
+
+    The pool asks can_read() before handing out a connection and drops one that has data.
+    With the hiredis parser that means "the socket is readable", and a TLS 1.3 server's
+    session tickets, sent just after the handshake, make it readable with no reply in it:
+    a fresh connection then fails "Connection not ready" about one time in seven. Reading
+    without blocking lets OpenSSL take the tickets; only a reply (stale data) or EOF count.
+    """
+
+    def can_read(self, timeout: float = 0) -> bool:
+        parser = self._parser
+        reader = getattr(parser, "_reader", None)
+        if reader is not None and not reader.has_data() and hasattr(parser, "read_from_socket"):
+            return bool(parser.read_from_socket(timeout=timeout, raise_on_timeout=False))
+        return bool(super().can_read(timeout))
+
+
 class RedisPyBackend:
     name = "redis-py"
 
@@ -90,7 +108,10 @@ class RedisPyBackend:
         elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
-            self._redis = redis.Redis(host=config.host, port=config.port, ssl=config.tls, **kwargs)
+            # TLS through redis-py's SSLConnection defaults: certificate and hostname checked.
+            kind = _TLSConnection if config.tls else redis.Connection
+            pool = redis.ConnectionPool(connection_class=kind, host=config.host, port=config.port, **kwargs)
+            self._redis = redis.Redis(connection_pool=pool)
         self._load_scripts()
 
     # -- plumbing ---------------------------------------------------------------------
