@@ -336,3 +336,23 @@ def test_the_readme_acl_list_is_enough_for_the_async_api(aio_backend: str, acl_u
                 await cache.lock("a", ttl=5)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
+def test_async_rediss_verifies_certificate_and_hostname(
+    aio_backend: str, tls_server: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, ca = tls_server
+
+    async def main() -> None:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        with pytest.raises(CacheError, match=r"(?i)certificate verify failed"):
+            await hotlock.aio.connect(f"rediss://localhost:{port}/0", backend=aio_backend, timeout=2)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        with pytest.raises(CacheError, match=r"(?i)hostname|IP address mismatch|doesn't match"):
+            await hotlock.aio.connect(f"rediss://127.0.0.1:{port}/0", backend=aio_backend, timeout=2)
+        for _ in range(5):  # fresh TLS connections, each with the server's session tickets
+            async with await hotlock.aio.connect(f"rediss://localhost:{port}/0", backend=aio_backend, timeout=2) as c:
+                assert await (await c.lock("tls", ttl=5)).unlock() is True
+
+    asyncio.run(main())
