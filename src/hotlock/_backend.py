@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "Named",
     "ServerConfig",
     "cache_error",
     "native_module",
@@ -28,10 +29,14 @@ __all__ = [
 ]
 
 
-class Backend(Protocol):
+class Named(Protocol):
+    """What every backend, sync or async, tells about itself."""
+
     name: str  # "native", "redis-py" or "memory"
     server: str  # the server as shown in logs and errors, without credentials
 
+
+class Backend(Named, Protocol):
     # acquire/acquire_many return 0 for "acquired" and otherwise the holder's remaining
     # TTL in ms (> 0), or -1 when it is unknown: the contract of _scripts.ACQUIRE.
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int: ...
@@ -198,7 +203,7 @@ def native_module() -> tuple[ModuleType | None, str | None]:
             _native_error = "HOTLOCK_PURE_PYTHON is set"
         else:
             try:
-                from . import _native as mod  # type: ignore[attr-defined]
+                from . import _native as mod
             except ImportError as exc:
                 _native_error = f"the extension did not import: {exc}"
             else:

@@ -5,20 +5,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
-from ._ident import TOKEN_BYTES, new_token, new_tokens
-from ._lock import Lock, shown
+from ._ident import new_token, new_tokens
+from ._lock import Lease, Lock, shown
 from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
 from .errors import LockNotAcquired
 
 if TYPE_CHECKING:
-    from ._backend import Backend
+    from ._backend import Backend, Named
 
-__all__ = ["TOKEN_BYTES", "Cache"]
+__all__ = ["Cache", "CacheBase"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=Lease)
 
 # The key layout under the prefix (documented in the README).
 LOCK_SPACE = b"lock:"
@@ -26,12 +27,14 @@ ONCE_SPACE = b"once:"
 COUNT_SPACE = b"count:"
 
 
-class Cache:
-    """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
+class CacheBase(Generic[L]):
+    """What the sync Cache and hotlock.aio.AsyncCache share: key layout, reporting, checks."""
 
     __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+    _lock_type: type[L]
+    _shown_as = "hotlock.CacheBase"
 
-    def __init__(self, backend: Backend, prefix: bytes) -> None:
+    def __init__(self, backend: Named, prefix: bytes) -> None:
         self._backend = backend
         self.prefix = prefix
         self._lock_prefix = prefix + LOCK_SPACE
@@ -52,6 +55,44 @@ class Cache:
     def server(self) -> str:
         """The server, without credentials."""
         return self._backend.server
+
+    def __repr__(self) -> str:
+        return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
+
+    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
+        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
+        after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
+        return LockNotAcquired(
+            f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
+        )
+
+    def _live(self, locks: Iterable[L | None]) -> tuple[list[L | None], list[tuple[int, L]]]:
+        """Check the locks given to a *_many call; return them and the (index, lock) pairs
+        worth sending (None, released and inherited locks are not)."""
+        kind = self._lock_type.__name__
+        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
+            raise TypeError(f"locks must be an iterable of {kind} or None, not {type(locks).__name__}")
+        items = list(locks)
+        live = []
+        for i, lock in enumerate(items):
+            if lock is None:
+                continue
+            if not isinstance(lock, self._lock_type):
+                raise TypeError(f"locks[{i}] must be a {kind} or None, not {type(lock).__name__}")
+            if lock._backend is not self._backend:
+                raise ValueError(f"locks[{i}] was taken on another cache")
+            if lock._sendable():
+                live.append((i, lock))
+        return items, live
+
+
+class Cache(CacheBase[Lock]):
+    """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
+
+    __slots__ = ()
+    _lock_type = Lock
+    _shown_as = "hotlock.Cache"
+    _backend: Backend
 
     # -- locks ------------------------------------------------------------------------
 
@@ -109,44 +150,27 @@ class Cache:
         ``None`` entries (as lock_many returns) and released or inherited locks are False
         without a byte sent for them.
         """
-        items = self._live(locks)
+        items, live = self._live(locks)
         ms = ttl_ms(ttl)
-        out = [False] * len(items[0])
-        if items[1]:
+        out = [False] * len(items)
+        if live:
             sent = time.monotonic()
-            results = self._backend.extend_many([lk._name for _, lk in items[1]], [lk._token for _, lk in items[1]], ms)
-            for (i, lock), ok in zip(items[1], results, strict=True):
+            results = self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
+            for (i, lock), ok in zip(live, results, strict=True):
                 lock._extended(ok, ms, sent)
                 out[i] = ok
         return out
 
     def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
         """Release each lock in one round trip; True where this call released it."""
-        items = self._live(locks)
-        out = [False] * len(items[0])
-        if items[1]:
-            results = self._backend.release_many([lk._name for _, lk in items[1]], [lk._token for _, lk in items[1]])
-            for (i, lock), ok in zip(items[1], results, strict=True):
+        items, live = self._live(locks)
+        out = [False] * len(items)
+        if live:
+            results = self._backend.release_many([lk._name for _, lk in live], [lk._token for _, lk in live])
+            for (i, lock), ok in zip(live, results, strict=True):
                 lock._token = b""
                 out[i] = ok
         return out
-
-    def _live(self, locks: Iterable[Lock | None]) -> tuple[list[Lock | None], list[tuple[int, Lock]]]:
-        """Check ``locks``; return them and the (index, lock) pairs worth sending."""
-        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
-            raise TypeError(f"locks must be an iterable of Lock or None, not {type(locks).__name__}")
-        items = list(locks)
-        live = []
-        for i, lock in enumerate(items):
-            if lock is None:
-                continue
-            if not isinstance(lock, Lock):
-                raise TypeError(f"locks[{i}] must be a Lock or None, not {type(lock).__name__}")
-            if lock._backend is not self._backend:
-                raise ValueError(f"locks[{i}] was taken on another cache")
-            if lock._sendable():
-                live.append((i, lock))
-        return items, live
 
     # -- idempotency keys and counters -------------------------------------------------
 
@@ -172,13 +196,3 @@ class Cache:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"<hotlock.Cache backend={self.backend} server={self.server} prefix={self.prefix!r}>"
-
-    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
-        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
-        after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
-        return LockNotAcquired(
-            f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
-        )

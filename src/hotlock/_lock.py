@@ -12,9 +12,9 @@ from ._validate import Seconds, ttl_ms
 from .errors import LockLost
 
 if TYPE_CHECKING:
-    from ._backend import Backend
+    from ._backend import Backend, Named
 
-__all__ = ["Lock", "shown"]
+__all__ = ["Lease", "Lock", "shown"]
 
 log = logging.getLogger("hotlock")
 
@@ -24,17 +24,19 @@ def shown(key: str | bytes) -> str:
     return key if isinstance(key, str) else key.decode("utf-8", "backslashreplace")
 
 
-class Lock:
-    """A held lock: its key, a hidden token, the pid that took it and a local deadline.
+class Lease:
+    """What a sync Lock and an async hotlock.aio.AsyncLock share: the lease's state.
 
-    The token lives here and nowhere else (never in a thread-local or on the cache), so
-    any thread holding the object may extend or release it and two acquisitions never
-    share state. The token is a bearer secret: it is in no repr, log line or message.
+    A held lock: its key, a hidden token, the pid that took it and a local deadline. The
+    token lives here and nowhere else (never in a thread-local, a contextvar or on the
+    cache), so whoever holds the object may extend or release it and two acquisitions
+    never share state. The token is a bearer secret: it is in no repr, log line or message.
     """
 
     __slots__ = ("_backend", "_deadline", "_name", "_pid", "_token", "_ttl_ms", "key")
+    _shown_as = "hotlock.Lease"
 
-    def __init__(self, backend: Backend, key: str | bytes, name: bytes, token: bytes, ttl: int, sent_at: float) -> None:
+    def __init__(self, backend: Named, key: str | bytes, name: bytes, token: bytes, ttl: int, sent_at: float) -> None:
         self._backend = backend
         self.key = key
         self._name = name  # the Redis key, prefix included
@@ -43,6 +45,10 @@ class Lock:
         self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
+
+    def _now(self) -> float:
+        """The clock the deadline is on."""
+        return time.monotonic()
 
     @property
     def ttl(self) -> float:
@@ -53,22 +59,16 @@ class Lock:
         """Seconds this lock is known to be ours; 0.0 once the TTL may have run out."""
         if not self._sendable():
             return 0.0
-        return max(0.0, self._deadline - time.monotonic())
+        return max(0.0, self._deadline - self._now())
 
-    def extend(self, ttl: Seconds | None = None) -> None:
-        """Set the TTL to ``ttl`` seconds from now (default: the TTL it was taken with).
-
-        Raises LockLost when the key no longer holds this lock's token, and CacheError
-        when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
-        """
+    def _extend_ms(self, ttl: Seconds | None) -> int:
+        """extend()'s checks before anything is sent: the TTL in ms, or LockLost."""
         ms = self._ttl_ms if ttl is None else ttl_ms(ttl)
         if self._pid != _ident.pid:
             raise self._lost(f"was taken by process {self._pid}; a forked child cannot extend it")
         if not self._token:
             raise self._lost("was already released")
-        sent = time.monotonic()
-        if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
-            raise self._lost("is no longer held: it expired or was taken over")
+        return ms
 
     def _lost(self, why: str) -> LockLost:
         key = shown(self.key)
@@ -86,6 +86,29 @@ class Lock:
     def _sendable(self) -> bool:
         """Not yet released, and taken by this process (a forked child sends nothing)."""
         return bool(self._token) and self._pid == _ident.pid
+
+    def __repr__(self) -> str:
+        key, server = shown(self.key), self._backend.server
+        return f"<{self._shown_as} key={key!r} valid_for={self.valid_for():.3f}s server={server}>"
+
+
+class Lock(Lease):
+    """A held lock (see Lease); released however a ``with`` block ends."""
+
+    __slots__ = ()
+    _shown_as = "hotlock.Lock"
+    _backend: Backend
+
+    def extend(self, ttl: Seconds | None = None) -> None:
+        """Set the TTL to ``ttl`` seconds from now (default: the TTL it was taken with).
+
+        Raises LockLost when the key no longer holds this lock's token, and CacheError
+        when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
+        """
+        ms = self._extend_ms(ttl)
+        sent = time.monotonic()
+        if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
+            raise self._lost("is no longer held: it expired or was taken over")
 
     def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.
@@ -111,6 +134,3 @@ class Lock:
             # Never let the release hide the body's own exception or fail a body that
             # succeeded: the key expires by its TTL.
             log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
-
-    def __repr__(self) -> str:
-        return f"<hotlock.Lock key={shown(self.key)!r} valid_for={self.valid_for():.3f}s server={self._backend.server}>"

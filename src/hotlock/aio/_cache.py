@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from .._backoff import Backoff
-from .._cache import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, TOKEN_BYTES, Cache
+from .._cache import CacheBase
+from .._ident import new_token, new_tokens
 from .._lock import shown
 from .._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
-from ..errors import LockNotAcquired
 from ._lock import AsyncLock
 
 if TYPE_CHECKING:
@@ -27,35 +26,19 @@ R = TypeVar("R")
 log = logging.getLogger("hotlock")
 
 
-class AsyncCache:
+class AsyncCache(CacheBase[AsyncLock]):
     """Locks, idempotency keys and counters on one async backend. Make one with
     ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
 
-    __slots__ = ("_backend", "_background", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+    __slots__ = ("_background",)
+    _lock_type = AsyncLock
+    _shown_as = "hotlock.aio.AsyncCache"
+    _backend: AsyncBackend
 
     def __init__(self, backend: AsyncBackend, prefix: bytes) -> None:
-        self._backend = backend
-        self.prefix = prefix
-        self._lock_prefix = prefix + LOCK_SPACE
-        self._once_prefix = prefix + ONCE_SPACE
-        self._count_prefix = prefix + COUNT_SPACE
+        super().__init__(backend, prefix)
         # Releases of interrupted acquisitions still running; close() waits for them.
         self._background: set[asyncio.Task[None]] = set()
-
-    @property
-    def enabled(self) -> bool:
-        """False for the in-process fallback, whose locks exclude nothing outside this process."""
-        return self._backend.name != "memory"
-
-    @property
-    def backend(self) -> str:
-        """The backend in use: "native", "redis-py" or "memory"."""
-        return self._backend.name
-
-    @property
-    def server(self) -> str:
-        """The server, without credentials."""
-        return self._backend.server
 
     # -- locks ------------------------------------------------------------------------
 
@@ -79,7 +62,7 @@ class AsyncCache:
 
     async def _acquire(self, key: str | bytes, name: bytes, ms: int, wait_for: int | None) -> AsyncLock:
         loop = asyncio.get_running_loop()
-        token = os.urandom(TOKEN_BYTES)
+        token = new_token()
         backoff = None if wait_for is None else Backoff(wait_for)
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
@@ -125,8 +108,7 @@ class AsyncCache:
         if not names:
             return []
         loop = asyncio.get_running_loop()
-        pool = os.urandom(TOKEN_BYTES * len(names))
-        tokens = [pool[i : i + TOKEN_BYTES] for i in range(0, len(pool), TOKEN_BYTES)]
+        tokens = new_tokens(len(names))
         sent = loop.time()
         try:
             results = await self._backend.acquire_many(names, tokens, ms)
@@ -181,23 +163,6 @@ class AsyncCache:
                 out[i] = ok
         return out
 
-    def _live(self, locks: Iterable[AsyncLock | None]) -> tuple[list[AsyncLock | None], list[tuple[int, AsyncLock]]]:
-        """Check ``locks``; return them and the (index, lock) pairs worth sending."""
-        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
-            raise TypeError(f"locks must be an iterable of AsyncLock or None, not {type(locks).__name__}")
-        items = list(locks)
-        live = []
-        for i, lock in enumerate(items):
-            if lock is None:
-                continue
-            if not isinstance(lock, AsyncLock):
-                raise TypeError(f"locks[{i}] must be an AsyncLock or None, not {type(lock).__name__}")
-            if lock._cache is not self:
-                raise ValueError(f"locks[{i}] was taken on another cache")
-            if lock._sendable():
-                live.append((i, lock))
-        return items, live
-
     # -- idempotency keys and counters -------------------------------------------------
 
     async def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
@@ -247,13 +212,6 @@ class AsyncCache:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        return f"<hotlock.aio.AsyncCache backend={self.backend} server={self.server} prefix={self.prefix!r}>"
-
-    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
-        # The wording is defined once, in Cache; it reads nothing but .server.
-        return Cache._not_acquired(self, key, holder_ttl_ms, waited_ms)  # type: ignore[arg-type]
 
 
 class Acquiring:
