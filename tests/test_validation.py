@@ -151,6 +151,14 @@ def test_bad_connect_arguments(kwargs: dict[str, Any], exc: type[Exception], tex
         hotlock.connect(**{"url": "redis://127.0.0.1:1/0", **kwargs})
 
 
+def test_no_url_refuses_options_that_need_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CACHE_URL", raising=False)
+    with pytest.raises(ValueError, match="backend='native' needs a url"):
+        hotlock.connect(None, backend="native")
+    with pytest.raises(ValueError, match="wait_replicas=1 needs a url"):
+        hotlock.connect(None, wait_replicas=1)
+
+
 def test_url_password_never_in_errors() -> None:
     with pytest.raises(ValueError) as info:
         hotlock.connect("redis://user:s3cret@127.0.0.1:99999/0")

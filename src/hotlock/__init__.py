@@ -116,6 +116,9 @@ def _connect_config(
     if url is None:
         if backend is not None:
             raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
+        if wait_replicas:
+            # There are no replicas to wait for in-process: saying nothing would be a lie.
+            raise ValueError(f"wait_replicas={wait_replicas!r} needs a url or CACHE_URL")
         log.warning("no cache configured: locks exclude nothing outside this process")
         return raw_prefix, None
     return raw_prefix, parse_url(
