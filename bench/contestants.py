@@ -121,35 +121,46 @@ def _redis(url: str) -> Any:
     return redis.Redis.from_url(url)
 
 
-class RedisPyLock(SyncContestant):
-    """redis-py's ``Lock``: SET NX PX to acquire, Lua to release/extend, 0.1 s polling."""
-
-    name = "redis-py Lock"
+class PeerLock(SyncContestant):
+    """A peer's lock object from ``_lock(key)``: try-once acquire(blocking=False), release()."""
 
     def __init__(self, url: str) -> None:
         self.r = _redis(url)
         self._held: Any = None
 
-    def cycle(self, key: str) -> None:
-        lock = self.r.lock(key, timeout=TTL)
+    def _lock(self, key: str) -> Any:
+        raise NotImplementedError
+
+    def try_acquire(self, key: str) -> Any:
+        lock = self._lock(key)
         if not lock.acquire(blocking=False):
             raise NotAcquired(key)
-        lock.release()
+        return lock
+
+    def cycle(self, key: str) -> None:
+        self.try_acquire(key).release()
 
     def hold(self, key: str) -> None:
-        self._held = self.r.lock(key, timeout=TTL)
-        if not self._held.acquire(blocking=False):
-            raise NotAcquired(key)
+        self._held = self.try_acquire(key)
+
+    def release(self, handle: Any) -> None:
+        handle.release()
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class RedisPyLock(PeerLock):
+    """redis-py's ``Lock``: SET NX PX to acquire, Lua to release/extend, 0.1 s polling."""
+
+    name = "redis-py Lock"
+
+    def _lock(self, key: str) -> Any:
+        return self.r.lock(key, timeout=TTL)
 
     def extend(self) -> None:
         # replace_ttl=True: set the TTL to 30 s from now, as hotlock's extend does.
         self._held.extend(TTL, replace_ttl=True)
-
-    def try_acquire(self, key: str) -> Any:
-        lock = self.r.lock(key, timeout=TTL)
-        if not lock.acquire(blocking=False):
-            raise NotAcquired(key)
-        return lock
 
     def wait(self, key: str, seconds: float) -> Any:
         # sleep=0.1 is redis-py's default polling interval, left as users get it.
@@ -158,14 +169,8 @@ class RedisPyLock(SyncContestant):
             raise NotAcquired(key)
         return lock
 
-    def release(self, handle: Any) -> None:
-        handle.release()
 
-    def close(self) -> None:
-        self.r.close()
-
-
-class PythonRedisLock(SyncContestant):
+class PythonRedisLock(PeerLock):
     """ionelmc's python-redis-lock: GET + SET NX EX to acquire, BLPOP wake-up to wait."""
 
     name = "python-redis-lock"
@@ -174,29 +179,13 @@ class PythonRedisLock(SyncContestant):
         import redis_lock
 
         self._mod = redis_lock
-        self.r = _redis(url)
-        self._held: Any = None
+        super().__init__(url)
 
     def _lock(self, key: str) -> Any:
         return self._mod.Lock(self.r, key, expire=TTL)
 
-    def cycle(self, key: str) -> None:
-        lock = self._lock(key)
-        if not lock.acquire(blocking=False):
-            raise NotAcquired(key)
-        lock.release()
-
-    def hold(self, key: str) -> None:
-        self._held = self.try_acquire(key)
-
     def extend(self) -> None:
         self._held.extend(TTL)
-
-    def try_acquire(self, key: str) -> Any:
-        lock = self._lock(key)
-        if not lock.acquire(blocking=False):
-            raise NotAcquired(key)
-        return lock
 
     def wait(self, key: str, seconds: float) -> Any:
         lock = self._lock(key)
@@ -205,14 +194,8 @@ class PythonRedisLock(SyncContestant):
             raise NotAcquired(key)
         return lock
 
-    def release(self, handle: Any) -> None:
-        handle.release()
 
-    def close(self) -> None:
-        self.r.close()
-
-
-class PotteryRedlock(SyncContestant):
+class PotteryRedlock(PeerLock):
     """pottery's ``Redlock`` with one master: SET NX PX, Lua release/extend, 0-0.2 s retries."""
 
     name = "pottery Redlock"
@@ -221,43 +204,21 @@ class PotteryRedlock(SyncContestant):
         from pottery import Redlock
 
         self._cls = Redlock
-        self.r = _redis(url)
-        self._held: Any = None
+        super().__init__(url)
 
     def _lock(self, key: str) -> Any:
         # num_extensions: pottery caps extensions at 3 by default; the extend benchmark
         # extends one lock many times, which hotlock allows.
         return self._cls(key=key, masters={self.r}, auto_release_time=float(TTL), num_extensions=2**31)
 
-    def cycle(self, key: str) -> None:
-        lock = self._lock(key)
-        if not lock.acquire(blocking=False):
-            raise NotAcquired(key)
-        lock.release()
-
-    def hold(self, key: str) -> None:
-        self._held = self.try_acquire(key)
-
     def extend(self) -> None:
         self._held.extend()
-
-    def try_acquire(self, key: str) -> Any:
-        lock = self._lock(key)
-        if not lock.acquire(blocking=False):
-            raise NotAcquired(key)
-        return lock
 
     def wait(self, key: str, seconds: float) -> Any:
         lock = self._lock(key)
         if not lock.acquire(timeout=seconds):
             raise NotAcquired(key)
         return lock
-
-    def release(self, handle: Any) -> None:
-        handle.release()
-
-    def close(self) -> None:
-        self.r.close()
 
 
 SYNC: dict[str, Callable[[str], SyncContestant]] = {
