@@ -36,8 +36,10 @@ compile: venv
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
 
 # The long fault and soak runs (marked slow) have short forms that run here; test-slow runs them whole.
+# Every server-facing test runs on Redis and on Valkey (tests/conftest.py): two workers (-n 2,
+# pytest-xdist, each with its own servers) keep that within the time one server used to take.
 test: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m "not slow"
+	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -n 2 -m "not slow"
 
 test-slow: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m slow

@@ -11,12 +11,14 @@ import time
 
 from ._backoff import poll
 from ._config import cache_error
+from ._dialect import MEMORY, Dialect
 
 __all__ = ["MemoryBackend"]
 
 
 class MemoryBackend:
     name = "memory"
+    dialect = MEMORY
     server = "in-process"
 
     def __init__(self) -> None:
@@ -105,6 +107,12 @@ class MemoryBackend:
 
     def info(self) -> dict[str, str] | None:
         return {}
+
+    def command_info(self) -> list[object] | None:
+        return None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        pass  # in-process: there is no server to speak to
 
     def close(self) -> None:
         with self._mutex:
