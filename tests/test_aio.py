@@ -888,3 +888,29 @@ def test_async_lost_acquire_reply_retried_returns_the_same_fence(raio: Aio) -> N
 
     with FaultProxy(raio.server.port) as proxy:
         raio.run(main(proxy))
+
+
+def test_async_uncontended_acquire_is_one_round_trip(raio: Aio) -> None:
+    def calls() -> dict[str, int]:
+        return {k: int(v["calls"]) for k, v in raio.side.info("commandstats").items()}
+
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            await (await cache.lock("warm", ttl=5)).unlock()  # connected, scripts loaded
+            before = calls()
+            lock = await cache.lock("one-trip", ttl=5)
+            after = calls()
+            ran = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            # One EVALSHA from the client (and the INFO that read `before`); GET, TIME and
+            # SET ran inside the script.
+            assert ran == {
+                "cmdstat_info": 1,
+                "cmdstat_evalsha": 1,
+                "cmdstat_get": 1,
+                "cmdstat_time": 1,
+                "cmdstat_set": 1,
+            }
+            assert lock.fence > 0
+            await lock.unlock()
+
+    raio.run(main())
