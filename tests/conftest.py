@@ -248,6 +248,8 @@ def redis_server(server_kind: str, _servers: dict[str, RedisServer]) -> RedisSer
 def redis_url(redis_server: RedisServer) -> str:
     """The server's URL, with its data and its script cache emptied for this test."""
     client = redis_server.client()
+    # A test that SELECTed another db on the shared side client must not leave it there.
+    client.connection_pool.disconnect()
     client.flushall()
     # Every test starts with an empty script cache, so NOSCRIPT recovery runs all the time.
     client.script_flush()

@@ -48,19 +48,21 @@ SCRIPT_PATH = [
     "+pttl",
     "+pexpire",
     "+del",
+    "+time",
     "+incrby",
     "+info",
     "+select",
     "+wait",
 ]
 # Valkey 9 with connect()'s default scripts="auto": extend is SET IFEQ, release DELIFEQ; only
-# the acquire is a script (GET, SET, PTTL inside). No +pexpire, no +del.
+# the acquire is a script (GET, SET, PTTL, TIME inside). No +pexpire, no +del.
 VALKEY_LUA_FREE = [
     "+evalsha",
     "+script|load",
     "+get",
     "+set",
     "+pttl",
+    "+time",
     "+delifeq",
     "+incrby",
     "+info",
