@@ -56,6 +56,8 @@ lint: venv
 bench: compile
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
+	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
+	$(PY) -m bench.dialect
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"

@@ -649,12 +649,16 @@ cdef class NativeBackend:
     def release(self, bytes key not None, bytes token not None):
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
+        # A bare token (fence unknown) goes by script: hotlock._dialect.bare_tokens.
         cdef long long value
-        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value)
+        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES else -1
+        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value, plain)
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
-        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many")]
+        plain = _PLAIN_NONE if bare_tokens(tokens) else -1
+        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many",
+                                           plain)]
 
     def set_nx(self, bytes key not None, bytes value not None, long long ttl_ms):
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)

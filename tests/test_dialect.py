@@ -228,3 +228,35 @@ def test_a_dialect_is_plain_data() -> None:
     dialect = Dialect("valkey", "9.1.2", "DELIFEQ", "test")
     assert dialect.mapping()["release"] == "DELIFEQ"
     assert Dialect("redis", "8.4.0", "DELEX", "test").mapping()["release"] == "DELEX IFEQ"
+
+
+def test_a_bare_token_release_goes_by_script_on_every_path(rcache: hotlock.Cache, redis_server: RedisServer) -> None:
+    """An acquire interrupted before its reply is released by its bare token (its fence is
+    unknown); DELIFEQ compares whole values, so that release takes the RELEASE script, which
+    matches the token followed by any fence. A whole value still goes Lua-free."""
+    backend = rcache._backend
+    lock = rcache.lock("bare", ttl=30)
+    token = lock._token[:16]
+    assert backend.release(b"hotlock:lock:{other}", token) is False  # nothing there
+    assert backend.release(lock_name("bare"), token) is True  # token + fence matched
+    assert redis_server.client().exists(lock_name("bare")) == 0
+    locks = rcache.lock_many(["b1", "b2"], ttl=30)
+    assert backend.release_many([lock_name("b1"), lock_name("b2")], [lk._token[:16] for lk in locks if lk]) == [
+        True,
+        True,
+    ]
+
+
+@pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
+def test_a_bare_token_release_goes_by_script_async(aio_backend: str, redis_url: str, redis_server: RedisServer) -> None:
+    async def main() -> None:
+        async with await hotlock.aio.connect(redis_url, backend=aio_backend) as cache:
+            backend = cache._backend
+            lock = await cache.lock("bare", ttl=30)
+            assert await backend.release(lock_name("bare"), lock._token[:16]) is True
+            locks = await cache.lock_many(["b1", "b2"], ttl=30)
+            tokens = [lk._token[:16] for lk in locks if lk]
+            assert await backend.release_many([lock_name("b1"), lock_name("b2")], tokens) == [True, True]
+            assert redis_server.client().keys("hotlock:*") == []
+
+    asyncio.run(main())

@@ -26,9 +26,11 @@ holders keep their locks, on every path. DELIFEQ/DELEX free memory and are never
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from ._ident import TOKEN_BYTES
 
 __all__ = [
     "COMMAND_PROBE",
@@ -36,6 +38,7 @@ __all__ = [
     "SCRIPTS_POLICIES",
     "UNDETECTED",
     "Dialect",
+    "bare_tokens",
     "check_scripts",
     "commands_from",
     "detect",
@@ -173,6 +176,14 @@ def commands_from(reply: object) -> dict[str, bool] | None:
     if not isinstance(reply, list) or len(reply) != 2:
         return None
     return {"DELIFEQ": bool(reply[0]), "DELEX": bool(reply[1])}
+
+
+def bare_tokens(values: Iterable[bytes]) -> bool:
+    """Whether a release names a bare token (exactly TOKEN_BYTES bytes): an async acquire
+    interrupted before its reply, whose fence is unknown. Only the RELEASE script matches
+    "this token followed by any fence"; DELIFEQ/DELEX compare whole values, so such a
+    release goes by script on every path."""
+    return any(len(v) == TOKEN_BYTES for v in values)
 
 
 def extend_command(key: bytes, value: bytes, ttl_ms: int) -> tuple[bytes, ...]:

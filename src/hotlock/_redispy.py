@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from ._backoff import poll
 from ._config import ServerConfig, cache_error
-from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, extend_command, release_command
+from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from .errors import CacheError
@@ -297,7 +297,7 @@ class RedisPyBackend:
     def release_many(
         self, keys: list[bytes], tokens: list[bytes], what: str = "release_many", key: bytes | None = None
     ) -> list[bool]:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             replies = self._call(what, key, lambda t: self._commands(dels, t), self._retry_until())
         else:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, cache_error
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, extend_command, release_command
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -337,12 +337,12 @@ class NativeAsyncBackend:
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not bare_tokens([token]):
             return bool(await self._command("release", key, *release_command(self.dialect, key, token), retry=True))
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             return [bool(r) for r in await self._commands("release_many", dels, retry=True)]
         return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]

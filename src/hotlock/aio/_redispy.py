@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, cache_error
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, extend_command, release_command
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._ident import TOKEN_BYTES
 from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
@@ -334,7 +334,7 @@ class RedisAsyncBackend:
         await self._settled([token])
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not bare_tokens([token]):
             command = release_command(self.dialect, key, token)
             work = self._call("release", key, lambda: self._commands([command]), True)
             return bool((await self._shielded([token], work))[0])
@@ -343,7 +343,7 @@ class RedisAsyncBackend:
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._settled(tokens)
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             work = self._call("release_many", None, lambda: self._commands(dels), True)
         else:
