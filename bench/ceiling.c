@@ -105,9 +105,22 @@ static size_t held(unsigned char *out, const unsigned char *tok, long long fence
     char digits[20];
     int i = 20;
     unsigned long long v = (unsigned long long)fence;
-    while (v) {
-        digits[--i] = (char)('0' + v % 10);
-        v /= 10;
+    static const char pairs[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+                                "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+                                "8081828384858687888990919293949596979899";
+    while (v >= 100) {
+        unsigned d = (unsigned)(v % 100);
+        v /= 100;
+        i -= 2;
+        digits[i] = pairs[2 * d];
+        digits[i + 1] = pairs[2 * d + 1];
+    }
+    if (v >= 10) {
+        i -= 2;
+        digits[i] = pairs[2 * v];
+        digits[i + 1] = pairs[2 * v + 1];
+    } else {
+        digits[--i] = (char)('0' + v);
     }
     memcpy(out, tok, TOKEN);
     memcpy(out + TOKEN, digits + i, (size_t)(20 - i));
