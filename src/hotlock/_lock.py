@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 from . import _ident
 from ._validate import Seconds, ttl_ms
-from .errors import LockLost
+from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
     from ._backend import Backend, Named
+    from ._metered import LeaseMeter
 
 __all__ = ["Lease", "Lock", "shown"]
 
@@ -33,7 +34,7 @@ class Lease:
     never share state. The token is a bearer secret: it is in no repr, log line or message.
     """
 
-    __slots__ = ("_backend", "_deadline", "_name", "_pid", "_token", "_ttl_ms", "key")
+    __slots__ = ("_backend", "_deadline", "_meter", "_name", "_pid", "_token", "_ttl_ms", "key")
     _shown_as = "hotlock.Lease"
 
     def __init__(self, backend: Named, key: str | bytes, name: bytes, token: bytes, ttl: int, sent_at: float) -> None:
@@ -45,6 +46,8 @@ class Lease:
         self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
+        # connect(metrics=...): set by the metered cache that took it; None costs one test.
+        self._meter: LeaseMeter | None = None
 
     def _now(self) -> float:
         """The clock the deadline is on."""
@@ -107,7 +110,15 @@ class Lock(Lease):
         """
         ms = self._extend_ms(ttl)
         sent = time.monotonic()
-        if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
+        try:
+            ok = self._backend.extend(self._name, self._token, ms)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "extend", error)
+            raise
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
+        if not self._extended(ok, ms, sent):
             raise self._lost("is no longer held: it expired or was taken over")
 
     def unlock(self) -> bool:
@@ -118,8 +129,15 @@ class Lock(Lease):
         """
         if not self._sendable():
             return False
-        released = self._backend.release(self._name, self._token)
+        try:
+            released = self._backend.release(self._name, self._token)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "release", error)
+            raise
         self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
         return released
 
     def __enter__(self) -> Lock:
