@@ -315,7 +315,7 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
         raise _unreachable(config.display, exc) from None
     except redis.ResponseError as exc:
         # A refused PING (ACL) still means we reached it: the commands decide what works.
-        if "NOPERM" not in str(exc):
+        if not isinstance(exc, redis.exceptions.NoPermissionError):
             target.close()
             raise _unreachable(config.display, exc) from None
     except Exception as exc:  # a CacheError from the sentinels: nobody named a primary
