@@ -269,12 +269,12 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     target = open_target(url, prefix, args.timeout)
     try:
         if args.command == "doctor":
-            return _doctor(target, url, args.json, out)
+            return _cmd_doctor(target, url, args.json, out)
         if args.command == "locks":
-            return _locks(target, pattern, args.json, out)
+            return _cmd_locks(target, pattern, args.json, out)
         if args.command == "release":
             assert key is not None
-            return _release(target, key, yes=args.yes, as_json=args.json, out=out)
+            return _cmd_release(target, key, yes=args.yes, as_json=args.json, out=out)
         from ._watch import watch
 
         return watch(target, interval=args.interval, count=args.count, as_json_lines=args.json, out=out)
@@ -282,7 +282,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         target.close()
 
 
-def _doctor(target: Target, url: str, as_json: bool, out: TextIO) -> int:
+def _cmd_doctor(target: Target, url: str, as_json: bool, out: TextIO) -> int:
     from ._doctor import FAIL, run_checks
 
     checks = run_checks(target, url)
@@ -296,7 +296,7 @@ def _doctor(target: Target, url: str, as_json: bool, out: TextIO) -> int:
     return FAILED if any(c.status == FAIL for c in checks) else OK
 
 
-def _locks(target: Target, pattern: bytes | None, as_json: bool, out: TextIO) -> int:
+def _cmd_locks(target: Target, pattern: bytes | None, as_json: bool, out: TextIO) -> int:
     from ._locks import scan_locks
 
     found, _ = scan_locks(target, pattern)
@@ -326,7 +326,7 @@ def _shown_prefix(target: Target) -> str:
     return repr(target.prefix.decode("utf-8", "backslashreplace"))
 
 
-def _release(target: Target, key: bytes, *, yes: bool, as_json: bool, out: TextIO) -> int:
+def _cmd_release(target: Target, key: bytes, *, yes: bool, as_json: bool, out: TextIO) -> int:
     from ._locks import peek_lock, release_lock
 
     shown = shown_key(key)
