@@ -226,7 +226,7 @@ def test_no_listener_is_the_plain_cache(redis_url: str) -> None:
 
 def test_a_bad_listener_is_a_type_error_before_any_io(redis_server: RedisServer) -> None:
     unreachable = "redis://127.0.0.1:1/0"
-    with pytest.raises(TypeError, match="metrics must be a hotlock.metrics.Listener; object lacks acquired"):
+    with pytest.raises(TypeError, match=r"metrics must be a hotlock\.metrics\.Listener; object lacks acquired"):
         hotlock.connect(unreachable, metrics=object())  # type: ignore[arg-type]
 
     class Half:
