@@ -27,7 +27,7 @@ import hotlock
 import hotlock.aio
 from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, free_port, start_redis
+from .conftest import RedisServer, free_port, lock_name, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -112,7 +112,7 @@ def raio(
 
 
 def lock_key(name: str) -> bytes:
-    return b"hotlock:lock:" + name.encode()
+    return lock_name(name)
 
 
 def stored(aio: Aio, name: str) -> bytes | None:
@@ -331,8 +331,8 @@ def test_set_nx_and_incr(aio: Aio) -> None:
             assert await cache.incr("n", 41) == 42
             assert await cache.incr("n", -2) == 40
             if aio.backend != "memory":
-                assert aio.side.get(b"hotlock:once:charged:1") == b"1"
-                assert aio.side.get(b"hotlock:count:n") == b"40"
+                assert aio.side.get(b"hotlock:once:{charged:1}") == b"1"
+                assert aio.side.get(b"hotlock:count:{n}") == b"40"
 
     aio.run(main())
 
@@ -345,7 +345,7 @@ def test_properties_and_prefix(aio: Aio) -> None:
             assert cache.prefix == b"app:"
             lock = await cache.lock("job", ttl=5)
             if aio.backend != "memory":
-                assert aio.side.exists(b"app:lock:job")
+                assert aio.side.exists(b"app:lock:{job}")
             assert await lock.unlock()
 
     aio.run(main())
@@ -540,7 +540,7 @@ def test_a_silent_server_costs_one_reply_timeout_and_then_it_reconnects(raio: Ai
                 await cache.incr("n")
             # One reply timeout (0.2 s), not redis-py's default ten retries (2 s).
             assert loop.time() - start < 1.5
-            assert "hotlock:count:n" in str(info.value) and cache.server in str(info.value)
+            assert "hotlock:count:{n}" in str(info.value) and cache.server in str(info.value)
             proxy.blackhole(False)
             assert await cache.incr("m") == 1
 
@@ -571,7 +571,7 @@ def test_wait_replicas_undoes_an_acquire_too_few_replicas_confirmed(raio: Aio) -
         async with await raio.connect(wait_replicas=1, wait_timeout=0.05) as cache:
             with pytest.raises(hotlock.CacheError, match="0 of 1 replicas confirmed") as info:
                 await cache.lock("job", ttl=5)
-            assert "hotlock:lock:job" in str(info.value)
+            assert "hotlock:lock:{job}" in str(info.value)
             with pytest.raises(hotlock.CacheError, match="replicas"):
                 await cache.lock_many(["a", "b"], ttl=5)
         # Undone: none of them is held.
@@ -633,7 +633,7 @@ def test_readonly_is_a_cache_error_that_drops_the_connection(raio: Aio) -> None:
             assert before
             with pytest.raises(hotlock.CacheError, match="READONLY") as info:
                 await cache.lock("job", ttl=5)
-            assert "hotlock:lock:job" in str(info.value)
+            assert "hotlock:lock:{job}" in str(info.value)
             await asyncio.sleep(0.05)  # the server notices the close
             # A demoted primary is not used again: the connection that met READONLY is
             # gone (the release of the failed acquire may have opened a new one).

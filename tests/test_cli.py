@@ -25,6 +25,7 @@ import pytest
 import hotlock
 from hotlock._cli import main
 from hotlock._cli._target import glob_matcher
+from hotlock._keys import stored
 
 from .conftest import RedisServer, free_port, start_redis
 from .test_security import COMMANDS, PASSWORD, acl_line
@@ -65,6 +66,11 @@ def checks(result: subprocess.CompletedProcess[bytes]) -> dict[str, dict[str, An
         assert set(item) >= {"check", "status", "detail"}
         assert item["status"] in ("ok", "warn", "fail")
     return {item["check"]: item for item in data}
+
+
+def lock_key(key: bytes) -> bytes:
+    """The Redis key of the lock on ``key`` under the default prefix (hotlock._keys)."""
+    return stored(b"hotlock:lock:", key)
 
 
 def closed_url() -> str:
@@ -361,9 +367,9 @@ def test_locks_read_the_fence_after_the_token(redis_server: RedisServer, redis_u
     client = redis_server.client()
     now_us = int(time.time() * 1e6)
     fence = now_us - 2_500_000  # acquired about 2.5 s ago, by the server's clock
-    client.set(b"hotlock:lock:fenced", os.urandom(16) + str(fence).encode(), px=20_000)
-    client.set(b"hotlock:lock:small-fence", os.urandom(16) + b"7", px=10_000)
-    client.set(b"hotlock:lock:old", os.urandom(16), px=5_000)
+    client.set(lock_key(b"fenced"), os.urandom(16) + str(fence).encode(), px=20_000)
+    client.set(lock_key(b"small-fence"), os.urandom(16) + b"7", px=10_000)
+    client.set(lock_key(b"old"), os.urandom(16), px=5_000)
     rows = {r["key"]: r for r in as_json(cli("locks", "--json", url=redis_url))}
     assert rows["fenced"]["fence"] == fence
     assert 2.0 < rows["fenced"]["held"] < 30
@@ -379,9 +385,9 @@ def test_locks_never_shows_a_token(redis_server: RedisServer, redis_url: str) ->
         locks = [cache.lock(f"job:{i}", ttl=30) for i in range(20)]
         # And fenced values, as fencing writes them.
         for i in range(5):
-            client.set(f"hotlock:lock:fenced:{i}".encode(), os.urandom(16) + b"1733050000123456", px=30_000)
-        tokens = [client.get(b"hotlock:lock:" + lk.key.encode())[:16] for lk in locks]  # type: ignore[union-attr]
-        tokens += [client.get(f"hotlock:lock:fenced:{i}".encode())[:16] for i in range(5)]  # type: ignore[index]
+            client.set(lock_key(f"fenced:{i}".encode()), os.urandom(16) + b"1733050000123456", px=30_000)
+        tokens = [client.get(lk._name)[:16] for lk in locks]  # type: ignore[union-attr]
+        tokens += [client.get(lock_key(f"fenced:{i}".encode()))[:16] for i in range(5)]  # type: ignore[index]
         outputs = [
             cli("locks", url=redis_url),
             cli("locks", "--json", url=redis_url),
@@ -404,7 +410,7 @@ def test_locks_never_shows_a_token(redis_server: RedisServer, redis_url: str) ->
 
 
 def test_locks_on_a_non_string_key_under_the_prefix_is_skipped(redis_server: RedisServer, redis_url: str) -> None:
-    redis_server.client().hset(b"hotlock:lock:weird", "a", "b")
+    redis_server.client().hset(lock_key(b"weird"), "a", "b")
     with hotlock.connect(redis_url) as cache:
         cache.lock("real", ttl=30)
         assert [r["key"] for r in as_json(cli("locks", "--json", url=redis_url))] == ["real"]
@@ -439,7 +445,7 @@ def test_release_force_frees_a_lock_another_process_holds(redis_server: RedisSer
         assert "export:tenant-1" in text and "9m5" in text  # about 600 s of TTL were left
         err = result.stderr.decode()
         assert "WARNING" in err and "operator override" in err and "export:tenant-1" in err
-        assert redis_server.client().exists(b"hotlock:lock:export:tenant-1") == 0
+        assert redis_server.client().exists(lock_key(b"export:tenant-1")) == 0
         holder.stdin.write("\n")
         holder.stdin.flush()
         assert holder.stdout.readline().strip() == "LockLost"
@@ -451,7 +457,7 @@ def test_release_force_frees_a_lock_another_process_holds(redis_server: RedisSer
 
 
 def test_release_json_says_what_it_removed(redis_server: RedisServer, redis_url: str) -> None:
-    redis_server.client().set(b"hotlock:lock:job", os.urandom(16) + b"1733050000123456", px=50_000)
+    redis_server.client().set(lock_key(b"job"), os.urandom(16) + b"1733050000123456", px=50_000)
     result = cli("release", "job", "--force", "--yes", "--json", url=redis_url)
     assert result.returncode == 0
     data = json.loads(result.stdout)
@@ -461,10 +467,10 @@ def test_release_json_says_what_it_removed(redis_server: RedisServer, redis_url:
 
 def test_release_leaves_other_keys_alone(redis_server: RedisServer, redis_url: str) -> None:
     with hotlock.connect(redis_url) as cache:
-        cache.set_nx("job", "1", ttl=60)  # hotlock:once:job: the same user key, not a lock
+        cache.set_nx("job", "1", ttl=60)  # hotlock:once:{job}: the same user key, not a lock
         cache.lock("job2", ttl=60)
         assert cli("release", "job", "--force", "--yes", url=redis_url).returncode == 1
-        assert redis_server.client().exists(b"hotlock:once:job", b"hotlock:lock:job2") == 2
+        assert redis_server.client().exists(stored(b"hotlock:once:", b"job"), lock_key(b"job2")) == 2
 
 
 def run_in_pty(
@@ -510,10 +516,10 @@ def test_release_asks_on_a_terminal(redis_server: RedisServer, redis_url: str) -
         cache.lock("job", ttl=60)
         code, output = run_in_pty(["release", "job", "--force"], pty_env(redis_url), answer=b"n\n")
         assert code == 1 and b"release the lock on 'job'" in output and b"nothing released" in output
-        assert redis_server.client().exists(b"hotlock:lock:job") == 1
+        assert redis_server.client().exists(lock_key(b"job")) == 1
         code, output = run_in_pty(["release", "job", "--force"], pty_env(redis_url), answer=b"y\n")
         assert code == 0 and b"released 'job'" in output
-        assert redis_server.client().exists(b"hotlock:lock:job") == 0
+        assert redis_server.client().exists(lock_key(b"job")) == 0
 
 
 # -- watch -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
 from ._ident import new_token, new_tokens
+from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
 from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
 from .errors import LockNotAcquired
@@ -20,11 +21,6 @@ __all__ = ["Cache", "CacheBase"]
 P = ParamSpec("P")
 R = TypeVar("R")
 L = TypeVar("L", bound=Lease)
-
-# The key layout under the prefix (documented in the README).
-LOCK_SPACE = b"lock:"
-ONCE_SPACE = b"once:"
-COUNT_SPACE = b"count:"
 
 
 class CacheBase(Generic[L]):
@@ -98,7 +94,7 @@ class Cache(CacheBase[Lock]):
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Lock:
         """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
-        name = self._lock_prefix + key_bytes(key)
+        name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         token = new_token()
         sent = time.monotonic()
@@ -113,7 +109,7 @@ class Cache(CacheBase[Lock]):
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
         exactly one attempt.
         """
-        name = self._lock_prefix + key_bytes(key)
+        name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
         token = new_token()
@@ -132,7 +128,7 @@ class Cache(CacheBase[Lock]):
     def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[Lock | None]:
         """Try each key once, in one round trip: a Lock per key, or None where held elsewhere."""
         given, raw = key_list(keys)
-        names = [self._lock_prefix + k for k in raw]
+        names = [stored(self._lock_prefix, k) for k in raw]
         ms = ttl_ms(ttl)
         if not names:
             return []
@@ -176,12 +172,12 @@ class Cache(CacheBase[Lock]):
 
     def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
         """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
-        name = self._once_prefix + key_bytes(key)
+        name = stored(self._once_prefix, key_bytes(key))
         return self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
 
     def incr(self, key: str | bytes, amount: int = 1) -> int:
         """Add ``amount`` to a counter atomically and return the new value."""
-        name = self._count_prefix + key_bytes(key)
+        name = stored(self._count_prefix, key_bytes(key))
         return self._backend.incr(name, amount_int(amount))
 
     # -- lifetime ---------------------------------------------------------------------

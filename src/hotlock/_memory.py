@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from ._backend import cache_error
 from ._backoff import poll
+from ._config import cache_error
 
 __all__ = ["MemoryBackend"]
 

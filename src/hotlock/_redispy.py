@@ -21,8 +21,8 @@ from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, Re
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._backend import ServerConfig, cache_error
 from ._backoff import poll
+from ._config import ServerConfig, cache_error
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from ._sentinel import PrimaryWatch
 from .errors import CacheError

@@ -225,10 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prefix(text: str) -> bytes:
+    """--prefix as bytes, checked as connect(prefix=...) checks it."""
+    from .._keys import check_prefix
+
     raw = text.encode("utf-8", "surrogateescape")
     if not raw or len(raw) > 256:
         raise UsageError("--prefix must be 1 to 256 bytes long")
-    return raw
+    try:
+        return check_prefix(raw)
+    except ValueError as exc:
+        raise UsageError(f"--prefix: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .._backend import ServerConfig, parse_url
+from .. import _keys
+from .._config import ServerConfig, parse_url
 from .._validate import MAX_KEY_BYTES
 
 __all__ = [
@@ -60,28 +61,23 @@ class Unreachable(CliError):
 
 # -- the key layout, read back ---------------------------------------------------------
 #
-# One place for it (hotlock._cache writes it): a lock on user key K lives at
-# <prefix>lock:K. Everything below that reads keys goes through these functions.
-
-LOCK_SPACE = b"lock:"
+# hotlock._keys writes it (a lock on user key K lives at <prefix>lock:{K}); everything here
+# that names or reads a lock key goes through these three functions.
 
 
 def lock_name(prefix: bytes, key: bytes) -> bytes:
     """The Redis key of the lock on user key ``key``."""
-    return prefix + LOCK_SPACE + key
+    return _keys.stored(prefix + _keys.LOCK_SPACE, key)
 
 
 def lock_pattern(prefix: bytes) -> bytes:
-    """A SCAN MATCH pattern for every lock under ``prefix`` (the prefix's glob characters escaped)."""
-    return glob_escape(prefix + LOCK_SPACE) + b"*"
+    """A SCAN MATCH pattern for every lock under ``prefix`` (its glob characters escaped)."""
+    return glob_escape(prefix + _keys.LOCK_SPACE) + b"*"
 
 
 def user_key(prefix: bytes, name: bytes) -> bytes | None:
     """The user key of the lock stored at ``name``, or None if ``name`` is not a lock key."""
-    head = prefix + LOCK_SPACE
-    if not name.startswith(head) or len(name) == len(head):
-        return None
-    return name[len(head) :]
+    return _keys.user_key(prefix + _keys.LOCK_SPACE, name)
 
 
 def fence_of(length: int, tail: bytes) -> int | None:

@@ -15,11 +15,11 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .._backend import ServerConfig, cache_error
+from .._config import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._backend import retry_until, unconfirmed
+from ._retry import retry_until, unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 

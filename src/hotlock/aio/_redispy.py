@@ -21,12 +21,12 @@ from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, Re
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .._backend import ServerConfig, cache_error
+from .._config import ServerConfig, cache_error
 from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._backend import retry_until, unconfirmed
+from ._retry import retry_until, unconfirmed
 
 __all__ = ["RedisAsyncBackend"]
 
