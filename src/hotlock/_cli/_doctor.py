@@ -120,7 +120,13 @@ def check_dialect(target: Target) -> list[Check]:
         reply = _raw(node.client, "COMMAND", "INFO", "DELIFEQ", "DELEX")
         offered = [name for name, entry in zip(("DELIFEQ", "DELEX"), reply, strict=False) if entry]
     except redis.ResponseError:
-        return [Check("lua-free", OK, "COMMAND INFO is refused: cannot tell whether SET IFEQ/DELIFEQ are offered")]
+        # COMMAND refused: go by the version (Valkey 9.0 brought DELIFEQ, Redis 8.4 DELEX).
+        info = _info(node.client, "server") or {}
+        valkey = info.get("valkey_version")
+        version = _version(str(valkey or info.get("redis_version", "0")))
+        offered = ["DELIFEQ"] if valkey and version >= (9, 0) else ["DELEX"] if version >= (8, 4) else []
+        if not info:
+            return [Check("lua-free", OK, "COMMAND INFO and INFO are refused: cannot tell whether SET IFEQ is offered")]
     if offered:
         return [
             Check(
@@ -184,7 +190,7 @@ def check_eviction(target: Target) -> list[Check]:
                 found = Check(
                     "eviction",
                     FAIL,
-                    f"maxmemory-policy {policy} with maxmemory {limit}{where}: Redis may evict {which}, "
+                    f"maxmemory-policy {policy} with maxmemory {_bytes(limit)}{where}: Redis may evict {which}, "
                     "and an evicted lock is granted twice",
                     "CONFIG SET maxmemory-policy noeviction (and in the config file)",
                 )
@@ -192,6 +198,14 @@ def check_eviction(target: Target) -> list[Check]:
             worst = found
     assert worst is not None
     return [worst]
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
 
 
 def _rank(status: str) -> int:

@@ -167,7 +167,8 @@ def watch(target: Target, *, interval: float, count: int | None, as_json_lines: 
             out.write("\x1b[?25h\x1b[?1049l")  # cursor shown, the terminal as it was
             out.flush()
     if screen and previous is not None:
-        # The alternate screen is gone: leave the last view's one-line summary behind.
-        out.write(line(previous) + "\n")
+        # The alternate screen is gone: leave the last view's one-line summary behind
+        # (over the "^C" the terminal echoed, if it did).
+        out.write("\r\x1b[K" + line(previous) + "\n")
         out.flush()
     return 0
