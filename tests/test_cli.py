@@ -629,3 +629,82 @@ def test_watch_does_not_count_its_own_pttls_as_waits(redis_url: str) -> None:
         ]
     assert frames[-1]["held"] == 50
     assert frames[-1]["rates"]["failed_attempts"] == 0.0
+
+
+# -- Redis Cluster -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    """Three primaries, no replicas, slots split in three: enough to show every shard is seen."""
+    # The bus port defaults to port + 10000, past 65535 for a high free port: pick one too.
+    buses = [free_port() for _ in range(3)]
+    nodes = [
+        start_redis("--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--cluster-port", str(bus))
+        for bus in buses
+    ]
+    try:
+        bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
+        for node, (lo, hi) in zip(nodes, bounds, strict=True):
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for node, bus in zip(nodes[1:], buses[1:], strict=True):
+            nodes[0].client().execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            states = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
+            if all(b"cluster_state:ok" in s for s in states) and all(b"cluster_known_nodes:3" in s for s in states):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the cluster did not come up")
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def cluster_url(nodes: list[RedisServer]) -> str:
+    return f"redis+cluster://127.0.0.1:{nodes[0].port}"  # one seed: the rest comes from the cluster
+
+
+def test_locks_on_a_cluster_scan_every_primary(cluster: list[RedisServer]) -> None:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", cluster[0].port)])
+    try:
+        keys = [f"job:{i}" for i in range(30)]
+        for i, key in enumerate(keys):  # as the library writes them: the key in a hash tag
+            rc.set(lock_key(key.encode()), os.urandom(16) + str(1_733_050_000_000_000 + i).encode(), px=60_000)
+        rows = as_json(cli("locks", "--json", url=cluster_url(cluster)))
+        assert sorted(r["key"] for r in rows) == sorted(keys)
+        assert len({r["node"] for r in rows}) == 3  # the keys spread over all three shards
+        assert {r["fence"] for r in rows} == {1_733_050_000_000_000 + i for i in range(30)}
+        text = out(cli("locks", "job:1*", url=cluster_url(cluster)))
+        assert text.splitlines()[0].split() == ["KEY", "TTL", "FENCE", "HELD", "NODE"]
+        assert len(text.splitlines()) == 1 + 11  # job:1, job:10..19
+        # release routes to the shard that owns the key
+        result = cli("release", "job:7", "--force", "--yes", "--json", url=cluster_url(cluster))
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["fence"] == 1_733_050_000_000_007
+        assert rc.exists(lock_key(b"job:7")) == 0
+    finally:
+        rc.close()
+
+
+def test_doctor_on_a_cluster_names_its_shards(cluster: list[RedisServer]) -> None:
+    result = cli("doctor", "--json", url=cluster_url(cluster))
+    found = checks(result)
+    assert found["topology"]["status"] == "ok", found["topology"]
+    detail = found["topology"]["detail"]
+    assert "cluster of 3 primaries" in detail and "cluster_state ok" in detail
+    for node in cluster:
+        assert f"127.0.0.1:{node.port}" in detail
+    assert "0-5460" in detail and "10923-16383" in detail
+    assert found["server"]["status"] == "ok" and "cluster mode" in found["server"]["detail"]
+    assert found["acl"]["status"] == "ok"
+    assert "latency" in found and found["latency"]["detail"].count("p99") == 3  # every primary measured
+
+
+def test_doctor_on_a_cluster_node_with_a_plain_url_fails(cluster: list[RedisServer]) -> None:
+    found = checks(cli("doctor", "--json", url=cluster[0].url))
+    assert found["server"]["status"] == "fail" and "redis+cluster://" in found["server"]["advice"]
