@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -708,3 +709,27 @@ def test_doctor_on_a_cluster_names_its_shards(cluster: list[RedisServer]) -> Non
 def test_doctor_on_a_cluster_node_with_a_plain_url_fails(cluster: list[RedisServer]) -> None:
     found = checks(cli("doctor", "--json", url=cluster[0].url))
     assert found["server"]["status"] == "fail" and "redis+cluster://" in found["server"]["advice"]
+
+
+# -- Sentinel ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("redis-sentinel") is None, reason="redis-sentinel is not installed")
+def test_doctor_and_locks_through_sentinel() -> None:
+    from .test_sentinel import SERVICE, start_topology
+
+    topo = start_topology()
+    try:
+        primary = topo.primary_port()
+        with hotlock.connect(topo.url) as cache:
+            cache.lock("settle:invoice-1", ttl=30)
+            found = checks(cli("doctor", "--json", url=topo.url))
+            assert found["topology"]["status"] in ("ok", "warn"), found["topology"]
+            detail = found["topology"]["detail"]
+            assert f"Sentinel service {SERVICE}" in detail and f"primary 127.0.0.1:{primary}" in detail
+            assert "1 of 1 replicas up" in detail and "3 sentinels" in detail
+            assert found["library"]["status"] == "ok"
+            rows = as_json(cli("locks", "--json", url=topo.url))
+            assert [r["key"] for r in rows] == ["settle:invoice-1"] and rows[0]["node"] == f"127.0.0.1:{primary}"
+    finally:
+        topo.stop()
