@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from . import _ident
 from ._validate import Seconds, ttl_ms
@@ -13,9 +13,8 @@ from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
     from ._backend import Backend, Named
-    from ._metered import LeaseMeter
 
-__all__ = ["Lease", "Lock", "shown"]
+__all__ = ["Lease", "LeaseHooks", "Lock", "shown"]
 
 log = logging.getLogger("hotlock")
 
@@ -23,6 +22,15 @@ log = logging.getLogger("hotlock")
 def shown(key: str | bytes) -> str:
     """A key as errors and logs show it."""
     return key if isinstance(key, str) else key.decode("utf-8", "backslashreplace")
+
+
+class LeaseHooks(Protocol):
+    """What a lease taken on a cache made with connect(metrics=...) reports to
+    (hotlock._metered.LeaseMeter); a plain lease has none."""
+
+    def extended(self, lease: Lease, ok: bool) -> None: ...
+    def released(self, lease: Lease, ok: bool) -> None: ...
+    def failed(self, lease: Lease, op: Literal["extend", "release"], error: CacheError) -> None: ...
 
 
 class Lease:
@@ -47,7 +55,7 @@ class Lease:
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
         # connect(metrics=...): set by the metered cache that took it; None costs one test.
-        self._meter: LeaseMeter | None = None
+        self._meter: LeaseHooks | None = None
 
     def _now(self) -> float:
         """The clock the deadline is on."""
