@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import redis
 
 from ._output import duration, print_json, status_word, table
-from ._target import FAILED, OK, USAGE, CliError, Target, UsageError, key_arg, open_target, shown_key
+from ._target import FAILED, OK, UNREACHABLE, USAGE, CliError, Target, UsageError, key_arg, open_target, shown_key
 
 __all__ = ["main"]
 
@@ -250,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         sys.stderr.write(f"hotlock {args.command}: {exc}\n")
         return exc.code
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Reached at first, lost since (a node down mid-scan, a restart): cannot connect.
+        sys.stderr.write(f"hotlock {args.command}: lost the server: {exc}\n")
+        return UNREACHABLE
     except redis.RedisError as exc:
         sys.stderr.write(f"hotlock {args.command}: the server replied: {exc}\n")
         return FAILED
