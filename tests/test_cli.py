@@ -29,16 +29,17 @@ from hotlock._cli._target import glob_matcher
 from hotlock._keys import stored
 
 from .conftest import RedisServer, free_port, start_redis
-from .test_security import COMMANDS, PASSWORD, acl_line
+from .test_security import COMMANDS, PASSWORD, acl_line, tls_server  # noqa: F401 (a fixture)
 
 USER = "hotlock_cli"
 
 
 def cli(
-    *args: str, url: str | None = None, stdin: str | None = "", timeout: float = 30
+    *args: str, url: str | None = None, stdin: str | None = "", timeout: float = 30, **extra_env: str
 ) -> subprocess.CompletedProcess[bytes]:
     """``python -m hotlock ARGS`` with CACHE_URL set to ``url`` (unset when None)."""
-    env = {k: v for k, v in os.environ.items() if k != "CACHE_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHE_URL", "SSL_CERT_FILE")}
+    env.update(extra_env)
     if url is not None:
         env["CACHE_URL"] = url
     return subprocess.run(
@@ -737,3 +738,19 @@ def test_doctor_and_locks_through_sentinel() -> None:
             assert [r["key"] for r in rows] == ["settle:invoice-1"] and rows[0]["node"] == f"127.0.0.1:{primary}"
     finally:
         topo.stop()
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+def test_rediss_verifies_the_certificate_as_the_library_does(tls_server: tuple[int, Path]) -> None:  # noqa: F811
+    port, ca = tls_server
+    url = f"rediss://localhost:{port}/0"
+    untrusted = cli("locks", url=url)
+    assert untrusted.returncode == 3 and "certificate verify failed" in untrusted.stderr.decode()
+    wrong_name = cli("locks", url=f"rediss://127.0.0.1:{port}/0", SSL_CERT_FILE=str(ca))
+    assert wrong_name.returncode == 3
+    trusted = cli("doctor", "--json", url=url, SSL_CERT_FILE=str(ca))
+    found = checks(trusted)
+    assert found["library"]["status"] == "ok" and found["acl"]["status"] == "ok"
+    assert trusted.returncode == 0

@@ -169,7 +169,10 @@ def _common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     d: dict[str, Any] = {} if defaults else {"default": argparse.SUPPRESS}
     group = parser.add_argument_group("connection")
     group.add_argument(
-        "--url", metavar="URL", help="the server (default: $CACHE_URL); see ENVIRONMENT for the forms", **d
+        "--url",
+        metavar="URL",
+        help="the server (default: $CACHE_URL): redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://",
+        **d,
     )
     group.add_argument(
         "--prefix",

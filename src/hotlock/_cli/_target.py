@@ -22,6 +22,7 @@ from redis.retry import Retry
 from .. import _keys
 from .._config import ServerConfig, parse_url
 from .._validate import MAX_KEY_BYTES
+from ..errors import CacheError
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -302,7 +303,10 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
             client = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
             address = config.unix_path
         else:
-            client = redis.Redis(host=host, port=port, ssl=config.tls, **kwargs)
+            if config.tls:
+                # As the library does: the certificate and the hostname are verified.
+                kwargs.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True)
+            client = redis.Redis(host=host, port=port, **kwargs)
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         target.nodes.append(Node(address, client))
         client.ping()
@@ -314,11 +318,9 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
         if not isinstance(exc, redis.exceptions.NoPermissionError):
             target.close()
             raise _unreachable(config.display, exc) from None
-    except Exception as exc:  # a CacheError from the sentinels: nobody named a primary
+    except CacheError as exc:  # from the sentinels: none named a primary
         target.close()
-        if type(exc).__name__ == "CacheError":
-            raise Unreachable(str(exc)) from None
-        raise
+        raise Unreachable(str(exc)) from None
     return target
 
 
