@@ -266,15 +266,14 @@ def test_doctor_passes_on_the_readme_acl(acl_url: str) -> None:
     result = cli("doctor", "--json", url=acl_url)
     found = checks(result)
     assert found["acl"]["status"] == "ok", found["acl"]
-    assert "time refused" in found["acl"]["detail"]  # the README's list has no +time: only doctor uses it
-    assert found["clock"]["status"] == "warn"
+    assert found["clock"]["status"] == "ok"  # +time is in the list: the acquire script reads the clock
     assert found["library"]["status"] == "ok", found["library"]
     assert not [c for c in found.values() if c["status"] == "fail"], found
     assert result.returncode == 0
     assert PASSWORD not in result.stdout.decode() + result.stderr.decode()
 
 
-@pytest.mark.parametrize("missing", ["+pttl", "+script|load", "+incrby", "+evalsha", "+select"])
+@pytest.mark.parametrize("missing", ["+pttl", "+script|load", "+incrby", "+evalsha", "+select", "+time"])
 def test_doctor_fails_on_an_acl_missing_one_command(redis_server: RedisServer, acl_url: str, missing: str) -> None:
     redis_server.client().execute_command(
         "ACL", "SETUSER", USER, "reset", *acl_line([c for c in COMMANDS if c != missing])
@@ -311,9 +310,11 @@ def test_locks_lists_held_locks_sorted_by_ttl(redis_url: str) -> None:
         ttls = [r["ttl"] for r in rows]
         assert ttls == sorted(ttls)
         assert 0 < ttls[0] <= 5 and 25 < ttls[1] <= 30 and 590 < ttls[2] <= 600
+        fences = {lk.key: lk.fence for lk in held}
         for row in rows:
             assert isinstance(row["ttl"], float)
-            assert row["fence"] is None  # a 16-byte value: a lock from before fencing
+            assert row["fence"] == fences[row["key"]]  # read back from the value, after the token
+            assert 0 <= row["held"] < 30  # the fence is the server's clock at the acquire
         text = cli("locks", url=redis_url)
         lines = out(text).splitlines()
         assert lines[0].split() == ["KEY", "TTL", "FENCE", "HELD"]

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from .. import backend_info
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._target import Node, Target, glob_escape
 
 __all__ = ["Check", "run_checks"]
@@ -288,14 +288,24 @@ def check_acl(target: Target) -> list[Check]:
     def script(s: Script, *args: Any) -> Callable[[], Any]:
         return lambda: client.evalsha(s.sha.decode(), 1, *args)
 
+    held: list[bytes] = [token]  # what the lock holds once acquired: the token and its fence
+
+    def acquire() -> None:
+        fence = client.evalsha(ACQUIRE.sha.decode(), 1, lock, token, ttl)
+        held[0] = held_value(token, int(fence)) if int(fence) > 0 else token
+
+    def with_held(s: Script, *args: Any) -> Callable[[], Any]:
+        return lambda: client.evalsha(s.sha.decode(), 1, lock, held[0], *args)
+
     in_scripts = _script_commands()
     # (name as ACL spells it, call, required): required ones fail the check when refused.
     probes: list[tuple[str, Callable[[], Any], bool]] = [
         *[("script|load", (lambda s=s: client.script_load(s.source)), True) for s in SCRIPTS],
-        ("evalsha", script(ACQUIRE, lock, token, ttl), True),
+        ("evalsha", acquire, True),
+        ("evalsha", script(ACQUIRE, lock, token, ttl), True),  # a retry with the same token
         ("evalsha", script(ACQUIRE, lock, rival, ttl), True),  # the "held elsewhere" path
-        ("evalsha", script(EXTEND, lock, token, ttl), True),
-        ("evalsha", script(RELEASE, lock, token), True),
+        ("evalsha", with_held(EXTEND, ttl), True),
+        ("evalsha", with_held(RELEASE), True),
     ]
     # The scripts' commands, also sent alone so a refusal names the command (a refused
     # call inside a script only says "can't run this command").

@@ -14,7 +14,8 @@ from typing import Any
 
 import redis
 
-from ._target import TOKEN_BYTES, CliError, Node, Target, fence_of, glob_matcher, lock_name, lock_pattern, user_key
+from .._ident import TOKEN_BYTES
+from ._target import CliError, Node, Target, fence_of, glob_matcher, lock_name, lock_pattern, user_key
 
 __all__ = ["HeldLock", "release_lock", "scan_locks"]
 

@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from .. import _keys
 from .._config import ServerConfig, parse_url
+from .._ident import TOKEN_BYTES  # a lock's value starts with its token
 from .._validate import MAX_KEY_BYTES
 from ..errors import CacheError
 
@@ -43,7 +44,6 @@ __all__ = [
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-TOKEN_BYTES = 16  # hotlock._ident: a lock's value starts with its 16-byte token
 
 
 class CliError(Exception):
