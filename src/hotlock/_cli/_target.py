@@ -304,9 +304,21 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
             address = config.unix_path
         else:
             if config.tls:
-                # As the library does: the certificate and the hostname are verified.
-                kwargs.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True)
-            client = redis.Redis(host=host, port=port, **kwargs)
+                # The library's own TLS connection (a TLS 1.3 session ticket must not make the
+                # pool drop a fresh connection), the certificate and hostname verified as there.
+                from .._redispy import _TLSConnection
+
+                pool = redis.ConnectionPool(
+                    connection_class=_TLSConnection,
+                    host=host,
+                    port=port,
+                    ssl_cert_reqs="required",
+                    ssl_check_hostname=True,
+                    **kwargs,
+                )
+                client = redis.Redis(connection_pool=pool)
+            else:
+                client = redis.Redis(host=host, port=port, **kwargs)
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         target.nodes.append(Node(address, client))
         client.ping()
