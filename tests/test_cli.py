@@ -755,3 +755,13 @@ def test_rediss_verifies_the_certificate_as_the_library_does(tls_server: tuple[i
     found = checks(trusted)
     assert found["library"]["status"] == "ok" and found["acl"]["status"] == "ok"
     assert trusted.returncode == 0
+
+
+def test_server_kind_reads_valkey_and_redis_info() -> None:
+    from hotlock._cli._doctor import server_kind
+
+    # INFO server as each prints it (the fields that matter).
+    assert server_kind({"redis_version": "7.0.15", "redis_mode": "standalone"}) == ("Redis", "7.0.15")
+    valkey = {"redis_version": "7.2.4", "server_name": "valkey", "valkey_version": "8.1.1"}
+    assert server_kind(valkey) == ("Valkey", "8.1.1")
+    assert server_kind({"redis_version": "7.2.4", "valkey_version": "9.0.0"}) == ("Valkey", "9.0.0")

@@ -78,6 +78,15 @@ def _version(text: str) -> tuple[int, ...]:
 # -- server, dialect -----------------------------------------------------------------
 
 
+def server_kind(info: dict[str, Any]) -> tuple[str, str]:
+    """("Redis" or "Valkey", its version) from INFO server. Valkey 8+ says server_name:valkey
+    and valkey_version, and keeps redis_version at 7.2.4 for old clients: never trust that
+    one on Valkey."""
+    if info.get("server_name") == "valkey" or "valkey_version" in info:
+        return "Valkey", str(info.get("valkey_version") or info.get("redis_version") or "?")
+    return "Redis", str(info.get("redis_version") or "?")
+
+
 def check_server(target: Target) -> list[Check]:
     seen = []
     for node in target.nodes:
@@ -91,8 +100,7 @@ def check_server(target: Target) -> list[Check]:
                     "grant +info (the library tolerates a refused INFO, but skips its eviction warning)",
                 )
             ]
-        kind = "Valkey" if info.get("server_name") == "valkey" or "valkey_version" in info else "Redis"
-        version = str(info.get("valkey_version") or info.get("redis_version") or "?")
+        kind, version = server_kind(info)
         seen.append((kind, version, str(info.get("redis_mode", "standalone")), node.address))
     kinds = sorted({f"{k} {v}" for k, v, _, _ in seen})
     mode = seen[0][2]
