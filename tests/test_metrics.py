@@ -314,3 +314,24 @@ def test_async_no_listener_is_the_plain_cache(aio: Aio) -> None:
             await cache.close()
 
     aio.run(main())
+
+
+def test_bad_arguments_read_the_same_with_metrics(backend: str, redis_url: str) -> None:
+    with open_cache(backend, redis_url) as plain, open_cache(backend, redis_url, metrics=Recorder()) as metered:
+        for call in (
+            lambda c: c.lock(""),
+            lambda c: c.lock(5),
+            lambda c: c.lock("k", ttl=0),
+            lambda c: c.lock_wait("k", wait=-1),
+            lambda c: c.lock_many(5),
+            lambda c: c.lock_many("abc"),
+            lambda c: c.extend_many(5, 1),
+            lambda c: c.unlock_many("abc"),
+            lambda c: c.unlock_many([object()]),
+        ):
+            with pytest.raises((TypeError, ValueError)) as plain_error:
+                call(plain)
+            with pytest.raises((TypeError, ValueError)) as metered_error:
+                call(metered)
+            assert type(metered_error.value) is type(plain_error.value)
+            assert str(metered_error.value) == str(plain_error.value)

@@ -22,7 +22,7 @@ from .metrics import LISTENER_METHODS, Listener, NotAcquired, Op
 if TYPE_CHECKING:
     from ._backend import Backend
 
-__all__ = ["LeaseMeter", "Meter", "MeteredCache", "check_listener"]
+__all__ = ["LeaseMeter", "Meter", "MeteredCache", "as_list", "check_listener", "sendable"]
 
 log = logging.getLogger("hotlock")
 
@@ -103,9 +103,17 @@ class LeaseMeter:
         self.meter.call(self.meter.listener.error, lease.key, op, error)
 
 
+def as_list(items: Any) -> Any:
+    """A *_many call's iterable as a list (it is read twice: by the call and for the report),
+    or as given when the call itself will refuse it, so its TypeError reads as without metrics."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        return items
+    return list(items)
+
+
 def sendable(locks: Any) -> dict[int, Lease]:
     """The locks of a *_many call that it will send for (and so report on), by id()."""
-    if isinstance(locks, (str, bytes)):
+    if not isinstance(locks, list):
         return {}  # refused by the call itself
     return {id(lk): lk for lk in locks if isinstance(lk, Lease) and lk._sendable()}
 
@@ -151,7 +159,7 @@ class MeteredCache(Cache):
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:
         meter = self._meter
-        given = keys if isinstance(keys, (str, bytes)) else list(keys)  # a str is refused by the call
+        given = as_list(keys)
         started = time.monotonic()
         try:
             locks = super().lock_many(given, *args, **kwargs)
@@ -169,7 +177,7 @@ class MeteredCache(Cache):
         return locks
 
     def extend_many(self, locks: Iterable[Lock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = locks if isinstance(locks, (str, bytes)) else list(locks)
+        items = as_list(locks)
         sent = sendable(items)
         try:
             results = super().extend_many(items, *args, **kwargs)
@@ -185,7 +193,7 @@ class MeteredCache(Cache):
         return results
 
     def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
-        items = locks if isinstance(locks, (str, bytes)) else list(locks)
+        items = as_list(locks)
         sent = sendable(items)
         try:
             results = super().unlock_many(items)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._metered import Meter, sendable
+from .._metered import Meter, as_list, sendable
 from ..errors import CacheError, LockNotAcquired
 from ._cache import AsyncCache
 from ._lock import AsyncLock
@@ -49,7 +49,7 @@ class MeteredAsyncCache(AsyncCache):
 
     async def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[AsyncLock | None]:
         meter = self._meter
-        given = keys if isinstance(keys, (str, bytes)) else list(keys)
+        given = as_list(keys)
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -68,7 +68,7 @@ class MeteredAsyncCache(AsyncCache):
         return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = locks if isinstance(locks, (str, bytes)) else list(locks)
+        items = as_list(locks)
         sent = sendable(items)
         try:
             results = await super().extend_many(items, *args, **kwargs)
@@ -84,7 +84,7 @@ class MeteredAsyncCache(AsyncCache):
         return results
 
     async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
-        items = locks if isinstance(locks, (str, bytes)) else list(locks)
+        items = as_list(locks)
         sent = sendable(items)
         try:
             results = await super().unlock_many(items)
