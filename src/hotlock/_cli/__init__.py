@@ -29,6 +29,7 @@ exit status:
   1  a check failed (doctor), the lock was not held (release), or the server refused a command
   2  usage: a bad option, argument or url (nothing was sent)
   3  cannot connect: the server is unreachable, or refused the credentials
+  130 interrupted (Ctrl-C); watch, which runs until Ctrl-C, exits 0
 """
 
 ENVIRONMENT = """\
