@@ -70,6 +70,8 @@ VALKEY_LUA_FREE = [
     "+select",
     "+wait",
 ]
+# The script path's list under its old name (tests/test_cli.py checks `hotlock doctor` with it).
+COMMANDS = SCRIPT_PATH
 OPTIONAL = ("+info", "+wait", "+command|info")
 # Every entry some list has, on each server (an ACL naming a command the server lacks is refused).
 KNOWN = {"redis": SCRIPT_PATH, "valkey": [*SCRIPT_PATH, "+delifeq", "+command|info"]}

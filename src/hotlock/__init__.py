@@ -11,17 +11,21 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ._backend import BACKEND_NAMES, native_module, open_backend
+from ._backend import BACKEND_NAMES, Backend, native_module, open_backend
 from ._cache import Cache
 from ._config import ServerConfig, parse_url
 from ._dialect import Dialect, check_scripts, commands_from, detect, probe_needed
 from ._keys import check_prefix
 from ._lock import Lock
 from ._memory import MemoryBackend
+from ._metered import MeteredCache, check_listener
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
+
+if TYPE_CHECKING:
+    from .metrics import Listener
 
 __all__ = [
     "Cache",
@@ -58,6 +62,7 @@ def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
+    metrics: Listener | None = None,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -77,11 +82,15 @@ def connect(
     sets itself (Valkey 9: ``SET … IFEQ``, ``DELIFEQ``; Redis 8.4+: ``SET … IFEQ``,
     ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them on the scripts.
     ``cache.server_info`` tells which server was found and which path is in use.
+
+    ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
+    told of every acquisition, release, extension, loss and error; without one, nothing is paid.
     """
     check_scripts(scripts)
+    listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
-        return Cache(MemoryBackend(), raw_prefix)
+        return _cache(MemoryBackend(), raw_prefix, listener)
     opened, why = open_backend(config, backend)
     try:
         info = opened.info()
@@ -93,7 +102,12 @@ def connect(
     except BaseException:
         opened.close()
         raise
-    return Cache(opened, raw_prefix)
+    return _cache(opened, raw_prefix, listener)
+
+
+def _cache(backend: Backend, prefix: bytes, listener: Listener | None) -> Cache:
+    # A plain Cache without a listener: the metered one only exists when asked for.
+    return Cache(backend, prefix) if listener is None else MeteredCache(backend, prefix, listener)
 
 
 def _connect_config(
