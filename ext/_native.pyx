@@ -27,6 +27,7 @@ from posix.unistd cimport close, getpid
 from hiredis cimport *
 
 from hotlock import _backoff
+from hotlock._cluster import LinkLost, ReplyError
 from hotlock._config import cache_error
 from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS
 from hotlock._sentinel import PrimaryWatch

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -22,6 +23,9 @@ import redis
 import hotlock
 from hotlock._backend import native_module
 from hotlock._keys import stored
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 LOCK_SPACE = b"hotlock:lock:"
 
@@ -173,16 +177,75 @@ def open_cache(backend: str, url: str, **kwargs: object) -> hotlock.Cache:
 
 
 @pytest.fixture
-def cache(backend: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
+def cache(backend: str, server_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
     monkeypatch.delenv("CACHE_URL", raising=False)
-    c = open_cache(backend, redis_url)
+    c = open_cache(backend, server_url)
     yield c
     c.close()
 
 
 @pytest.fixture
-def rcache(redis_backend: str, redis_url: str) -> Iterator[hotlock.Cache]:
+def rcache(redis_backend: str, server_url: str) -> Iterator[hotlock.Cache]:
     """A cache on a Redis-backed backend."""
-    c = open_cache(redis_backend, redis_url)
+    c = open_cache(redis_backend, server_url)
     yield c
     c.close()
+
+
+# -- the topology dimension: one server, or a Redis Cluster --------------------------------
+# A test (or a module, by pytestmark) marked @pytest.mark.topologies("single", "cluster")
+# runs its cache/rcache on each (ids test_x[native-single], test_x[native-cluster]).
+# Unmarked tests run on one server only. The memory backend has no cluster form, so that
+# pair is deselected.
+
+TOPOLOGIES = ("single", "cluster")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("topologies")
+    if marker is None or "topology" not in metafunc.fixturenames:
+        return
+    unknown = set(marker.args) - set(TOPOLOGIES)
+    if unknown:
+        raise ValueError(f"unknown topologies {sorted(unknown)}: the known ones are {TOPOLOGIES}")
+    metafunc.parametrize("topology", marker.args, indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if params.get("backend") == "memory" and params.get("topology", "single") != "single" else keep).append(
+            item
+        )
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def topology(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "single"))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """3 primaries and 3 replicas (tests/cluster.py), started on first use, stopped by pid."""
+    from .cluster import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: Cluster) -> str:
+    """The cluster's seeds, every primary's data and script cache emptied for this test."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture
+def server_url(topology: str, request: pytest.FixtureRequest) -> str:
+    """The URL cache/rcache connect to: the one server's, or the cluster's."""
+    return str(request.getfixturevalue("cluster_url" if topology == "cluster" else "redis_url"))

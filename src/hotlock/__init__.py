@@ -148,17 +148,22 @@ def _log_server(info: dict[str, str] | None, backend: str, server: str, why: str
         log.info("connected to %s with the %s backend%s", server, backend, reason)
         log.info("INFO is refused by the server's ACL: the Redis version and maxmemory-policy go unchecked")
         return
+    shards = info.get("cluster_primaries")
+    kind = f"Redis Cluster of {shards} shards, Redis" if shards else "Redis"
     log.info(
-        "connected to %s (Redis %s) with the %s backend%s", server, info.get("redis_version", "?"), backend, reason
+        "connected to %s (%s %s) with the %s backend%s", server, kind, info.get("redis_version", "?"), backend, reason
     )
-    policy = info.get("maxmemory_policy", _SAFE_POLICY)
-    if policy != _SAFE_POLICY:
-        log.warning(
-            "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
-            "set maxmemory-policy noeviction",
-            server,
-            policy,
-        )
+    # On a cluster the backend names each primary with an evicting policy (maxmemory_policy@host:port).
+    policies = [(server, info.get("maxmemory_policy", _SAFE_POLICY))]
+    policies += [(k.partition("@")[2], v) for k, v in info.items() if k.startswith("maxmemory_policy@")]
+    for where, policy in policies:
+        if policy != _SAFE_POLICY:
+            log.warning(
+                "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
+                "set maxmemory-policy noeviction",
+                where,
+                policy,
+            )
 
 
 def backend_info() -> dict[str, str | None]:
