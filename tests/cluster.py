@@ -2,7 +2,8 @@
 
 Started once per session (the ``redis_cluster`` fixture in conftest.py) with
 ``redis-cli --cluster create … --cluster-replicas 1 --cluster-yes``, stopped by pid. A node
-timeout of 2 s keeps a failover test short. Helpers here move a slot between primaries
+timeout of 2 s keeps a failover test short; ``cluster-require-full-coverage no`` keeps
+the healthy shards serving while one is failing over. Helpers here move a slot between primaries
 the way ``redis-cli --cluster reshard`` does, step by step, so a test can stop half way
 (a slot MIGRATING/IMPORTING: ASK) or finish (MOVED).
 """
@@ -84,15 +85,47 @@ class Cluster:
             moved += len(keys)
 
     def end_migration(self, slot: int, target: int) -> None:
-        """Give ``slot`` to ``target`` on every primary (SETSLOT NODE), as reshard does."""
+        """Give ``slot`` to ``target`` (SETSLOT NODE on the target first, then on every other
+        primary), as ``redis-cli --cluster reshard`` does."""
         target_id = self.node_id(target)
-        for port in [*self.primary_ports(), target]:
+        for port in [target, *(p for p in self.primary_ports() if p != target)]:
             self.client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
     def move_slot(self, slot: int, target: int) -> None:
         source = self.begin_migration(slot, target)
         self.migrate_keys(slot, source, target)
         self.end_migration(slot, target)
+
+    def restart(self, port: int) -> None:
+        """Start a stopped node again with its own command line and nodes.conf: it rejoins
+        the cluster (a killed primary comes back as its promoted replica's replica)."""
+        node = next(n for n in self.nodes if n.port == port)
+        assert node.proc is not None and node.proc.poll() is not None
+        node._client = None
+        node.proc = subprocess.Popen(node.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node.pid = node.proc.pid
+        self.wait_ok()
+        self.wait_synced()
+
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Until every live replica's link to its primary is up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(
+                    info.get("role") == "master" or info.get("master_link_status") == "up"
+                    for info in (
+                        n.client().info("replication")
+                        for n in self.nodes
+                        if n.proc is not None and n.proc.poll() is None
+                    )
+                ):
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the test cluster's replicas did not sync")
+            time.sleep(0.05)
 
     def flush(self) -> None:
         for port in self.primary_ports():
@@ -139,7 +172,20 @@ def start_cluster(primaries: int = 3, replicas: int = 1) -> Cluster:
             bus = str(free_port())
             cluster.nodes.append(
                 start_redis(
-                    "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-port", bus
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    str(NODE_TIMEOUT_MS),
+                    "--cluster-port",
+                    bus,
+                    # The other shards go on serving while one has no primary (the README
+                    # recommends the same for locks): the default stops every slot.
+                    "--cluster-require-full-coverage",
+                    "no",
+                    # Replicas sync at once (the default waits 5 s for more to join): a
+                    # replica that never synced cannot be promoted.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 )
             )
         created = subprocess.run(
@@ -158,6 +204,7 @@ def start_cluster(primaries: int = 3, replicas: int = 1) -> Cluster:
         if created.returncode != 0:
             pytest.fail(f"redis-cli --cluster create failed: {created.stdout[-2000:]!r} {created.stderr[-2000:]!r}")
         cluster.wait_ok()
+        cluster.wait_synced()
         if len(cluster.primary_ports()) != primaries:
             pytest.fail(f"the test cluster has {len(cluster.primary_ports())} primaries, not {primaries}")
     except BaseException:

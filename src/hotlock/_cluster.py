@@ -163,6 +163,7 @@ class SlotMap:
         self._owner: list[Address | None] = [None] * SLOTS
         self.mutex = threading.Lock()
         self.stale = True
+        self.refreshed = 0.0  # time.monotonic() of the last replace()
         self.primaries: tuple[Address, ...] = ()
 
     def owner(self, slot: int) -> Address | None:
@@ -179,11 +180,13 @@ class SlotMap:
         self._owner = owner
         self.primaries = tuple(sorted({a for _, _, a in ranges}))
         self.stale = False
+        self.refreshed = time.monotonic()
 
 
 # -- the backend ------------------------------------------------------------------------
 
 _REDIRECTS = 8  # MOVED/ASK hops one call follows before it calls the map broken
+_UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
 _PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
 
 
@@ -276,7 +279,14 @@ class ClusterBackend:
             with contextlib.suppress(CacheError):
                 # Keep the slot we learnt from MOVED if no node answers for the whole map.
                 self.refresh()
-        address = self._map.owner(key_slot(key))
+        slot = key_slot(key)
+        address = self._map.owner(slot)
+        if address is None and time.monotonic() - self._map.refreshed >= _UNSERVED_REFRESH_S:
+            # No primary for the slot when we last looked (its primary failed, its replica
+            # not yet promoted): look again, but not on every call while the gap lasts.
+            with contextlib.suppress(CacheError):
+                self.refresh()
+            address = self._map.owner(slot)
         if address is None:
             raise cache_error("no primary serves the slot of the key (the cluster is incomplete)", self.server, key)
         return address
