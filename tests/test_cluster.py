@@ -397,6 +397,7 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
             time.sleep(0.1)
         assert promoted, "locks on the failed shard did not resume after the replica's promotion"
         assert errors > 0, "the gap before the promotion should have been seen as CacheError"
+        cluster.wait_ok()  # every live node agrees on the new map
         assert victim not in cluster.primary_ports()
         # The replica had the old holder's key: it is still held, and still his.
         with pytest.raises(LockNotAcquired):

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from ._backoff import poll
 from ._config import ServerConfig, cache_error
-from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .errors import CacheError
 
 __all__ = [
@@ -191,8 +191,8 @@ _PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled 
 
 
 def _acquired(result: int) -> bool:
-    # The ACQUIRE script's result convention (hotlock._scripts.ACQUIRE).
-    return result == 0
+    # The ACQUIRE script's result convention (hotlock._scripts.ACQUIRE): the fence, > 0.
+    return result > 0
 
 
 class ClusterBackend:
@@ -449,7 +449,7 @@ class ClusterBackend:
         """A failed acquire batch releases what it did acquire, so no key is stranded until
         its TTL (only acquires under WAIT, or any acquire batch: commands[i][1] tells)."""
         held = [
-            (k, c[4])
+            (k, held_value(c[4], r))
             for k, c, r in zip(keys, commands, results, strict=True)
             if c[1] == ACQUIRE.sha and isinstance(r, int) and _acquired(r)
         ]
