@@ -45,12 +45,16 @@ from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .errors import CacheError
 
 __all__ = [
+    "MAP_ERRORS",
     "SLOTS",
     "ClusterBackend",
+    "ClusterCore",
     "Link",
     "LinkLost",
     "ReplyError",
+    "Route",
     "SlotMap",
+    "acquired",
     "crc16",
     "key_slot",
     "parse_shards",
@@ -183,357 +187,271 @@ class SlotMap:
         self.refreshed = time.monotonic()
 
 
-# -- the backend ------------------------------------------------------------------------
+# -- one call's routing, without I/O ---------------------------------------------------
 
-_REDIRECTS = 8  # MOVED/ASK hops one call follows before it calls the map broken
+_REDIRECTS = 8  # MOVED/ASK hops per key one call follows before it calls the map broken
 _UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
 _PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
 
 
-def _acquired(result: int) -> bool:
+def acquired(result: int) -> bool:
     # The ACQUIRE script's result convention (hotlock._scripts.ACQUIRE): the fence, > 0.
     return result > 0
 
 
-class ClusterBackend:
-    """The Backend protocol on a Redis Cluster, over any transport's links.
+class Route:
+    """The redirection rules for one call, as a state machine with no I/O, so the sync
+    and the async cluster backends share every rule and differ only in how they wait.
 
-    ``open_link(config)`` makes the link of one node (``config`` is the cluster's own,
-    pointed at that node by ServerConfig.node). The transport's name ("native",
-    "redis-py") is the backend's; ``server`` shows the cluster's seeds.
+    A round: ``batches()`` gives each node's commands (``ASKING`` before a key that was
+    sent ASK, a WAIT after the acquires under wait_replicas); the caller writes them all,
+    then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()`` then
+    says what is next: None (done: ``results``), or how long to sleep before the next
+    round. It raises CacheError when the call has failed, after which the caller undoes
+    the acquires in ``acquired_values()``. Between rounds the caller loads the scripts on
+    ``reload`` nodes and, when ``refresh_avoiding`` is set, asks for the slot map.
     """
 
-    def __init__(self, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Link]) -> None:
-        self.name = name
-        self.server = config.display
-        self._config = config
-        self._open_link = open_link
-        self._timeout = config.timeout
-        self._wait_replicas = config.wait_replicas
-        self._wait_ms = round(config.wait_timeout * 1000)
-        self._links: dict[Address, Link] = {}
-        self._links_mutex = threading.Lock()
-        self._map = SlotMap()
-        self._seeds: tuple[Address, ...] = config.seeds
-        # Connect now: a cluster none of whose seeds answers is a CacheError at connect().
-        self.refresh()
-        for address in self._map.primaries:
-            self._link(address)
-
-    # -- topology ---------------------------------------------------------------------
-
-    def primaries(self) -> tuple[Address, ...]:
-        """Every primary in the slot map now (for a caller that must visit each one)."""
-        return self._map.primaries
-
-    def slot_owner(self, key: bytes) -> Address | None:
-        return self._map.owner(key_slot(key))
-
-    def refresh(self, avoid: Address | None = None) -> None:
-        """Ask one node after another (the known primaries, then the seeds; ``avoid`` last)
-        for the slot map; raise CacheError when none answers."""
-        candidates = list(self._map.primaries)
-        random.shuffle(candidates)  # spread the map queries of many clients over the nodes
-        candidates += [s for s in self._seeds if s not in candidates]
-        if avoid in candidates:
-            candidates.remove(avoid)
-            candidates.append(avoid)
-        errors = []
-        for address in candidates:
-            try:
-                ranges = self._ask_map(address)
-            except (LinkLost, ReplyError, CacheError, ValueError, IndexError, TypeError) as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
-                continue
-            if not ranges:
-                errors.append(f"{address[0]}:{address[1]}: no slots assigned")
-                continue
-            with self._map.mutex:
-                self._map.replace(ranges)
-            return
-        raise cache_error(f"no cluster node gave the slot map ({'; '.join(errors)})", self.server)
-
-    def _ask_map(self, address: Address) -> list[tuple[int, int, Address]]:
-        link = self._link(address)
-        reply = link.link_recv(link.link_send([(b"CLUSTER", b"SHARDS")]), 1, None)[0]
-        if isinstance(reply, ReplyError):
-            # Redis 6 and older have no CLUSTER SHARDS.
-            reply = link.link_recv(link.link_send([(b"CLUSTER", b"SLOTS")]), 1, None)[0]
-            if isinstance(reply, ReplyError):
-                raise reply
-            return parse_slots(reply)
-        return parse_shards(reply)
-
-    def _link(self, address: Address) -> Link:
-        link = self._links.get(address)
-        if link is None:
-            with self._links_mutex:
-                link = self._links.get(address)
-                if link is None:
-                    link = self._open_link(self._config.node(*address))
-                    self._links[address] = link
-        return link
-
-    def _owner(self, key: bytes) -> Address:
-        if self._map.stale:
-            with contextlib.suppress(CacheError):
-                # Keep the slot we learnt from MOVED if no node answers for the whole map.
-                self.refresh()
-        slot = key_slot(key)
-        address = self._map.owner(slot)
-        if address is None and time.monotonic() - self._map.refreshed >= _UNSERVED_REFRESH_S:
-            # No primary for the slot when we last looked (its primary failed, its replica
-            # not yet promoted): look again, but not on every call while the gap lasts.
-            with contextlib.suppress(CacheError):
-                self.refresh()
-            address = self._map.owner(slot)
-        if address is None:
-            raise cache_error("no primary serves the slot of the key (the cluster is incomplete)", self.server, key)
-        return address
-
-    # -- routing ------------------------------------------------------------------------
-
-    def _run(
+    def __init__(
         self,
+        cluster: ClusterCore,
         what: str,
         keys: Sequence[bytes],
         commands: Sequence[tuple[bytes, ...]],
         retry_until: float | None,
-        wait: bool = False,
-    ) -> list[Any]:
-        """Send ``commands[i]`` to the primary of ``keys[i]``, all nodes written before any is
-        read, following the redirection rules; the replies in order, or CacheError.
-
-        ``retry_until`` (a time.monotonic()) allows one resend after a lost reply; it also
-        bounds how long TRYAGAIN/CLUSTERDOWN are waited out (else one reply timeout).
-        ``wait``: a WAIT after each node's commands (wait_replicas); too few replicas on any
-        node undoes the acquires and raises.
-        """
-        n = len(keys)
-        results: list[Any] = [None] * n
-        pending = list(range(n))
-        asking: dict[int, Address] = {}
-        budget_end = retry_until if retry_until is not None else time.monotonic() + self._timeout
-        override: float | None = None
-        retried = redirects = 0
-        pause = _PAUSE_S
-        reloaded: set[Address] = set()
-        replicas: list[tuple[Address, int]] = []
-        one = n == 1
-        while pending:
-            groups: dict[Address, list[int]] = {}
-            for i in pending:
-                groups.setdefault(asking.get(i) or self._owner(keys[i]), []).append(i)
-            sent: list[tuple[Address, Link, list[int], object, int]] = []
-            lost: list[tuple[Address, list[int], BaseException]] = []
-            for address, idxs in groups.items():
-                batch: list[tuple[bytes, ...]] = []
-                for i in idxs:
-                    if i in asking:
-                        batch.append((b"ASKING",))
-                    batch.append(commands[i])
-                if wait:
-                    batch.append((b"WAIT", b"%d" % self._wait_replicas, b"%d" % self._wait_ms))
-                try:
-                    link = self._link(address)
-                    sent.append((address, link, idxs, link.link_send(batch), len(batch)))
-                except (LinkLost, CacheError) as exc:
-                    lost.append((address, idxs, exc))
-            pending = []
-            again: list[int] = []  # not run: resend at once
-            later: list[int] = []  # TRYAGAIN / CLUSTERDOWN: resend after a pause
-            error: tuple[str, bytes | None] | None = None
-            for address, link, idxs, handle, count in sent:
-                try:
-                    replies = link.link_recv(handle, count, override)
-                except LinkLost as exc:
-                    lost.append((address, idxs, exc))
-                    continue
-                if wait:
-                    reply = replies.pop()
-                    if isinstance(reply, ReplyError):
-                        error = error or (f"WAIT on {address[0]}:{address[1]}: the server replied {reply}", None)
-                    else:
-                        replicas.append((address, int(reply)))
-                j = 0
-                for i in idxs:
-                    if i in asking:
-                        j += 1  # ASKING's +OK
-                        del asking[i]
-                        asked = True
-                    else:
-                        asked = False
-                    reply = replies[j]
-                    j += 1
-                    if not isinstance(reply, ReplyError):
-                        results[i] = reply
-                        continue
-                    code = reply.code
-                    if code in ("MOVED", "ASK"):
-                        redirects += 1
-                        _, slot, target = str(reply).split(" ")
-                        host, _, port = target.rpartition(":")
-                        to = (host or address[0], int(port))
-                        if code == "MOVED":
-                            with self._map.mutex:
-                                self._map.moved(int(slot), to)
-                        elif asked:
-                            # An ASK answered with ASK: the migration is confused; do not loop.
-                            error = error or (f"{what} failed: the server replied {reply} after ASKING", keys[i])
-                            continue
-                        else:
-                            asking[i] = to
-                        if redirects > _REDIRECTS * max(1, len(idxs)):
-                            error = error or (f"{what} failed: redirected {redirects} times ({reply})", keys[i])
-                        again.append(i)
-                    elif code in ("TRYAGAIN", "CLUSTERDOWN"):
-                        later.append(i)
-                        if code == "CLUSTERDOWN":
-                            self._map.stale = True
-                    elif code == "NOSCRIPT" and address not in reloaded:
-                        reloaded.add(address)
-                        self._load_scripts(link, address, what)
-                        again.append(i)
-                    else:
-                        if code == "READONLY":
-                            self._map.stale = True  # a demoted primary: look again
-                        error = error or (f"{what} failed: the server replied {reply}", keys[i])
-            if error is not None:
-                self._undo_acquires(wait, keys, commands, results)
-                raise cache_error(error[0], self.server, error[1])
-            if lost:
-                left = 0.0 if retry_until is None else min(self._timeout, retry_until - time.monotonic())
-                where, first, cause = lost[0]
-                if retried or left < 0.001:
-                    self._undo_acquires(wait, keys, commands, results)
-                    suffix = " (retried after a lost reply)" if retried else ""
-                    raise cache_error(
-                        f"{what}{suffix} failed on {where[0]}:{where[1]}: {cause}",
-                        self.server,
-                        keys[first[0]] if one else None,
-                    ) from cause
-                retried += 1
-                override = left
-                # The node may be gone for good (a killed primary whose replica takes over):
-                # ask another node where its slots are before the one retry.
-                with contextlib.suppress(CacheError):
-                    self.refresh(avoid=where)
-                for _, idxs, _ in lost:
-                    again.extend(idxs)
-            if later:
-                if time.monotonic() + pause > budget_end:
-                    self._undo_acquires(wait, keys, commands, results)
-                    raise cache_error(
-                        f"{what} failed: the cluster kept replying TRYAGAIN/CLUSTERDOWN", self.server, keys[later[0]]
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, 0.2)
-                again.extend(later)
-            pending = sorted(again)
-        if wait:
-            short = [(a, r) for a, r in replicas if r < self._wait_replicas]
-            if short:
-                self._undo_acquires(True, keys, commands, results)
-                (node_host, node_port), got = short[0]
-                raise cache_error(
-                    f"{what} undone: {got} of {self._wait_replicas} replicas of {node_host}:{node_port} confirmed it "
-                    f"within {self._wait_ms} ms (wait_replicas)",
-                    self.server,
-                    keys[0] if one else None,
-                )
-        return results
-
-    def _undo_acquires(
-        self, wait: bool, keys: Sequence[bytes], commands: Sequence[tuple[bytes, ...]], results: list[Any]
+        wait: bool,
     ) -> None:
-        """A failed acquire batch releases what it did acquire, so no key is stranded until
-        its TTL (only acquires under WAIT, or any acquire batch: commands[i][1] tells)."""
+        self._cluster = cluster
+        self.what = what
+        self.keys = keys
+        self.commands = commands
+        self.results: list[Any] = [None] * len(keys)
+        self._pending = list(range(len(keys)))
+        self._asking: dict[int, Address] = {}
+        self._retry_until = retry_until
+        self._budget_end = retry_until if retry_until is not None else time.monotonic() + cluster.timeout
+        self.override: float | None = None  # reply timeout of the one retry after a lost reply
+        self._retried = False
+        self._redirects = 0
+        self._pause = _PAUSE_S
+        self._wait = wait
+        self.replicas: list[tuple[Address, int]] = []
+        self._groups: dict[Address, list[int]] = {}
+        self._again: list[int] = []
+        self._later: list[int] = []
+        self._lost: list[tuple[Address, list[int], BaseException]] = []
+        self._error: tuple[str, bytes | None] | None = None
+        self.reload: set[Address] = set()
+        self._reloaded: set[Address] = set()
+        self.refresh_avoiding: Address | None = None
+
+    def unserved(self) -> bytes | None:
+        """A pending key whose slot has no primary in the map (the caller refreshes once)."""
+        for i in self._pending:
+            if i not in self._asking and self._cluster.map.owner(key_slot(self.keys[i])) is None:
+                return self.keys[i]
+        return None
+
+    def batches(self) -> list[tuple[Address, list[tuple[bytes, ...]]]]:
+        groups: dict[Address, list[int]] = {}
+        for i in self._pending:
+            address = self._asking.get(i) or self._cluster.map.owner(key_slot(self.keys[i]))
+            if address is None:
+                raise cache_error(
+                    "no primary serves the slot of the key (the cluster is incomplete)",
+                    self._cluster.server,
+                    self.keys[i],
+                )
+            groups.setdefault(address, []).append(i)
+        self._groups = groups
+        self._pending = []
+        out = []
+        for address, idxs in groups.items():
+            batch: list[tuple[bytes, ...]] = []
+            for i in idxs:
+                if i in self._asking:
+                    batch.append((b"ASKING",))
+                batch.append(self.commands[i])
+            if self._wait:
+                batch.append(self._cluster.wait_command)
+            out.append((address, batch))
+        return out
+
+    def lost(self, address: Address, exc: BaseException) -> None:
+        self._lost.append((address, self._groups[address], exc))
+
+    def replies(self, address: Address, replies: list[Any]) -> None:
+        if self._wait:
+            reply = replies.pop()
+            if isinstance(reply, ReplyError):
+                self._fail(f"WAIT on {address[0]}:{address[1]}: the server replied {reply}", None)
+            else:
+                self.replicas.append((address, int(reply)))
+        j = 0
+        for i in self._groups[address]:
+            asked = i in self._asking
+            if asked:
+                j += 1  # ASKING's +OK
+                del self._asking[i]
+            reply = replies[j]
+            j += 1
+            if not isinstance(reply, ReplyError):
+                self.results[i] = reply
+                continue
+            code = reply.code
+            if code in ("MOVED", "ASK"):
+                self._redirects += 1
+                _, slot, target = str(reply).split(" ")
+                host, _, port = target.rpartition(":")
+                to = (host or address[0], int(port))
+                if code == "MOVED":
+                    self._cluster.map.moved(int(slot), to)
+                elif asked:
+                    # An ASK answered with ASK: the migration is confused; do not loop.
+                    self._fail(f"{self.what} failed: the server replied {reply} after ASKING", self.keys[i])
+                    continue
+                else:
+                    self._asking[i] = to
+                if self._redirects > _REDIRECTS * len(self.keys):
+                    self._fail(f"{self.what} failed: redirected {self._redirects} times ({reply})", self.keys[i])
+                self._again.append(i)
+            elif code in ("TRYAGAIN", "CLUSTERDOWN"):
+                self._later.append(i)
+                if code == "CLUSTERDOWN":
+                    self._cluster.map.stale = True
+            elif code == "NOSCRIPT" and address not in self._reloaded:
+                self._reloaded.add(address)
+                self.reload.add(address)
+                self._again.append(i)
+            else:
+                if code == "READONLY":
+                    self._cluster.map.stale = True  # a demoted primary: look again
+                self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
+
+    def _fail(self, text: str, key: bytes | None) -> None:
+        if self._error is None:
+            self._error = (text, key)
+
+    def advance(self) -> float | None:
+        """None when every command has its reply; else the pause before the next round.
+        Raises CacheError when the call has failed."""
+        server = self._cluster.server
+        if self._error is not None:
+            raise cache_error(self._error[0], server, self._error[1])
+        again, self._again = self._again, []
+        pause = 0.0
+        if self._lost:
+            where, first, cause = self._lost[0]
+            left = (
+                0.0 if self._retry_until is None else min(self._cluster.timeout, self._retry_until - time.monotonic())
+            )
+            if self._retried or left < 0.001:
+                suffix = " (retried after a lost reply)" if self._retried else ""
+                raise cache_error(
+                    f"{self.what}{suffix} failed on {where[0]}:{where[1]}: {cause}",
+                    server,
+                    self.keys[first[0]] if len(self.keys) == 1 else None,
+                ) from cause
+            # The one resend, same tokens. The node may be gone for good (a killed primary
+            # whose replica takes over): the caller asks another node for the map first.
+            self._retried = True
+            self.override = left
+            self.refresh_avoiding = where
+            for _, idxs, _ in self._lost:
+                again.extend(idxs)
+            self._lost = []
+        if self._later:
+            if time.monotonic() + self._pause > self._budget_end:
+                raise cache_error(
+                    f"{self.what} failed: the cluster kept replying TRYAGAIN/CLUSTERDOWN",
+                    server,
+                    self.keys[self._later[0]],
+                )
+            pause = self._pause
+            self._pause = min(self._pause * 2, 0.2)
+            again.extend(self._later)
+            self._later = []
+        self._pending = sorted(again)
+        if not self._pending:
+            if self._wait:
+                short = [(a, r) for a, r in self.replicas if r < self._cluster.wait_replicas]
+                if short:
+                    (host, port), got = short[0]
+                    raise cache_error(
+                        f"{self.what} undone: {got} of {self._cluster.wait_replicas} replicas of {host}:{port} "
+                        f"confirmed it within {self._cluster.wait_ms} ms (wait_replicas)",
+                        server,
+                        self.keys[0] if len(self.keys) == 1 else None,
+                    )
+            return None
+        return pause
+
+    def acquired_values(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys this call acquired and their held values (token + fence), to undo."""
         held = [
             (k, held_value(c[4], r))
-            for k, c, r in zip(keys, commands, results, strict=True)
-            if c[1] == ACQUIRE.sha and isinstance(r, int) and _acquired(r)
+            for k, c, r in zip(self.keys, self.commands, self.results, strict=True)
+            if c[1] == ACQUIRE.sha and isinstance(r, int) and acquired(r)
         ]
-        if held:
-            with contextlib.suppress(CacheError):
-                self.release_many([k for k, _ in held], [t for _, t in held])
+        return [k for k, _ in held], [v for _, v in held]
 
-    def _load_scripts(self, link: Link, address: Address, what: str) -> None:
-        try:
-            replies = link.link_recv(
-                link.link_send([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]), len(SCRIPTS), None
-            )
-        except LinkLost as exc:
-            raise cache_error(f"{what} failed: SCRIPT LOAD on {address[0]}:{address[1]}: {exc}", self.server) from exc
-        for reply in replies:
-            if isinstance(reply, ReplyError):
-                raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
-    def _retry_until(self, wait_ms: int = 0) -> float:
+class ClusterCore:
+    """What the sync and async cluster backends share: the settings, the slot map, the
+    commands each Backend method sends, and the INFO summary."""
+
+    def __init__(self, config: ServerConfig, name: str) -> None:
+        self.name = name
+        self.server = config.display
+        self.config = config
+        self.timeout = config.timeout
+        self.wait_replicas = config.wait_replicas
+        self.wait_ms = round(config.wait_timeout * 1000)
+        self.wait_command = (b"WAIT", b"%d" % self.wait_replicas, b"%d" % self.wait_ms)
+        self.map = SlotMap()
+
+    def primaries(self) -> tuple[Address, ...]:
+        """Every primary in the slot map now (for a caller that must visit each one)."""
+        return self.map.primaries
+
+    def slot_owner(self, key: bytes) -> Address | None:
+        return self.map.owner(key_slot(key))
+
+    def map_candidates(self, avoid: Address | None) -> list[Address]:
+        """The nodes to ask for the slot map, in order: the known primaries (shuffled, to
+        spread many clients' queries), then the seeds; ``avoid`` last."""
+        candidates = list(self.map.primaries)
+        random.shuffle(candidates)
+        candidates += [s for s in self.config.seeds if s not in candidates]
+        if avoid in candidates:
+            candidates.remove(avoid)
+            candidates.append(avoid)
+        return candidates
+
+    def no_map(self, errors: list[str]) -> CacheError:
+        return cache_error(f"no cluster node gave the slot map ({'; '.join(errors)})", self.server)
+
+    def retry_until(self, wait_ms: int = 0) -> float:
         """As in every backend: a call that may wait ``wait_ms`` returns within
         max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
-        return time.monotonic() + max(wait_ms / 1000.0, self._timeout) + self._timeout
+        return time.monotonic() + max(wait_ms / 1000.0, self.timeout) + self.timeout
 
-    def _scripts(
+    def route(
         self,
         what: str,
         script: Script,
         keys: Sequence[bytes],
         args: Sequence[tuple[bytes, ...]],
         retry_until: float | None,
-    ) -> list[Any]:
+    ) -> Route:
         commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
-        wait = script is ACQUIRE and self._wait_replicas > 0
-        return self._run(what, keys, commands, retry_until, wait)
+        return Route(self, what, keys, commands, retry_until, script is ACQUIRE and self.wait_replicas > 0)
 
-    # -- the Backend interface --------------------------------------------------------
-
-    def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
-        return int(self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], self._retry_until())[0])
-
-    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
-        retry_until = self._retry_until(wait_ms)
-        ttl = b"%d" % ttl_ms
-        return poll(lambda: int(self._scripts("acquire", ACQUIRE, [key], [(token, ttl)], retry_until)[0]), wait_ms)
-
-    def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
-        ttl = b"%d" % ttl_ms
-        replies = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], self._retry_until())
-        return [int(r) for r in replies]
-
-    def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
-        return bool(self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None)[0])
-
-    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        ttl = b"%d" % ttl_ms
-        return [bool(r) for r in self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
-
-    def release(self, key: bytes, token: bytes) -> bool:
-        return bool(self._scripts("release", RELEASE, [key], [(token,)], self._retry_until())[0])
-
-    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        return [
-            bool(r) for r in self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self._retry_until())
-        ]
-
-    def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        # Never resent after a lost reply (not safe twice), as on one server.
-        reply = self._run("set_nx", [key], [(b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)], None)[0]
-        return reply is not None
-
-    def incr(self, key: bytes, amount: int) -> int:
-        return int(self._run("incr", [key], [(b"INCRBY", key, b"%d" % amount)], None)[0])
-
-    def info(self) -> dict[str, str] | None:
+    def info_summary(self, replies: list[tuple[Address, Any]]) -> dict[str, str] | None:
         """The first primary's INFO, plus ``cluster_primaries`` and, per primary with an
         evicting policy, ``maxmemory_policy@host:port`` (connect() warns about each)."""
         merged: dict[str, str] | None = None
-        for address in self._map.primaries:
-            try:
-                link = self._link(address)
-                reply = link.link_recv(link.link_send([(b"INFO",)]), 1, None)[0]
-            except LinkLost as exc:
-                raise cache_error(f"INFO on {address[0]}:{address[1]} failed: {exc}", self.server) from exc
+        for address, reply in replies:
             if isinstance(reply, ReplyError):
                 if reply.code == "NOPERM":
                     return None
@@ -545,10 +463,193 @@ class ClusterBackend:
             policy = fields.get("maxmemory_policy", "noeviction")
             if policy != "noeviction":
                 merged[f"maxmemory_policy@{address[0]}:{address[1]}"] = policy
-        if merged is None:
-            return {}
-        merged["cluster_primaries"] = str(len(self._map.primaries))
+        merged = merged or {}
+        merged["cluster_primaries"] = str(len(self.map.primaries))
         return merged
+
+
+def _map_ranges(reply: Any, fallback: Callable[[], Any]) -> list[tuple[int, int, Address]]:
+    """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
+    SHARDS is an unknown command (Redis 6 and older)."""
+    if isinstance(reply, ReplyError):
+        slots = fallback()
+        if isinstance(slots, ReplyError):
+            raise slots
+        return parse_slots(slots)
+    return parse_shards(reply)
+
+
+MAP_ERRORS = (LinkLost, ReplyError, CacheError, ValueError, IndexError, TypeError, KeyError)
+
+
+class ClusterBackend(ClusterCore):
+    """The Backend protocol on a Redis Cluster, over any transport's links.
+
+    ``open_link(config)`` makes the link of one node (``config`` is the cluster's own,
+    pointed at that node by ServerConfig.node). The transport's name ("native",
+    "redis-py") is the backend's; ``server`` shows the cluster's seeds.
+    """
+
+    def __init__(self, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Link]) -> None:
+        super().__init__(config, name)
+        self._open_link = open_link
+        self._links: dict[Address, Link] = {}
+        self._links_mutex = threading.Lock()
+        # Connect now: a cluster none of whose seeds answers is a CacheError at connect().
+        self.refresh()
+        for address in self.map.primaries:
+            self._link(address)
+
+    # -- topology ---------------------------------------------------------------------
+
+    def refresh(self, avoid: Address | None = None) -> None:
+        """Ask one node after another for the slot map; CacheError when none answers."""
+        errors = []
+        for address in self.map_candidates(avoid):
+            try:
+                link = self._link(address)
+                ranges = _map_ranges(
+                    self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
+                    lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
+                )
+            except MAP_ERRORS as exc:
+                errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
+                continue
+            if not ranges:
+                errors.append(f"{address[0]}:{address[1]}: no slots assigned")
+                continue
+            with self.map.mutex:
+                self.map.replace(ranges)
+            return
+        raise self.no_map(errors)
+
+    @staticmethod
+    def _call(link: Link, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
+        return link.link_recv(link.link_send(commands), len(commands), timeout)
+
+    def _link(self, address: Address) -> Link:
+        link = self._links.get(address)
+        if link is None:
+            with self._links_mutex:
+                link = self._links.get(address)
+                if link is None:
+                    link = self._open_link(self.config.node(*address))
+                    self._links[address] = link
+        return link
+
+    # -- routing ------------------------------------------------------------------------
+
+    def _run(self, route: Route) -> list[Any]:
+        """Send every node's commands, all written before any is read, round after round
+        until ``route`` has every reply; on failure undo its acquires, raise CacheError."""
+        try:
+            while True:
+                if self.map.stale:
+                    # Keep the slots learnt from MOVED if no node answers for the whole map.
+                    with contextlib.suppress(CacheError):
+                        self.refresh()
+                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= _UNSERVED_REFRESH_S:
+                    # No primary for a slot when we last looked (its primary failed, its
+                    # replica not yet promoted): look again, not on every call of the gap.
+                    with contextlib.suppress(CacheError):
+                        self.refresh()
+                sent = []
+                for address, batch in route.batches():
+                    try:
+                        link = self._link(address)
+                        sent.append((address, link, link.link_send(batch), len(batch)))
+                    except (LinkLost, CacheError) as exc:
+                        route.lost(address, exc)
+                for address, link, handle, count in sent:
+                    try:
+                        route.replies(address, link.link_recv(handle, count, route.override))
+                    except LinkLost as exc:
+                        route.lost(address, exc)
+                pause = route.advance()
+                if pause is None:
+                    return route.results
+                for address in route.reload:
+                    self._load_scripts(address, route.what)
+                route.reload.clear()
+                if route.refresh_avoiding is not None:
+                    with contextlib.suppress(CacheError):
+                        self.refresh(avoid=route.refresh_avoiding)
+                    route.refresh_avoiding = None
+                if pause:
+                    time.sleep(pause)
+        except CacheError:
+            # No key stranded until its TTL: what this call did acquire is released.
+            keys, values = route.acquired_values()
+            if keys:
+                with contextlib.suppress(CacheError):
+                    self.release_many(keys, values)
+            raise
+
+    def _load_scripts(self, address: Address, what: str) -> None:
+        try:
+            replies = self._call(self._link(address), [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS])
+        except LinkLost as exc:
+            raise cache_error(f"{what} failed: SCRIPT LOAD on {address[0]}:{address[1]}: {exc}", self.server) from exc
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
+
+    def _scripts(
+        self,
+        what: str,
+        script: Script,
+        keys: Sequence[bytes],
+        args: Sequence[tuple[bytes, ...]],
+        retry_until: float | None,
+    ) -> list[Any]:
+        return self._run(self.route(what, script, keys, args, retry_until))
+
+    # -- the Backend interface --------------------------------------------------------
+
+    def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        return int(self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], self.retry_until())[0])
+
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+        until = self.retry_until(wait_ms)
+        ttl = b"%d" % ttl_ms
+        return poll(lambda: int(self._scripts("acquire", ACQUIRE, [key], [(token, ttl)], until)[0]), wait_ms)
+
+    def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        ttl = b"%d" % ttl_ms
+        replies = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], self.retry_until())
+        return [int(r) for r in replies]
+
+    def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        return bool(self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None)[0])
+
+    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        ttl = b"%d" % ttl_ms
+        return [bool(r) for r in self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
+
+    def release(self, key: bytes, token: bytes) -> bool:
+        return bool(self._scripts("release", RELEASE, [key], [(token,)], self.retry_until())[0])
+
+    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        replies = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self.retry_until())
+        return [bool(r) for r in replies]
+
+    def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
+        # Never resent after a lost reply (not safe twice), as on one server.
+        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
+        return self._run(Route(self, "set_nx", [key], [command], None, False))[0] is not None
+
+    def incr(self, key: bytes, amount: int) -> int:
+        return int(self._run(Route(self, "incr", [key], [(b"INCRBY", key, b"%d" % amount)], None, False))[0])
+
+    def info(self) -> dict[str, str] | None:
+        replies = []
+        for address in self.map.primaries:
+            try:
+                replies.append((address, self._call(self._link(address), [(b"INFO",)])[0]))
+            except LinkLost as exc:
+                raise cache_error(f"INFO on {address[0]}:{address[1]} failed: {exc}", self.server) from exc
+        return self.info_summary(replies)
 
     def close(self) -> None:
         with self._links_mutex:
