@@ -215,9 +215,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        (drop if params.get("backend") == "memory" and params.get("topology", "single") != "single" else keep).append(
-            item
-        )
+        memory = "memory" in params.values()  # the backend / aio fixture's parameter
+        (drop if memory and params.get("topology", "single") != "single" else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
