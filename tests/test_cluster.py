@@ -10,6 +10,7 @@ the proxy in its place, so the routing under test is the real one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -24,6 +25,9 @@ from hotlock import Cache, CacheError, LockNotAcquired
 from hotlock._backend import native_module
 from hotlock._cluster import ClusterBackend, Link, key_slot
 from hotlock._config import ServerConfig, parse_url
+from hotlock.aio import AsyncCache
+from hotlock.aio._backend import native_aio
+from hotlock.aio._cluster import AsyncClusterBackend, AsyncLink
 
 from .cluster import Cluster, start_cluster
 from .conftest import lock_name
@@ -407,3 +411,112 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
         cache.close()
     finally:
         cluster.restart(victim)  # back as a replica, so the next backend's run has a failover too
+
+
+# -- wait_replicas and NOSCRIPT ------------------------------------------------------------
+
+
+def test_wait_replicas_waits_on_the_keys_own_shard(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """Each shard has one replica: wait_replicas=1 holds on every shard; wait_replicas=2
+    cannot be met, so the acquires are undone (no key stranded) and raise CacheError."""
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "w")]
+    with hotlock.connect(cluster_url, backend=redis_backend, wait_replicas=1, wait_timeout=0.5) as cache:
+        locks = cache.lock_many(keys, ttl=10)
+        assert all(lock is not None for lock in locks)
+        assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    with hotlock.connect(cluster_url, backend=redis_backend, wait_replicas=2, wait_timeout=0.2, timeout=1) as cache:
+        with pytest.raises(CacheError, match="1 of 2 replicas"):
+            cache.lock(keys[0], ttl=10)
+        with pytest.raises(CacheError, match="1 of 2 replicas"):
+            cache.lock_many(keys, ttl=10)
+    for key in keys:
+        assert redis_cluster.client(redis_cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 0
+
+
+def test_noscript_from_any_node_is_recovered(rcache: Cache, redis_cluster: Cluster) -> None:
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "ns")]
+    for port in redis_cluster.primary_ports():
+        redis_cluster.client(port).script_flush()
+    locks = rcache.lock_many(keys, ttl=10)
+    assert all(lock is not None for lock in locks)
+    redis_cluster.client(redis_cluster.primary_ports()[1]).script_flush()
+    assert all(rcache.unlock_many(locks))  # type: ignore[arg-type]
+    for key in keys:
+        assert redis_cluster.client(redis_cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 0
+
+
+# -- hotlock.aio on the cluster (its lock suite runs there too: test_aio's [*-cluster] ids) --
+
+
+async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], timeout: float) -> AsyncCache:
+    config = parse_url(url, connect_timeout=timeout, timeout=timeout)
+
+    async def open_link(node: ServerConfig) -> AsyncLink:
+        proxy = proxies.get(node.port)
+        target = node if proxy is None else node.node("127.0.0.1", proxy.port)
+        if backend == "native":
+            from hotlock.aio._native import NativeAsyncBackend
+
+            native, why = native_aio()
+            if native is None:
+                pytest.fail(f"the native async backend is not live: {why}")
+            return await NativeAsyncBackend.open(target, native.AioProtocol)
+        from hotlock.aio._redispy import RedisAsyncLink
+
+        return await RedisAsyncLink.open(target)
+
+    return AsyncCache(await AsyncClusterBackend.open(config, backend, open_link), b"hotlock:")
+
+
+def test_async_batch_over_every_shard_is_one_round_trip(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    backend, proxies = routed
+    keys = [k for port in redis_cluster.primary_ports() for k in keys_on(redis_cluster, port, 10, "ab")]
+
+    async def main() -> float:
+        cache = await _async_routed(cluster_url, backend, proxies, 2.0)
+        for proxy in proxies.values():
+            proxy.delay(0.1)
+        started = time.monotonic()
+        locks = await cache.lock_many(keys, ttl=10)
+        took = time.monotonic() - started
+        assert all(lock is not None for lock in locks)
+        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+        await cache.close()
+        return took
+
+    took = asyncio.run(main())
+    assert 0.2 <= took < 0.5, f"async lock_many over 3 shards took {took:.3f} s: not one round trip"
+
+
+def test_async_lost_reply_and_moved(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """A dropped acquire reply is retried with the same token (the lock is ours, not
+    LockNotAcquired); then the key's slot moves, and the holder extends and releases it
+    on the new primary through MOVED."""
+    backend, proxies = routed
+    port = redis_cluster.primary_ports()[0]
+    key = keys_on(redis_cluster, port, 1, "alost")[0]
+    slot = key_slot(lock_name(key))
+    target = _other_primary(redis_cluster, port)
+
+    async def main() -> None:
+        cache = await _async_routed(cluster_url, backend, proxies, 0.5)
+        proxies[port].drop_replies(1)
+        lock = await cache.lock(key, ttl=10)
+        assert proxies[port].dropped_replies == 1
+        redis_cluster.move_slot(slot, target)
+        await lock.extend(ttl=20)
+        assert redis_cluster.client(target).pttl(lock_name(key)) > 15000
+        assert await lock.unlock() is True
+        await cache.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        redis_cluster.move_slot(slot, port)
+        redis_cluster.wait_ok()

@@ -320,7 +320,8 @@ class Route:
                 if code == "CLUSTERDOWN":
                     self._cluster.map.stale = True
             elif code == "NOSCRIPT" and address not in self._reloaded:
-                self._reloaded.add(address)
+                # Restart, SCRIPT FLUSH, failover: load them there (once per call) and
+                # resend only what did not run.
                 self.reload.add(address)
                 self._again.append(i)
             else:
@@ -339,6 +340,7 @@ class Route:
         if self._error is not None:
             raise cache_error(self._error[0], server, self._error[1])
         again, self._again = self._again, []
+        self._reloaded |= self.reload
         pause = 0.0
         if self._lost:
             where, first, cause = self._lost[0]
