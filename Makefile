@@ -54,6 +54,7 @@ lint: venv
 bench: compile
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
+	$(PY) -m bench.cluster
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"
