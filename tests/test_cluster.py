@@ -520,3 +520,43 @@ def test_async_lost_reply_and_moved(
     finally:
         redis_cluster.move_slot(slot, port)
         redis_cluster.wait_ok()
+
+
+# -- least privilege ------------------------------------------------------------------------
+
+CLUSTER_COMMANDS = ["+cluster|shards", "+cluster|slots", "+asking"]
+
+
+@pytest.mark.parametrize("missing", [None, "+cluster|shards"])
+def test_the_readme_acl_list_is_enough_on_a_cluster(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, missing: str | None
+) -> None:
+    """The README's ACL list plus its cluster additions lets a user lock on every shard,
+    ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at connect."""
+    from .test_security import COMMANDS, PASSWORD, USER, acl_line
+
+    commands = [c for c in COMMANDS + CLUSTER_COMMANDS if c != missing and not (missing and c == "+cluster|slots")]
+    for node in redis_cluster.nodes:
+        node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
+    url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
+    try:
+        if missing:
+            with pytest.raises(CacheError, match="no cluster node gave the slot map"):
+                hotlock.connect(url, backend=redis_backend)
+            return
+        with hotlock.connect(url, backend=redis_backend) as cache:
+            keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "acl")]
+            locks = cache.lock_many(keys, ttl=10)
+            assert all(lock is not None for lock in locks)
+            slot = key_slot(lock_name("acl-ask}:x"))
+            source = redis_cluster.owner(slot)
+            redis_cluster.begin_migration(slot, _other_primary(redis_cluster, source))
+            try:
+                with cache.lock("acl-ask}:x", ttl=5):  # ASK: the key is new, the target takes it
+                    pass
+            finally:
+                redis_cluster.end_migration(slot, source)
+            assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    finally:
+        for node in redis_cluster.nodes:
+            node.client().execute_command("ACL", "DELUSER", USER)
