@@ -367,18 +367,20 @@ def spare_cluster() -> Iterator[Cluster]:
 def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
     """SIGKILL one primary: locks on the other shards never stop, locks on its slots are
     CacheError (never LockNotAcquired) until its replica is promoted, then work again
-    (the map is asked of another node). A lock the replica had copied before the kill is
-    still held, and still its holder's, on the promoted replica. (One granted in the last
-    moment before the kill, not yet copied, would be lost: the two-holder window of any
-    asynchronous failover, which wait_replicas narrows; see the README.)"""
+    (the map is asked of another node). A lock taken with wait_replicas=1 before the kill
+    is still held, and still its holder's, on the promoted replica. (Without it, one
+    granted in the last moment before the kill, not yet copied, would be lost: the
+    two-holder window of any asynchronous failover; see the README.)"""
     cluster = spare_cluster
     cluster.flush()
     victim = cluster.primary_ports()[0]
     cache = hotlock.connect(cluster.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     dead_keys = keys_on(cluster, victim, 3, "d")
     alive = [keys_on(cluster, p, 1, "a")[0] for p in cluster.primary_ports() if p != victim]
-    old_holder = cache.lock(dead_keys[0], ttl=30)
-    time.sleep(0.2)  # let the replica copy it (asynchronous replication)
+    # wait_replicas=1: the acquire returns once the replica has it, so the promoted
+    # replica must still know the lock (without it, replication lag decides).
+    confirmed = hotlock.connect(cluster.url, backend=redis_backend, wait_replicas=1, timeout=2)
+    old_holder = confirmed.lock(dead_keys[0], ttl=30)
     node = next(n for n in cluster.nodes if n.port == victim)
     assert node.proc is not None
     node.proc.send_signal(signal.SIGKILL)
@@ -409,6 +411,7 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
         old_holder.extend(ttl=10)
         assert old_holder.unlock() is True
         cache.close()
+        confirmed.close()
     finally:
         cluster.restart(victim)  # back as a replica, so the next backend's run has a failover too
 
@@ -560,3 +563,35 @@ def test_the_readme_acl_list_is_enough_on_a_cluster(
     finally:
         for node in redis_cluster.nodes:
             node.client().execute_command("ACL", "DELUSER", USER)
+
+
+def test_graceful_failover(redis_backend: str, spare_cluster: Cluster) -> None:
+    """CLUSTER FAILOVER on a replica: the held lock is kept (a manual failover waits for the
+    replica to catch up), its holder extends and releases it on the new primary (the old
+    one, now a replica, answers MOVED), a rival still sees it held."""
+    cluster = spare_cluster
+    cluster.flush()
+    primary = cluster.primary_ports()[1]
+    replica = int(cluster.client(primary).info("replication")["slave0"]["port"])
+    key = keys_on(cluster, primary, 1, "gf")[0]
+    with hotlock.connect(cluster.url, backend=redis_backend) as cache:
+        lock = cache.lock(key, ttl=30)
+        # A manual failover gives up after a while if the primary is slow to answer (a
+        # loaded machine): ask again, up to three times.
+        for _attempt in range(3):
+            assert cluster.client(replica).execute_command("CLUSTER", "FAILOVER") == b"OK"
+            deadline = time.monotonic() + 10
+            while cluster.owner_of(lock_name(key)) != replica and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if cluster.owner_of(lock_name(key)) == replica:
+                break
+        else:
+            pytest.fail("the manual failover did not happen")
+        cluster.wait_ok()
+        lock.extend(ttl=10)
+        assert cluster.client(replica).pttl(lock_name(key)) > 5000
+        with pytest.raises(LockNotAcquired):
+            cache.lock(key, ttl=5)
+        assert lock.unlock() is True
+        with cache.lock(key, ttl=5):
+            pass

@@ -232,6 +232,7 @@ class Route:
         self._budget_end = retry_until if retry_until is not None else time.monotonic() + cluster.timeout
         self.override: float | None = None  # reply timeout of the one retry after a lost reply
         self._retried = False
+        self._resent = False  # the one resend after a node could not be connected to
         self._redirects = 0
         self._pause = _PAUSE_S
         self._wait = wait
@@ -344,24 +345,37 @@ class Route:
         pause = 0.0
         if self._lost:
             where, first, cause = self._lost[0]
+            # Whatever happens next, the next call asks for the map first: the node may be
+            # gone for good (a killed primary whose replica takes over).
+            self._cluster.map.stale = True
             left = (
                 0.0 if self._retry_until is None else min(self._cluster.timeout, self._retry_until - time.monotonic())
             )
-            if self._retried or left < 0.001:
+            unsent = all(isinstance(exc, CacheError) for _, _, exc in self._lost)
+            if unsent and not self._resent:
+                # The node could not even be connected to: nothing ran, so any command (an
+                # extend, a set_nx) may go once more, after the map is asked again.
+                self._resent = True
+                self.refresh_avoiding = where
+                for _, idxs, _ in self._lost:
+                    again.extend(idxs)
+                self._lost = []
+            elif self._retried or left < 0.001:
                 suffix = " (retried after a lost reply)" if self._retried else ""
                 raise cache_error(
                     f"{self.what}{suffix} failed on {where[0]}:{where[1]}: {cause}",
                     server,
                     self.keys[first[0]] if len(self.keys) == 1 else None,
                 ) from cause
-            # The one resend, same tokens. The node may be gone for good (a killed primary
-            # whose replica takes over): the caller asks another node for the map first.
-            self._retried = True
-            self.override = left
-            self.refresh_avoiding = where
-            for _, idxs, _ in self._lost:
-                again.extend(idxs)
-            self._lost = []
+            else:
+                # The one resend after a lost reply, same tokens, after the caller has
+                # asked another node for the map.
+                self._retried = True
+                self.override = left
+                self.refresh_avoiding = where
+                for _, idxs, _ in self._lost:
+                    again.extend(idxs)
+                self._lost = []
         if self._later:
             if time.monotonic() + self._pause > self._budget_end:
                 raise cache_error(

@@ -325,19 +325,19 @@ class RedisPyLink:
                 raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
     def link_send(self, commands: list[tuple[bytes, ...]]) -> Any:
-        conn: Any = None
         try:
-            conn = self._pool.get_connection()
+            conn: Any = self._pool.get_connection()
+        except (RedisError, OSError) as exc:  # could not connect: nothing was sent
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        try:
             conn.send_packed_command(conn.pack_commands(commands))
         except _AMBIGUOUS as exc:
-            if conn is not None:
-                conn.disconnect()
-                self._pool.release(conn)
+            conn.disconnect()
+            self._pool.release(conn)
             raise LinkLost(_describe(exc)) from exc
         except RedisError as exc:  # AUTH refused, say: nothing ran
-            if conn is not None:
-                conn.disconnect()
-                self._pool.release(conn)
+            conn.disconnect()
+            self._pool.release(conn)
             raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
         return conn
 
