@@ -168,6 +168,7 @@ class SlotMap:
         self.mutex = threading.Lock()
         self.stale = True
         self.refreshed = 0.0  # time.monotonic() of the last replace()
+        self.complete = False
         self.primaries: tuple[Address, ...] = ()
 
     def owner(self, slot: int) -> Address | None:
@@ -183,6 +184,7 @@ class SlotMap:
             owner[first : last + 1] = [address] * (last - first + 1)
         self._owner = owner
         self.primaries = tuple(sorted({a for _, _, a in ranges}))
+        self.complete = None not in owner  # every slot has a primary: no call need look for holes
         self.stale = False
         self.refreshed = time.monotonic()
 
@@ -225,6 +227,7 @@ class Route:
         self.what = what
         self.keys = keys
         self.commands = commands
+        self._slots = [key_slot(k) for k in keys]  # hashed once per call
         self.results: list[Any] = [None] * len(keys)
         self._pending = list(range(len(keys)))
         self._asking: dict[int, Address] = {}
@@ -248,15 +251,18 @@ class Route:
 
     def unserved(self) -> bytes | None:
         """A pending key whose slot has no primary in the map (the caller refreshes once)."""
+        owner = self._cluster.map.owner
+        if self._cluster.map.complete:
+            return None
         for i in self._pending:
-            if i not in self._asking and self._cluster.map.owner(key_slot(self.keys[i])) is None:
+            if i not in self._asking and owner(self._slots[i]) is None:
                 return self.keys[i]
         return None
 
     def batches(self) -> list[tuple[Address, list[tuple[bytes, ...]]]]:
         groups: dict[Address, list[int]] = {}
         for i in self._pending:
-            address = self._asking.get(i) or self._cluster.map.owner(key_slot(self.keys[i]))
+            address = self._asking.get(i) or self._cluster.map.owner(self._slots[i])
             if address is None:
                 raise cache_error(
                     "no primary serves the slot of the key (the cluster is incomplete)",
