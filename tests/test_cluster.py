@@ -595,3 +595,31 @@ def test_graceful_failover(redis_backend: str, spare_cluster: Cluster) -> None:
         assert lock.unlock() is True
         with cache.lock(key, ttl=5):
             pass
+
+
+def test_lost_reply_after_a_moved(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """The slot moved since the map was read: the old owner answers MOVED, the new owner
+    runs the acquire but its reply is lost, and the one retry (same token, on the new
+    owner) finds it already ours: the caller holds the lock, with the fence it stored."""
+    backend, proxies = routed
+    source = redis_cluster.primary_ports()[0]
+    target = _other_primary(redis_cluster, source)
+    key = keys_on(redis_cluster, source, 1, "mv")[0]
+    slot = key_slot(lock_name(key))
+    cache = routed_cache(cluster_url, backend, proxies)
+    with cache.lock(keys_on(redis_cluster, target, 1, "warm")[0], ttl=5):
+        pass  # the link to the target is open before the move
+    redis_cluster.move_slot(slot, target)
+    try:
+        proxies[target].drop_replies(1)
+        lock = cache.lock(key, ttl=10)
+        assert proxies[target].dropped_replies == 1
+        stored = redis_cluster.client(target).get(lock_name(key))
+        assert stored is not None and stored.endswith(b"%d" % lock.fence)
+        assert lock.unlock() is True
+    finally:
+        redis_cluster.move_slot(slot, source)
+        redis_cluster.wait_ok()
+    cache.close()
