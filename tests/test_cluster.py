@@ -530,20 +530,23 @@ def test_async_lost_reply_and_moved(
 CLUSTER_COMMANDS = ["+cluster|shards", "+cluster|slots", "+asking"]
 
 
-@pytest.mark.parametrize("missing", [None, "+cluster|shards"])
+@pytest.mark.parametrize("missing", [None, "+cluster|shards", "+asking"])
 def test_the_readme_acl_list_is_enough_on_a_cluster(
     redis_backend: str, cluster_url: str, redis_cluster: Cluster, missing: str | None
 ) -> None:
     """The README's ACL list plus its cluster additions lets a user lock on every shard,
-    ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at connect."""
+    ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at
+    connect; without ASKING a key mid-migration is a CacheError (never "held elsewhere")."""
     from .test_security import COMMANDS, PASSWORD, USER, acl_line
 
-    commands = [c for c in COMMANDS + CLUSTER_COMMANDS if c != missing and not (missing and c == "+cluster|slots")]
+    # Without SHARDS the client falls back to SLOTS: both go for the "no map" case.
+    gone = {"+cluster|shards": {"+cluster|shards", "+cluster|slots"}}.get(missing or "", {missing})
+    commands = [c for c in COMMANDS + CLUSTER_COMMANDS if c not in gone]
     for node in redis_cluster.nodes:
         node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
     url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
     try:
-        if missing:
+        if missing == "+cluster|shards":
             with pytest.raises(CacheError, match="no cluster node gave the slot map"):
                 hotlock.connect(url, backend=redis_backend)
             return
@@ -555,8 +558,12 @@ def test_the_readme_acl_list_is_enough_on_a_cluster(
             source = redis_cluster.owner(slot)
             redis_cluster.begin_migration(slot, _other_primary(redis_cluster, source))
             try:
-                with cache.lock("acl-ask}:x", ttl=5):  # ASK: the key is new, the target takes it
-                    pass
+                if missing == "+asking":
+                    with pytest.raises(CacheError):
+                        cache.lock("acl-ask}:x", ttl=5)
+                else:
+                    with cache.lock("acl-ask}:x", ttl=5):  # ASK: the key is new, the target takes it
+                        pass
             finally:
                 redis_cluster.end_migration(slot, source)
             assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
