@@ -11,6 +11,7 @@ the proxy in its place, so the routing under test is the real one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -630,3 +631,48 @@ def test_lost_reply_after_a_moved(
         redis_cluster.move_slot(slot, source)
         redis_cluster.wait_ok()
     cache.close()
+
+
+def test_clusterdown_is_waited_out_within_the_budget(redis_backend: str, spare_cluster: Cluster) -> None:
+    """One slot unassigned on every node, with full coverage required: every node answers
+    CLUSTERDOWN for every key. A try-once lock on another slot during the outage is a
+    CacheError after its budget (never LockNotAcquired); a lock_wait whose budget outlasts
+    the outage gets its lock once the slot is served again."""
+    cluster = spare_cluster
+    cluster.wait_ok()
+    key = "down"
+    slot = key_slot(lock_name("down-elsewhere"))  # the slot taken away; the lock's own stays
+    assert slot != key_slot(lock_name(key))
+    owner = cluster.owner(slot)
+    live = [n for n in cluster.nodes if n.proc is not None and n.proc.poll() is None]
+    cache = hotlock.connect(cluster.url, backend=redis_backend, timeout=1)
+    try:
+        for node in live:
+            node.client().config_set("cluster-require-full-coverage", "yes")
+        for node in live:
+            node.client().execute_command("CLUSTER", "DELSLOTS", slot)
+        deadline = time.monotonic() + 10
+        while b"cluster_state:fail" not in cluster.client(owner).execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the cluster did not go down"
+            time.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(CacheError, match="CLUSTERDOWN"):
+            cache.lock(key, ttl=5)
+        assert time.monotonic() - started < 4  # its budget: about two reply timeouts
+
+        def heal() -> None:
+            time.sleep(0.5)
+            cluster.client(owner).execute_command("CLUSTER", "ADDSLOTS", slot)
+
+        healer = threading.Thread(target=heal)
+        healer.start()
+        with cache.lock_wait(key, ttl=5, wait=5):
+            assert cluster.client(cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 1
+        healer.join()
+    finally:
+        with contextlib.suppress(redis.ResponseError):  # "already busy": healed, as it should be
+            cluster.client(owner).execute_command("CLUSTER", "ADDSLOTS", slot)
+        for node in live:
+            node.client().config_set("cluster-require-full-coverage", "no")
+        cluster.wait_ok()
+        cache.close()
