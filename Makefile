@@ -58,6 +58,7 @@ bench: compile
 	$(PY) -m bench
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
+	$(PY) -m bench.cluster
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"

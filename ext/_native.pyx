@@ -27,6 +27,7 @@ from posix.unistd cimport close, getpid
 from hiredis cimport *
 
 from hotlock import _backoff
+from hotlock._cluster import LinkLost, ReplyError
 from hotlock._config import cache_error
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, bare_tokens
 from hotlock._ident import TOKEN_BYTES

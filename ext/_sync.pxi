@@ -709,6 +709,74 @@ cdef class NativeBackend:
     def __repr__(self):
         return f"<hotlock._native.NativeBackend server={self.server}>"
 
+    # -- a cluster node's link (hotlock._cluster.Link) -------------------------------------
+    # The cluster backend routes in Python and sends through these: link_send writes this
+    # thread's commands for one node and returns at once, so the caller can write to
+    # every node before it reads any (a batch over three shards costs one round trip).
+
+    def link_send(self, list commands not None):
+        """Append ``commands`` (tuples of bytes) on this thread's context and write them all.
+        A connect failure is a CacheError (nothing was sent); an I/O error, LinkLost."""
+        cdef _Conn conn = self._conn()
+        cdef int done = 0
+        cdef int rc = REDIS_OK
+        self._ready(conn, "connect", None)
+        for args in commands:
+            _append_args(conn.ctx, args)
+        conn.busy = True
+        with nogil:
+            while not done and rc == REDIS_OK:
+                rc = redisBufferWrite(conn.ctx, &done)
+        conn.busy = False
+        if rc != REDIS_OK:
+            raise LinkLost(self._lost(conn))
+        if conn.doomed:
+            _drop(conn)
+            raise LinkLost("the cache was closed meanwhile")
+        return None
+
+    def link_recv(self, object handle, Py_ssize_t n, object timeout):
+        """Read n replies on this thread's context (within ``timeout`` s when given): ints,
+        bytes, None, lists, and ReplyError for error replies. LinkLost on an I/O error."""
+        cdef _Conn conn = self._conn()
+        cdef redisReply **replies
+        cdef Py_ssize_t i
+        if conn.ctx is NULL:
+            raise LinkLost("connection lost")
+        if timeout is not None:
+            redisSetTimeout(conn.ctx, _timeval(min(<double>timeout, self._timeout)))
+        replies = <redisReply **>malloc(n * sizeof(redisReply *) + 1)
+        if replies is NULL:
+            raise MemoryError()
+        try:
+            if _exchange(conn, replies, n) != 0:
+                raise LinkLost(self._lost(conn))
+            if timeout is not None and conn.ctx is not NULL:
+                redisSetTimeout(conn.ctx, self._reply_tv)
+            return [_py_reply(replies[i]) for i in range(n)]
+        finally:
+            for i in range(n):
+                if replies[i] is not NULL:
+                    freeReplyObject(replies[i])
+            free(replies)
+
+    def link_close(self):
+        self.close()
+
+
+cdef object _py_reply(redisReply *r):
+    if r.type == REDIS_REPLY_INTEGER:
+        return r.integer
+    if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
+        return r.str[:r.len]
+    if r.type == REDIS_REPLY_NIL:
+        return None
+    if r.type == REDIS_REPLY_ARRAY:
+        return [_py_reply(r.element[i]) for i in range(r.elements)]
+    if r.type == REDIS_REPLY_ERROR:
+        return ReplyError(r.str[:r.len].decode("utf-8", "replace"))
+    return None
+
 
 cdef inline bint _oom_on_plain(int plain, object exc):
     # SET is refused at maxmemory under noeviction (it may grow the key) while the EXTEND

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -28,6 +29,9 @@ import redis
 import hotlock
 from hotlock._backend import native_module
 from hotlock._keys import stored
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 LOCK_SPACE = b"hotlock:lock:"
 
@@ -218,6 +222,7 @@ def server_kind(request: pytest.FixtureRequest) -> str:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Parametrized here, after the fixtures' own params, so the server comes last in the id
     # (test_unlock_is_idempotent[native-valkey]); session scope keeps one server per kind.
+    _parametrize_topology(metafunc)
     if "server_kind" in metafunc.fixturenames:
         metafunc.parametrize("server_kind", SERVERS, indirect=True, scope="session")
 
@@ -293,33 +298,79 @@ def open_cache(backend: str, url: str, **kwargs: object) -> hotlock.Cache:
 
 
 @pytest.fixture
-def cache(backend: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
+def cache(backend: str, server_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
     monkeypatch.delenv("CACHE_URL", raising=False)
-    c = open_cache(backend, redis_url)
+    c = open_cache(backend, server_url)
     yield c
     c.close()
 
 
 @pytest.fixture
-def rcache(redis_backend: str, redis_url: str) -> Iterator[hotlock.Cache]:
+def rcache(redis_backend: str, server_url: str) -> Iterator[hotlock.Cache]:
     """A cache on a Redis-backed backend."""
-    c = open_cache(redis_backend, redis_url)
+    c = open_cache(redis_backend, server_url)
     yield c
     c.close()
 
 
+# -- the topology dimension: one server, or a Redis Cluster --------------------------------
+# A test (or a module, by pytestmark) marked @pytest.mark.topologies("single", "cluster")
+# runs its cache/rcache on each (ids test_x[native-single], test_x[native-cluster]).
+# Unmarked tests run on one server only. The memory backend has no cluster form, so that
+# pair is deselected.
+
+TOPOLOGIES = ("single", "cluster")
+
+
+def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("topologies")
+    if marker is None or "topology" not in metafunc.fixturenames:
+        return
+    unknown = set(marker.args) - set(TOPOLOGIES)
+    if unknown:
+        raise ValueError(f"unknown topologies {sorted(unknown)}: the known ones are {TOPOLOGIES}")
+    metafunc.parametrize("topology", marker.args, indirect=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run an in-process (memory) backend's tests on one server kind only: they never talk
-    to the server, so the other kinds would repeat them byte for byte."""
+    """Deselect the pairs that would only repeat or cannot exist: an in-process (memory)
+    backend runs on one server kind and one topology (it never talks to the server), and
+    the test cluster is Redis processes, so a cluster test runs once, not per server kind."""
     keep, drop = [], []
     for item in items:
-        params = getattr(item, "callspec", None)
-        params = params.params if params is not None else {}
+        params = getattr(getattr(item, "callspec", None), "params", {})
         on_memory = "memory" in (params.get("backend"), params.get("aio_backend"), params.get("aio"))
-        if on_memory and params.get("server_kind", SERVERS[0]) != SERVERS[0]:
-            drop.append(item)
-        else:
-            keep.append(item)
+        on_cluster = params.get("topology", "single") == "cluster"
+        other_kind = params.get("server_kind", SERVERS[0]) != SERVERS[0]
+        (drop if (on_memory and (on_cluster or other_kind)) or (on_cluster and other_kind) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture
+def topology(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "single"))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """3 primaries and 3 replicas (tests/cluster.py), started on first use, stopped by pid."""
+    from .cluster import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: Cluster) -> str:
+    """The cluster's seeds, every primary's data and script cache emptied for this test."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture
+def server_url(topology: str, server_kind: str, request: pytest.FixtureRequest) -> str:
+    """The URL cache/rcache connect to: the one server's (of this test's kind), or the cluster's."""
+    return str(request.getfixturevalue("cluster_url" if topology == "cluster" else "redis_url"))

@@ -14,7 +14,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -57,6 +57,8 @@ class Aio:
     loop: str
     url: str
     server: RedisServer
+    # On the cluster topology: a redis-py cluster client to look from the side with.
+    cluster_side: redis.cluster.RedisCluster | None = None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         factory = uvloop.new_event_loop if self.loop == "uvloop" else None
@@ -70,8 +72,8 @@ class Aio:
 
     @property
     def side(self) -> redis.Redis:
-        """A plain sync client for looking at the server from the side."""
-        return self.server.client()
+        """A plain sync client for looking at the server (or the cluster) from the side."""
+        return self.cluster_side if self.cluster_side is not None else self.server.client()  # type: ignore[return-value]
 
 
 def _require(backend: str) -> None:
@@ -88,13 +90,23 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 def aio(
     request: pytest.FixtureRequest,
     loop_kind: str,
-    redis_url: str,
+    server_url: str,
     redis_server: RedisServer,
+    topology: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> Aio:
+) -> Iterator[Aio]:
+    """On one server, or (tests marked topologies("single", "cluster")) on the Redis Cluster."""
     _require(request.param)
+    if request.param == "memory" and topology != "single":
+        pytest.fail("the memory backend has no cluster form (conftest deselects this pair)")
     monkeypatch.delenv("CACHE_URL", raising=False)
-    return Aio(request.param, loop_kind, redis_url, redis_server)
+    side = None
+    if topology == "cluster":
+        port = request.getfixturevalue("redis_cluster").primary_ports()[0]
+        side = redis.cluster.RedisCluster(host="127.0.0.1", port=port, socket_timeout=5)
+    yield Aio(request.param, loop_kind, server_url, redis_server, side)
+    if side is not None:
+        side.close()
 
 
 @pytest.fixture(params=REDIS_BACKENDS)
@@ -125,6 +137,7 @@ def stored(aio: Aio, name: str) -> bytes | None:
 # -- the lock -------------------------------------------------------------------------
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_excludes_and_unlock_is_idempotent(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -141,6 +154,7 @@ def test_lock_excludes_and_unlock_is_idempotent(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_async_with_releases_on_error_and_the_error_propagates(aio: Aio) -> None:
     class Boom(Exception):
         pass
@@ -163,6 +177,7 @@ def test_async_with_releases_on_error_and_the_error_propagates(aio: Aio) -> None
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_gets_the_lock_when_the_holder_releases(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -177,6 +192,7 @@ def test_lock_wait_gets_the_lock_when_the_holder_releases(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_gives_up_at_the_deadline_and_wait_zero_is_one_attempt(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -199,6 +215,7 @@ def test_lock_wait_gives_up_at_the_deadline_and_wait_zero_is_one_attempt(aio: Ai
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_wakes_when_the_holders_ttl_runs_out(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -212,6 +229,7 @@ def test_lock_wait_wakes_when_the_holders_ttl_runs_out(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_extend_sets_the_ttl_from_now_and_raises_lock_lost_when_gone(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -236,6 +254,7 @@ def test_extend_sets_the_ttl_from_now_and_raises_lock_lost_when_gone(aio: Aio) -
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_an_expired_lock_never_releases_its_successor(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -271,6 +290,7 @@ def test_the_token_belongs_to_the_lock_object_and_any_task_may_release_it(raio: 
     raio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_with_lock_returns_the_result_and_releases_however_it_ends(aio: Aio) -> None:
     async def work(x: int, *, y: int) -> int:
         return x + y
@@ -303,6 +323,7 @@ def test_with_lock_returns_the_result_and_releases_however_it_ends(aio: Aio) -> 
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_many_extend_many_unlock_many(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache, await aio.connect() as other:
@@ -324,6 +345,7 @@ def test_lock_many_extend_many_unlock_many(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_set_nx_and_incr(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -339,6 +361,7 @@ def test_set_nx_and_incr(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_properties_and_prefix(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect(prefix="app:") as cache:
@@ -687,6 +710,7 @@ def test_sentinel_url_finds_the_primary(raio: Aio, tmp_path: Any) -> None:
 # -- cancellation ---------------------------------------------------------------------
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_cancelling_unlock_still_releases(aio: Aio) -> None:
     async def main() -> int:
         interrupted = 0
@@ -712,6 +736,7 @@ def test_cancelling_unlock_still_releases(aio: Aio) -> None:
         assert interrupted > 0, "no cancellation landed inside unlock(): the test tests nothing"
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
     """1000 tasks each take a lock of its own (by lock, lock_wait, with_lock or lock_many,
     some releasing it again), each cancelled at a random moment. Afterwards no key may hold
@@ -800,6 +825,7 @@ def test_native_commands_of_one_loop_iteration_leave_in_one_write(raio: Aio) -> 
     raio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
     n = 10_000 if aio.backend != "redis-py" else 1_000  # redis.asyncio queues on its pool
 
@@ -836,6 +862,7 @@ def _increasing(fences: list[int]) -> bool:
     return all(a < b for a, b in itertools.pairwise(fences))
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_async_fence_on_lock_lock_wait_and_lock_many(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:

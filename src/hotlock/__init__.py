@@ -171,18 +171,23 @@ def _prefix_bytes(prefix: object) -> bytes:
 
 def _log_server(info: dict[str, str] | None, dialect: Dialect, backend: str, server: str, why: str | None) -> None:
     reason = f" ({why})" if why else ""
-    log.info("connected to %s (%s) with the %s backend%s", server, dialect.describe(), backend, reason)
+    shards = info.get("cluster_primaries") if info else None
+    topology = f"Redis Cluster of {shards} shards, " if shards else ""
+    log.info("connected to %s (%s%s) with the %s backend%s", server, topology, dialect.describe(), backend, reason)
     if info is None:
         log.info("INFO is refused by the server's ACL: the server's version and maxmemory-policy go unchecked")
         return
-    policy = info.get("maxmemory_policy", _SAFE_POLICY)
-    if policy != _SAFE_POLICY:
-        log.warning(
-            "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
-            "set maxmemory-policy noeviction",
-            server,
-            policy,
-        )
+    # On a cluster the backend names each primary with an evicting policy (maxmemory_policy@host:port).
+    policies = [(server, info.get("maxmemory_policy", _SAFE_POLICY))]
+    policies += [(k.partition("@")[2], v) for k, v in info.items() if k.startswith("maxmemory_policy@")]
+    for where, policy in policies:
+        if policy != _SAFE_POLICY:
+            log.warning(
+                "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
+                "set maxmemory-policy noeviction",
+                where,
+                policy,
+            )
 
 
 def backend_info() -> dict[str, str | None]:

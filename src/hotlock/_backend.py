@@ -14,6 +14,7 @@ from ._config import ServerConfig
 from ._dialect import Dialect
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
 __all__ = ["BACKEND_NAMES", "Backend", "Named", "choose", "native_module", "open_backend"]
@@ -106,6 +107,19 @@ def choose(config: ServerConfig, requested: str | None) -> tuple[str, str | None
 
 def open_backend(config: ServerConfig, requested: str | None) -> tuple[Backend, str | None]:
     name, why = choose(config, requested)
+    if config.seeds:
+        # A cluster: the same transports, one link per primary, routed by hotlock._cluster.
+        from ._cluster import ClusterBackend, Link
+
+        if name == "native":
+            native, _ = native_module()
+            assert native is not None
+            opener: Callable[[ServerConfig], Link] = native.NativeBackend
+        else:
+            from ._redispy import RedisPyLink
+
+            opener = RedisPyLink
+        return ClusterBackend(config, name, opener), why
     if name == "native":
         native, _ = native_module()
         assert native is not None

@@ -29,13 +29,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ._backoff import poll
+from ._cluster import LinkLost, ReplyError
 from ._config import ServerConfig, cache_error
 from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from .errors import CacheError
 
-__all__ = ["RedisPyBackend"]
+__all__ = ["RedisPyBackend", "RedisPyLink"]
 
 T = TypeVar("T")
 
@@ -73,6 +74,30 @@ class _TLSConnection(redis.SSLConnection):
         return bool(super().can_read(timeout))
 
 
+def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
+    kwargs: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "db": config.db,
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "socket_keepalive": True,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
+        # (and an ACL permission) that would also eat into a lost-reply retry's budget.
+        "protocol": 2,
+    }
+    # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
+    # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
+        kwargs["driver_info"] = None
+    else:
+        kwargs["lib_name"] = kwargs["lib_version"] = None
+    return kwargs
+
+
 class RedisPyBackend:
     name = "redis-py"
 
@@ -83,25 +108,7 @@ class RedisPyBackend:
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
-        kwargs: dict[str, Any] = {
-            "username": config.username,
-            "password": config.password,
-            "db": config.db,
-            "socket_timeout": config.timeout,
-            "socket_connect_timeout": config.connect_timeout,
-            "socket_keepalive": True,
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-            # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
-            # (and an ACL permission) that would also eat into a lost-reply retry's budget.
-            "protocol": 2,
-        }
-        # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
-        # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
-        if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
-            kwargs["driver_info"] = None
-        else:
-            kwargs["lib_name"] = kwargs["lib_version"] = None
+        kwargs = _connection_kwargs(config)
         self._watch: PrimaryWatch | None = None
         self._redis: Any  # redis.Redis; Any, since the connection-level API it reaches is untyped
         if config.sentinels:
@@ -337,6 +344,73 @@ class RedisPyBackend:
 
     def close(self) -> None:
         self._redis.close()
+
+
+class RedisPyLink:
+    """One Redis Cluster node over a redis-py connection pool (hotlock._cluster.Link).
+
+    Why per-node pools routed by hotlock._cluster rather than redis.cluster.RedisCluster:
+    the redirection and lost-reply rules are then written once for every backend, and
+    RedisCluster's own ones (it resends a command after a connection error, so a lost
+    acquire reply comes back to us as a second, unannounced try; its map refresh and
+    retries run on their own clock) cannot break the one-retry, one-budget rule. Its
+    pipelines also run node by node, where a batch here writes to every node first.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = config.display
+        kind = _TLSConnection if config.tls else redis.Connection
+        self._pool: Any = redis.ConnectionPool(
+            connection_class=kind, host=config.host, port=config.port, **_connection_kwargs(config)
+        )
+        # Connect now and load the scripts: a primary's first EVALSHA seldom pays a NOSCRIPT.
+        for reply in self.link_recv(
+            self.link_send([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]), len(SCRIPTS), None
+        ):
+            if isinstance(reply, ReplyError):
+                raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", self.server)
+
+    def link_send(self, commands: list[tuple[bytes, ...]]) -> Any:
+        try:
+            conn: Any = self._pool.get_connection()
+        except (RedisError, OSError) as exc:  # could not connect: nothing was sent
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except _AMBIGUOUS as exc:
+            conn.disconnect()
+            self._pool.release(conn)
+            raise LinkLost(_describe(exc)) from exc
+        except RedisError as exc:  # AUTH refused, say: nothing ran
+            conn.disconnect()
+            self._pool.release(conn)
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        return conn
+
+    def link_recv(self, handle: Any, n: int, timeout: float | None) -> list[Any]:
+        conn = handle
+        complete = False
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            replies: list[Any] = []
+            for _ in range(n):
+                kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
+                try:
+                    replies.append(conn.read_response(**kw))
+                except ResponseError as exc:
+                    code = _ERROR_CODES.get(type(exc))
+                    replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
+            complete = True
+            return replies
+        except _AMBIGUOUS as exc:
+            raise LinkLost(_describe(exc)) from exc
+        finally:
+            if not complete:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def link_close(self) -> None:
+        self._pool.disconnect()
 
 
 _ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}

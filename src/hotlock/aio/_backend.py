@@ -7,6 +7,7 @@ tokens, integer milliseconds, CacheError for every Redis failure. There is no
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Protocol
 
@@ -82,6 +83,25 @@ def choose(config: ServerConfig, requested: str | None) -> tuple[str, str | None
 async def open_backend(config: ServerConfig, requested: str | None) -> tuple[AsyncBackend, str | None]:
     name, why = choose(config, requested)
     backend: AsyncBackend
+    if config.seeds:
+        # A cluster: the same transports, one link per primary, routed by hotlock._cluster.
+        from ._cluster import AsyncClusterBackend, AsyncLink
+
+        opener: Callable[[ServerConfig], Awaitable[AsyncLink]]
+        if name == "native":
+            from ._native import NativeAsyncBackend
+
+            native, _ = native_aio()
+            assert native is not None
+            protocol = native.AioProtocol
+
+            async def opener(node: ServerConfig) -> AsyncLink:
+                return await NativeAsyncBackend.open(node, protocol)
+        else:
+            from ._redispy import RedisAsyncLink
+
+            opener = RedisAsyncLink.open
+        return await AsyncClusterBackend.open(config, name, opener), why
     if name == "native":
         from ._native import NativeAsyncBackend
 

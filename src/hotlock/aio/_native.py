@@ -15,6 +15,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from .._cluster import LinkLost, ReplyError
 from .._config import ServerConfig, cache_error
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
@@ -25,8 +26,8 @@ from ._retry import retry_until, unconfirmed
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
 
-class ReplyError(Exception):
-    """An error reply, as the protocol hands it over: returned as a value, never raised by it."""
+# An error reply, as the protocol hands it over: returned as a value, never raised by it
+# (hotlock._cluster's, so a cluster link's replies need no translation).
 
 
 class NotSent(ConnectionError):
@@ -375,6 +376,23 @@ class NativeAsyncBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+
+    # -- a cluster node's link (hotlock.aio._cluster.AsyncLink) -------------------------
+
+    async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
+        """``commands`` pipelined on this node's protocol, their replies (errors in place);
+        CacheError if it cannot connect, LinkLost when the reply may have been lost."""
+        proto = self._proto
+        if proto is None or not proto.usable():
+            proto = await self._connection()
+        try:
+            pending = proto.pipeline(list(commands))
+            return await (pending if timeout is None else asyncio.wait_for(pending, timeout))
+        except _LOST as exc:  # NotSent included: one resend is safe either way
+            raise LinkLost(_describe(exc)) from exc
+
+    async def link_close(self) -> None:
+        await self.close()
 
     async def close(self) -> None:
         if self._connecting is not None:

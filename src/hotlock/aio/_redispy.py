@@ -28,16 +28,18 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from .._cluster import LinkLost
+from .._cluster import ReplyError as ClusterReplyError
 from .._config import ServerConfig, cache_error
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._ident import TOKEN_BYTES
-from .._redispy import _describe
+from .._redispy import _ERROR_CODES, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import retry_until, unconfirmed
 
-__all__ = ["RedisAsyncBackend"]
+__all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
 T = TypeVar("T")
 
@@ -67,6 +69,91 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
+def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """redis.asyncio connection settings: our timeouts, its retries off, RESP2."""
+    kwargs: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "db": config.db,
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+        # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
+        "protocol": 2,
+    }
+    # As in the sync backend: no CLIENT SETINFO round trip on every connect.
+    if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
+        kwargs["driver_info"] = None
+    else:
+        kwargs["lib_name"] = kwargs["lib_version"] = None
+    return kwargs
+
+
+class RedisAsyncLink:
+    """One Redis Cluster node over a redis.asyncio pool (hotlock.aio._cluster.AsyncLink);
+    per-node pools routed by hotlock._cluster, not redis.asyncio.cluster, for the reasons
+    given at hotlock._redispy.RedisPyLink."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = config.display
+        kind = SSLConnection if config.tls else Connection
+        self._pool: Any = aioredis.BlockingConnectionPool(
+            max_connections=MAX_CONNECTIONS,
+            timeout=None,
+            connection_class=kind,
+            host=config.host,
+            port=config.port,
+            socket_keepalive=True,
+            **_connection_kwargs(config),
+        )
+
+    @classmethod
+    async def open(cls, config: ServerConfig) -> RedisAsyncLink:
+        link = cls(config)
+        try:
+            replies = await link.link_call([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS], None)
+        except LinkLost as exc:
+            await link.link_close()
+            raise cache_error(f"connect failed: {exc}", link.server) from exc
+        for reply in replies:
+            if isinstance(reply, ClusterReplyError):
+                await link.link_close()
+                raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", link.server)
+        return link
+
+    async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
+        try:
+            conn = await self._pool.get_connection()
+        except _AMBIGUOUS as exc:
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        complete = False
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands))
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            replies: list[Any] = []
+            for _ in commands:
+                kw = {} if deadline is None else {"timeout": max(deadline - loop.time(), 0.001)}
+                try:
+                    replies.append(await conn.read_response(**kw))
+                except ResponseError as exc:
+                    code = _ERROR_CODES.get(type(exc))
+                    replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+            complete = True
+            return replies
+        except _AMBIGUOUS as exc:
+            raise LinkLost(_describe(exc)) from exc
+        except RedisError as exc:  # AUTH refused on connect, say: nothing ran
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        finally:
+            if not complete:
+                await conn.disconnect()
+            await self._pool.release(conn)
+
+    async def link_close(self) -> None:
+        await self._pool.disconnect()
+
+
 class RedisAsyncBackend:
     name = "redis-py"
 
@@ -75,21 +162,7 @@ class RedisAsyncBackend:
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
-        kwargs: dict[str, Any] = {
-            "username": config.username,
-            "password": config.password,
-            "db": config.db,
-            "socket_timeout": config.timeout,
-            "socket_connect_timeout": config.connect_timeout,
-            "retry": Retry(NoBackoff(), 0),
-            # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
-            "protocol": 2,
-        }
-        # As in the sync backend: no CLIENT SETINFO round trip on every connect.
-        if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
-            kwargs["driver_info"] = None
-        else:
-            kwargs["lib_name"] = kwargs["lib_version"] = None
+        kwargs = _connection_kwargs(config)
         self._config = config
         self._redis: aioredis.Redis
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
