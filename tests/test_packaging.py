@@ -142,7 +142,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 def python_for(tag: str) -> str:
     """The interpreter for a wheel's cpXY tag: this one, or tools/find-python's."""
     version = f"{tag[2]}.{tag[3:]}"
-    if version == "%d.%d" % sys.version_info[:2]:
+    if version == f"{sys.version_info[0]}.{sys.version_info[1]}":
         return sys.executable
     proc = subprocess.run([str(ROOT / "tools" / "find-python"), version], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -238,7 +238,9 @@ def hidden(paths: list[str], cmd: list[str]) -> list[str]:
     ns = [unshare, "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
         ns[1:1] = ["--user", "--map-root-user"]
-    binds = 'e=$1; n=$2; shift 2; while [ "$n" -gt 0 ]; do mount --bind "$e" "$1" || exit 97; shift; n=$((n-1)); done; exec "$@"'
+    # sh -c BINDS sh EMPTY N PATH... CMD...: bind EMPTY over the N paths, then become CMD.
+    binds = 'e=$1; n=$2; shift 2; while [ "$n" -gt 0 ]; do mount --bind "$e" "$1" || exit 97; shift; n=$((n-1)); done'
+    binds += '; exec "$@"'
     return [*ns, "sh", "-c", binds, "sh", str(empty), str(len(paths)), *paths, *cmd]
 
 
@@ -300,7 +302,7 @@ def _wheel_tags() -> list[str]:
     given = os.environ.get("HOTLOCK_TEST_DIST")
     if given:
         return sorted({wheel_tag(w) for w in Path(given).glob("hotlock-*.whl")}) or ["no-wheel-in-dist"]
-    return ["cp%d%d" % sys.version_info[:2]]
+    return [f"cp{sys.version_info[0]}{sys.version_info[1]}"]
 
 
 @pytest.fixture(params=_wheel_tags())
@@ -361,7 +363,8 @@ def test_wheel_runs_native_where_the_system_libhiredis_cannot_load(
     assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
     mapped = got["mapped"]
     assert isinstance(mapped, list) and mapped, got
-    assert all(os.path.realpath(m).startswith(os.path.realpath(libs) + "/libhiredis-") for m in mapped), f"libhiredis mapped from {mapped}"
+    bundled = os.path.realpath(libs) + "/libhiredis-"
+    assert all(os.path.realpath(m).startswith(bundled) for m in mapped), f"libhiredis mapped from {mapped}"
 
 
 def test_sdist_ships_the_sources_and_no_generated_c(dist: Dist) -> None:
