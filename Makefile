@@ -100,7 +100,11 @@ dist: deps tools
 	  PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(TOOLS)/bin/auditwheel repair --strip -w dist build/wheelhouse/$$v/*.whl \
 	    || exit 1; \
 	done
-	@for w in dist/*.whl; do echo "== auditwheel show $$w"; $(TOOLS)/bin/auditwheel show $$w || exit 1; done
+	@for w in dist/*.whl; do \
+	  echo "== $$w: auditwheel show"; $(TOOLS)/bin/auditwheel show $$w || exit 1; \
+	  echo "== $$w: the extension and what it bundles"; \
+	  $(TOOLS)/bin/python -m zipfile -l $$w | grep -E '\.so|hotlock\.libs/' || exit 1; \
+	done
 	@ls -l dist
 
 # The packaging tests over what `make dist` built: every wheel in dist/ installed into a
