@@ -441,5 +441,6 @@ def test_version_is_written_once(dist: Dist) -> None:
     assert hotlock.__version__ == version
     assert f"hotlock-{version}" in dist.sdist.name
     assert all(f"hotlock-{version}-" in w.name for w in dist.wheels.values())
-    sources = [p for p in (ROOT / "src").rglob("*.py") if version in p.read_text()]
+    literal = re.compile(rf"""["']{re.escape(version)}["']""")
+    sources = [p for p in (ROOT / "src").rglob("*.py") if literal.search(p.read_text())]
     assert not sources, f"the version is written again in {sources}: pyproject.toml is its one place"
