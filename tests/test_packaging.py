@@ -5,7 +5,7 @@ and async) against the session's redis-server, in a child process whose `import 
 can only find the installed copy.
 
 - The wheel runs with the system libhiredis made unloadable: a private mount namespace
-  (unshare) binds an empty file over every libhiredis the dynamic linker could find, and
+  (unshare) binds /dev/null over every libhiredis the dynamic linker could find, and
   the test first shows that the linker really cannot load it there. The extension must
   still import, `backend_info()` must say `native`, `ldd` must resolve every dependency
   inside the wheel's `hotlock.libs/` or to glibc, and `/proc/self/maps` must show the
@@ -222,26 +222,24 @@ def system_libhiredis() -> list[str]:
 
 
 def hidden(paths: list[str], cmd: list[str]) -> list[str]:
-    """cmd run in a private mount namespace where each of paths is an empty file.
+    """cmd run in a private mount namespace where each of paths reads as an empty file.
 
-    An empty file is not an ELF object, so the linker fails on it ("file too short") instead
-    of finding the library somewhere else: it cannot be loaded by any name. Nothing outside
-    the namespace sees the change. As root, unshare --mount; otherwise a user namespace maps
-    us to root inside it first.
+    /dev/null is bound over each: the linker reads no ELF header there and fails ("file too
+    short") instead of looking for the library elsewhere, so it cannot be loaded by any name.
+    Nothing outside the namespace sees the change. As root, unshare --mount; otherwise a
+    user namespace maps us to root inside it first.
     """
     unshare = shutil.which("unshare")
     if unshare is None:
         need("unshare (util-linux) is not installed: cannot hide the system libhiredis")
     assert unshare is not None
-    empty = Path(os.environ.get("TMPDIR", "/tmp")) / f"hotlock-empty-{os.getpid()}"
-    empty.write_bytes(b"")
     ns = [unshare, "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
         ns[1:1] = ["--user", "--map-root-user"]
-    # sh -c BINDS sh EMPTY N PATH... CMD...: bind EMPTY over the N paths, then become CMD.
-    binds = 'e=$1; n=$2; shift 2; while [ "$n" -gt 0 ]; do mount --bind "$e" "$1" || exit 97; shift; n=$((n-1)); done'
+    # sh -c BINDS sh N PATH... CMD...: bind /dev/null over the N paths, then become CMD.
+    binds = 'n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind /dev/null "$1" || exit 97; shift; n=$((n-1)); done'
     binds += '; exec "$@"'
-    return [*ns, "sh", "-c", binds, "sh", str(empty), str(len(paths)), *paths, *cmd]
+    return [*ns, "sh", "-c", binds, "sh", str(len(paths)), *paths, *cmd]
 
 
 @pytest.fixture(scope="session")
