@@ -3,7 +3,7 @@
 
 C owns the bytes here (STYLE habit 1): the extension speaks bytes keys, bytes tokens and
 integer milliseconds. The Lua scripts and their SHA1s come from hotlock._scripts, the
-backoff constants from hotlock._backoff, the errors from hotlock._backend.cache_error:
+backoff constants from hotlock._backoff, the errors from hotlock._config.cache_error:
 each defined once, in Python.
 
 Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
@@ -27,8 +27,8 @@ from posix.unistd cimport close, getpid
 from hiredis cimport *
 
 from hotlock import _backoff
-from hotlock._backend import cache_error
-from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS
+from hotlock._config import cache_error
+from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
 from hotlock.errors import CacheError
 

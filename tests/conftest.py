@@ -21,6 +21,15 @@ import redis
 
 import hotlock
 from hotlock._backend import native_module
+from hotlock._keys import stored
+
+LOCK_SPACE = b"hotlock:lock:"
+
+
+def lock_name(key: str | bytes) -> bytes:
+    """The Redis key of a lock on ``key`` under the default prefix (the README's layout)."""
+    return stored(LOCK_SPACE, key.encode() if isinstance(key, str) else key)
+
 
 REQUIRE_NATIVE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
 

@@ -15,7 +15,7 @@ import redis
 import hotlock
 from hotlock import Cache, LockLost, LockNotAcquired
 
-from .conftest import RedisServer, free_port, start_redis
+from .conftest import RedisServer, free_port, lock_name, start_redis
 
 
 def test_lock_conflict_is_lock_not_acquired(cache: Cache) -> None:
@@ -327,11 +327,11 @@ def test_keys_live_under_the_prefix(redis_backend: str, redis_server: RedisServe
         lock = cache.lock("k", ttl=5)
         cache.set_nx("k", "v", ttl=5)
         cache.incr("k")
-        assert sorted(client.keys("*")) == [b"app1:count:k", b"app1:lock:k", b"app1:once:k"]
-        assert 4000 < client.pttl(b"app1:lock:k") <= 5000
-        assert client.get(b"app1:lock:k") == lock._token
+        assert sorted(client.keys("*")) == [b"app1:count:{k}", b"app1:lock:{k}", b"app1:once:{k}"]
+        assert 4000 < client.pttl(b"app1:lock:{k}") <= 5000
+        assert client.get(b"app1:lock:{k}") == lock._token
         lock.unlock()
-        assert client.exists(b"app1:lock:k") == 0
+        assert client.exists(b"app1:lock:{k}") == 0
 
 
 def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
@@ -381,7 +381,7 @@ def test_unix_socket_url(redis_backend: str, tmp_path: Path) -> None:
             assert cache.server == f"unix://{sock}?db=2"
             lock = cache.lock("over-unix", ttl=5)
             server.client().execute_command("SELECT", 2)
-            assert server.client().exists(b"hotlock:lock:over-unix") == 1
+            assert server.client().exists(lock_name("over-unix")) == 1
             assert lock.unlock() is True
     finally:
         server.stop()
@@ -396,12 +396,24 @@ def test_acl_user_password_and_db_from_the_url(redis_backend: str, redis_server:
             assert "p@ss" not in repr(cache) and "locker" not in cache.server
             lock = cache.lock("in-db-3", ttl=5)
             db3 = redis.Redis(host=redis_server.host, port=redis_server.port, db=3)
-            assert db3.exists(b"hotlock:lock:in-db-3") == 1
+            assert db3.exists(lock_name("in-db-3")) == 1
             db3.close()
-            assert client.exists(b"hotlock:lock:in-db-3") == 0
+            assert client.exists(lock_name("in-db-3")) == 0
             lock.unlock()
         with pytest.raises(hotlock.CacheError) as info:
             hotlock.connect(url.replace("p%40ss", "wrong"), backend=redis_backend)
         assert "wrong" not in str(info.value)
     finally:
         client.execute_command("ACL", "DELUSER", "locker")
+
+
+def test_key_layout_wraps_the_user_key_in_a_hash_tag(rcache: Cache, redis_server: RedisServer) -> None:
+    """The README's layout: <prefix>lock:{key}, one-to-one, so one lock's keys share a slot."""
+    from hotlock._keys import stored, user_key
+
+    with rcache.lock("tenant-7}:job", ttl=5):
+        assert redis_server.client().exists(b"hotlock:lock:{tenant-7}:job}") == 1
+    for key in (b"a", b"{a}", b"x}y", b"{", b"}"):
+        assert user_key(b"p:lock:", stored(b"p:lock:", key)) == key
+    assert user_key(b"p:lock:", b"p:lock:plain") is None
+    assert user_key(b"p:lock:", b"q:lock:{a}") is None

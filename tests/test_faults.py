@@ -26,12 +26,11 @@ import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
 from hotlock.aio._backend import native_aio
 
-from .conftest import REQUIRE_NATIVE, RedisServer, open_cache, start_redis
+from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy
 
 # A short reply timeout keeps every lost-reply test fast; it is what each fault costs.
 REPLY_TIMEOUT = 0.5
-PREFIX = b"hotlock:lock:"
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def pcache(redis_backend: str, proxy: FaultProxy) -> Iterator[hotlock.Cache]:
 
 
 def stored(server: RedisServer, key: str) -> bytes | None:
-    value = server.client().get(PREFIX + key.encode())
+    value = server.client().get(lock_name(key.encode()))
     assert value is None or isinstance(value, bytes)
     return value
 
@@ -203,9 +202,9 @@ def test_reset_mid_extend_is_a_cache_error_and_the_next_extend_decides(
         lock.extend(20)
     # The extend may or may not have run; either way the next one is exact.
     lock.extend(20)
-    assert 19_000 < redis_server.client().pttl(PREFIX + b"reset-extend") <= 20_000
+    assert 19_000 < redis_server.client().pttl(lock_name(b"reset-extend")) <= 20_000
     # And once another token sits there, the next extend is LockLost, not a CacheError.
-    redis_server.client().set(PREFIX + b"reset-extend", b"someone-else", px=10_000)
+    redis_server.client().set(lock_name(b"reset-extend"), b"someone-else", px=10_000)
     proxy.reset_after_request(1)
     with pytest.raises(CacheError):
         lock.extend(20)
@@ -354,7 +353,7 @@ def test_noeviction_is_not_warned_and_at_maxmemory_lock_is_an_oom_cache_error(
         assert stored(own_server, "new") is None
         # What frees or keeps memory still works: extend (PEXPIRE) and unlock (DEL).
         held[0].extend(60)
-        assert 59_000 < own_server.client().pttl(PREFIX + b"held-0") <= 60_000
+        assert 59_000 < own_server.client().pttl(lock_name(b"held-0")) <= 60_000
         assert cache.extend_many(held[1:], 60) == [True, True]
         assert held[0].unlock() is True
         assert cache.unlock_many(held[1:]) == [True, True]
@@ -437,7 +436,7 @@ def test_forked_child_cannot_release_or_extend_the_parents_lock(
 
     assert _in_child(child) == 0
     assert stored(redis_server, "parent-held") == lock._token
-    assert redis_server.client().pttl(PREFIX + b"parent-held") <= 30_000  # not extended by the child
+    assert redis_server.client().pttl(lock_name(b"parent-held")) <= 30_000  # not extended by the child
     assert lock.unlock() is True
 
 

@@ -26,7 +26,7 @@ import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
 from hotlock.aio._backend import native_aio
 
-from .conftest import REQUIRE_NATIVE, RedisServer, free_port
+from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name
 from .faultproxy import FaultProxy
 
 USER = "hotlock_sec"
@@ -46,6 +46,7 @@ COMMANDS = [
     "+pttl",
     "+pexpire",
     "+del",
+    "+time",
     "+incrby",
     "+info",
     "+select",
@@ -262,7 +263,7 @@ def test_tokens_and_passwords_never_reach_logs_reprs_or_errors(
             redis_server.client().execute_command("SELECT", 1)
             lost = cache.lock("lost", ttl=5)
             tokens.append(lost._token)
-            redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1").delete(b"hotlock:lock:lost")
+            redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1").delete(lock_name("lost"))
             try:
                 lost.extend(5)
             except LockLost as exc:
@@ -305,7 +306,7 @@ def test_tokens_and_passwords_never_reach_logs_reprs_or_errors(
 
 
 def test_config_and_cache_reprs_hide_the_password(redis_backend: str, acl_user: str) -> None:
-    from hotlock._backend import parse_url
+    from hotlock._config import parse_url
 
     config = parse_url(acl_user, connect_timeout=1, timeout=1)
     with hotlock.connect(acl_user, backend=redis_backend) as cache:

@@ -24,14 +24,13 @@ import redis
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
-from hotlock._backend import parse_url
+from hotlock._config import parse_url
 from hotlock.aio._backend import native_aio
 
-from .conftest import REQUIRE_NATIVE, RedisServer, free_port, start_redis
+from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, start_redis
 from .faultproxy import FaultProxy
 
 SERVICE = "mymaster"
-PREFIX = b"hotlock:lock:"
 # Short timeouts: the gap a failover leaves is made of them.
 TIMEOUT = 0.3
 
@@ -207,7 +206,7 @@ def _lock_until_on_new_primary(cache: hotlock.Cache, topo: Topology, old_port: i
             errors.append(exc)
             time.sleep(0.02)
             continue
-        if port != old_port and topo.node(port).get(PREFIX + f"gap-{i}".encode()) == lock._token:
+        if port != old_port and topo.node(port).get(lock_name(f"gap-{i}".encode())) == lock._token:
             landed = time.monotonic()
             break
         try:
@@ -280,7 +279,7 @@ def test_failover_can_give_two_holders(redis_backend: str, proxied_topology: Top
     try:
         topo.proxy.blackhole(True)  # replication stops reaching the replica (it does not know yet)
         first = a.lock("invoice-1", ttl=30)  # the primary grants it and answers at once
-        assert topo.node(topo.replica.port).get(PREFIX + b"invoice-1") is None
+        assert topo.node(topo.replica.port).get(lock_name(b"invoice-1")) is None
         new = _failover_to_the_stale_replica(topo)
         b = hotlock.connect(topo.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT)
         try:
@@ -288,7 +287,7 @@ def test_failover_can_give_two_holders(redis_backend: str, proxied_topology: Top
             # Two holders of one key, each with a valid-looking lease: why the protected
             # resource must check an idempotency key or a fencing token.
             assert first.valid_for() > 20 and second.valid_for() > 20
-            assert topo.node(new).get(PREFIX + b"invoice-1") == second._token
+            assert topo.node(new).get(lock_name(b"invoice-1")) == second._token
         finally:
             b.close()
     finally:
@@ -301,7 +300,7 @@ def test_wait_replicas_confirms_when_replicas_keep_up(redis_backend: str, proxie
     try:
         lock = cache.lock("confirmed", ttl=30)
         # WAIT returned only once the replica had it.
-        assert topo.node(topo.replica.port).get(PREFIX + b"confirmed") == lock._token
+        assert topo.node(topo.replica.port).get(lock_name(b"confirmed")) == lock._token
         assert cache.lock_many(["m1", "m2"], ttl=30)[0] is not None
         assert lock.unlock() is True
     finally:
@@ -320,12 +319,12 @@ def test_wait_replicas_closes_the_simple_two_holder_window(redis_backend: str, p
         with pytest.raises(CacheError, match="replicas"):
             a.lock("invoice-1", ttl=30)
         assert time.monotonic() - started < 0.2 + TIMEOUT + 0.2
-        assert topo.node(topo.primary.port).get(PREFIX + b"invoice-1") is None
+        assert topo.node(topo.primary.port).get(lock_name(b"invoice-1")) is None
         with pytest.raises(CacheError, match="replicas"):
             a.lock_many(["invoice-2", "invoice-3"], ttl=30)
         with pytest.raises(CacheError, match="replicas"):
             a.lock_wait("invoice-4", ttl=30, wait=1)
-        assert topo.node(topo.primary.port).keys(PREFIX + b"*") == []
+        assert topo.node(topo.primary.port).keys(lock_name(b"*")) == []
         # ...and after the failover there is exactly one holder.
         _failover_to_the_stale_replica(topo)
         b = hotlock.connect(topo.url, backend=redis_backend, timeout=TIMEOUT)
@@ -411,7 +410,7 @@ def test_async_follows_the_primary_through_sentinel_failover(aio_backend: str, t
                     errors.append(exc)
                     await asyncio.sleep(0.02)
                     continue
-                if port != old and topology.node(port).get(PREFIX + f"gap-{i}".encode()) == lock._token:
+                if port != old and topology.node(port).get(lock_name(f"gap-{i}".encode())) == lock._token:
                     landed = time.monotonic()
                     break
                 await asyncio.sleep(0.02)

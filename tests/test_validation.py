@@ -140,6 +140,7 @@ def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) ->
         ({"url": "unix://"}, ValueError, "socket path"),
         ({"prefix": ""}, ValueError, "prefix must be"),
         ({"prefix": 3}, TypeError, "prefix must be"),
+        ({"prefix": "app{1}:"}, ValueError, "must not contain"),
         ({"timeout": 0}, ValueError, "timeout must be"),
         ({"connect_timeout": math.inf}, ValueError, "connect_timeout must be"),
         ({"timeout": "1"}, TypeError, "timeout must be"),

@@ -13,8 +13,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ._backend import BACKEND_NAMES, ServerConfig, native_module, open_backend, parse_url
+from ._backend import BACKEND_NAMES, native_module, open_backend
 from ._cache import Cache
+from ._config import ServerConfig, parse_url
+from ._keys import check_prefix
 from ._lock import Lock
 from ._memory import MemoryBackend
 from ._validate import DEFAULT_TTL, Seconds
@@ -155,7 +157,7 @@ def _prefix_bytes(prefix: object) -> bytes:
         raise TypeError(f"prefix must be str or bytes, not {type(prefix).__name__}")
     if not prefix or len(prefix) > 256:
         raise ValueError("prefix must be 1 to 256 bytes long")
-    return prefix
+    return check_prefix(prefix)
 
 
 def _log_server(info: dict[str, str] | None, backend: str, server: str, why: str | None) -> None:

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
 from ._ident import new_token, new_tokens
+from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
 from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
 from .errors import LockNotAcquired
@@ -20,11 +21,6 @@ __all__ = ["Cache", "CacheBase"]
 P = ParamSpec("P")
 R = TypeVar("R")
 L = TypeVar("L", bound=Lease)
-
-# The key layout under the prefix (documented in the README).
-LOCK_SPACE = b"lock:"
-ONCE_SPACE = b"once:"
-COUNT_SPACE = b"count:"
 
 
 class CacheBase(Generic[L]):
@@ -59,8 +55,9 @@ class CacheBase(Generic[L]):
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
 
-    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
-        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
+    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None) -> LockNotAcquired:
+        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), or 0 if unknown."""
+        held = "held elsewhere" if result == 0 else f"held elsewhere for up to {-result / 1000:.3f} s more"
         after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
         return LockNotAcquired(
             f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
@@ -98,14 +95,14 @@ class Cache(CacheBase[Lock]):
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Lock:
         """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
-        name = self._lock_prefix + key_bytes(key)
+        name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         token = new_token()
         sent = time.monotonic()
         result = self._backend.acquire(name, token, ms)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, None)
-        return Lock(self._backend, key, name, token, ms, sent)
+        return Lock(self._backend, key, name, token, result, ms, sent)
 
     def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
@@ -113,14 +110,14 @@ class Cache(CacheBase[Lock]):
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
         exactly one attempt.
         """
-        name = self._lock_prefix + key_bytes(key)
+        name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
         token = new_token()
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, wait_for)
-        return Lock(self._backend, key, name, token, ms, sent)
+        return Lock(self._backend, key, name, token, result, ms, sent)
 
     def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Acquire once, run ``fn(*args, **kwargs)``, release however it ends; return its result."""
@@ -132,7 +129,7 @@ class Cache(CacheBase[Lock]):
     def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[Lock | None]:
         """Try each key once, in one round trip: a Lock per key, or None where held elsewhere."""
         given, raw = key_list(keys)
-        names = [self._lock_prefix + k for k in raw]
+        names = [stored(self._lock_prefix, k) for k in raw]
         ms = ttl_ms(ttl)
         if not names:
             return []
@@ -140,7 +137,7 @@ class Cache(CacheBase[Lock]):
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
         return [
-            None if result else Lock(self._backend, key, name, token, ms, sent)
+            Lock(self._backend, key, name, token, result, ms, sent) if result > 0 else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
 
@@ -176,12 +173,12 @@ class Cache(CacheBase[Lock]):
 
     def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
         """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
-        name = self._once_prefix + key_bytes(key)
+        name = stored(self._once_prefix, key_bytes(key))
         return self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
 
     def incr(self, key: str | bytes, amount: int = 1) -> int:
         """Add ``amount`` to a counter atomically and return the new value."""
-        name = self._count_prefix + key_bytes(key)
+        name = stored(self._count_prefix, key_bytes(key))
         return self._backend.incr(name, amount_int(amount))
 
     # -- lifetime ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from typing import Any, ClassVar
 
-from ._backend import ServerConfig
+from ._config import ServerConfig
 
 HIREDIS_VERSION: str  # the libhiredis it was compiled against, "0.14.1"
 HAS_TLS: bool  # whether it speaks rediss:// (False: hotlock._backend.choose uses redis-py)

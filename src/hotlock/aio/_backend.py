@@ -7,14 +7,13 @@ tokens, integer milliseconds, CacheError for every Redis failure. There is no
 
 from __future__ import annotations
 
-import asyncio
 from types import ModuleType
 from typing import Protocol
 
-from .._backend import ServerConfig, cache_error, native_module
-from ..errors import CacheError
+from .._backend import native_module
+from .._config import ServerConfig
 
-__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend", "retry_until", "unconfirmed"]
+__all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
 
 
 class AsyncBackend(Protocol):
@@ -26,7 +25,8 @@ class AsyncBackend(Protocol):
     # whose caller was cancelled while it was in flight. AsyncCache relies on it to
     # release an interrupted acquisition in the background.
 
-    # 0 for "acquired", else the holder's remaining TTL in ms or -1: _scripts.ACQUIRE.
+    # The fence (> 0) when acquired, else -(the holder's remaining TTL in ms) or 0 when
+    # unknown: _scripts.ACQUIRE, as hotlock._backend.Backend.
     # ``since`` (loop time) and ``wait_ms`` are those of the lock_wait this attempt belongs
     # to: as in sync, a lost-reply retry ends by since + max(wait, timeout) + timeout, so
     # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout.
@@ -86,19 +86,3 @@ async def open_backend(config: ServerConfig, requested: str | None) -> tuple[Asy
 
         backend = await RedisAsyncBackend.open(config)
     return backend, why
-
-
-def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | None) -> CacheError:
-    """Under wait_replicas: the error for an acquire undone because too few replicas had it."""
-    return cache_error(
-        f"{what} undone: {replicas} of {config.wait_replicas} replicas confirmed it "
-        f"within {round(config.wait_timeout * 1000)} ms (wait_replicas)",
-        config.display,
-        key,
-    )
-
-
-def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
-    """Until when (loop time) a lost acquire reply may still be retried; see AsyncBackend.acquire."""
-    start = asyncio.get_running_loop().time() if since is None else since
-    return start + max(wait_ms / 1000.0, timeout) + timeout

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from .._backoff import Backoff
 from .._cache import CacheBase
 from .._ident import new_token, new_tokens
+from .._keys import stored
 from .._lock import shown
 from .._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
 from ._lock import AsyncLock
@@ -48,7 +49,7 @@ class AsyncCache(CacheBase[AsyncLock]):
 
         The arguments are checked here, before anything is awaited or sent.
         """
-        return Acquiring(self, key, self._lock_prefix + key_bytes(key), ttl_ms(ttl), None)
+        return Acquiring(self, key, stored(self._lock_prefix, key_bytes(key)), ttl_ms(ttl), None)
 
     def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Acquiring:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
@@ -56,7 +57,7 @@ class AsyncCache(CacheBase[AsyncLock]):
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
         exactly one attempt. Awaitable, and usable with ``async with``, like lock().
         """
-        name = self._lock_prefix + key_bytes(key)
+        name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         return Acquiring(self, key, name, ms, wait_ms(wait))
 
@@ -73,17 +74,20 @@ class AsyncCache(CacheBase[AsyncLock]):
                 sent = loop.time()
                 maybe_held = True
                 result = await self._backend.acquire(name, token, ms, since, wait_for or 0)
-                if result == 0:
-                    return AsyncLock(self, loop, key, name, token, ms, sent)
+                if result > 0:
+                    return AsyncLock(
+                        self._backend, self._release_in_background, loop, key, name, token, result, ms, sent
+                    )
                 maybe_held = False
-                sleep = None if backoff is None else backoff.next_sleep(result)
+                sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
                     raise self._not_acquired(key, result, wait_for)
                 await asyncio.sleep(sleep)
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
             # taken the key: release it behind that acquire, since nobody will hold the
-            # lock object. The backend's ordering promise puts the release after it.
+            # lock object. The backend's ordering promise puts the release after it. Its
+            # fence is unknown: RELEASE takes the bare token for this.
             if maybe_held:
                 self._release_in_background([name], [token])
             raise
@@ -103,7 +107,7 @@ class AsyncCache(CacheBase[AsyncLock]):
     async def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[AsyncLock | None]:
         """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere."""
         given, raw = key_list(keys)
-        names = [self._lock_prefix + k for k in raw]
+        names = [stored(self._lock_prefix, k) for k in raw]
         ms = ttl_ms(ttl)
         if not names:
             return []
@@ -116,7 +120,9 @@ class AsyncCache(CacheBase[AsyncLock]):
             self._release_in_background(names, tokens)
             raise
         return [
-            None if result else AsyncLock(self, loop, key, name, token, ms, sent)
+            AsyncLock(self._backend, self._release_in_background, loop, key, name, token, result, ms, sent)
+            if result > 0
+            else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
 
@@ -167,12 +173,12 @@ class AsyncCache(CacheBase[AsyncLock]):
 
     async def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
         """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
-        name = self._once_prefix + key_bytes(key)
+        name = stored(self._once_prefix, key_bytes(key))
         return await self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
 
     async def incr(self, key: str | bytes, amount: int = 1) -> int:
         """Add ``amount`` to a counter atomically and return the new value."""
-        name = self._count_prefix + key_bytes(key)
+        name = stored(self._count_prefix, key_bytes(key))
         return await self._backend.incr(name, amount_int(amount))
 
     # -- interrupted acquisitions ------------------------------------------------------

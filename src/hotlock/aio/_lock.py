@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,6 @@ from .._validate import Seconds
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
-    from ._cache import AsyncCache
 
 __all__ = ["AsyncLock"]
 
@@ -23,22 +23,25 @@ class AsyncLock(Lease):
     """A held lock (see hotlock.Lease): the twin of hotlock.Lock, with the deadline on the
     event loop's clock and ``async with`` releasing it however the block ends."""
 
-    __slots__ = ("_cache", "_loop")
+    __slots__ = ("_loop", "_release_later")
     _shown_as = "hotlock.aio.AsyncLock"
     _backend: AsyncBackend
 
     def __init__(
         self,
-        cache: AsyncCache,
+        backend: AsyncBackend,
+        release_later: Callable[[list[bytes], list[bytes]], None],
         loop: asyncio.AbstractEventLoop,
         key: str | bytes,
         name: bytes,
         token: bytes,
+        fence: int,
         ttl: int,
         sent_at: float,
     ) -> None:
-        super().__init__(cache._backend, key, name, token, ttl, sent_at)
-        self._cache = cache  # for the background release of a cancelled unlock
+        super().__init__(backend, key, name, token, fence, ttl, sent_at)
+        # The cache's background release, for an unlock cancelled mid-flight.
+        self._release_later = release_later
         self._loop = loop
 
     def _now(self) -> float:
@@ -78,7 +81,7 @@ class AsyncLock(Lease):
             # The release may or may not have run (or may have hit NOSCRIPT and never been
             # retried): send another behind it, which the caller no longer waits for.
             self._token = b""
-            self._cache._release_in_background([self._name], [token])
+            self._release_later([self._name], [token])
             raise
         self._token = b""
         return released

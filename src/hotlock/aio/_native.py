@@ -15,11 +15,11 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .._backend import ServerConfig, cache_error
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._config import ServerConfig, cache_error
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._backend import retry_until, unconfirmed
+from ._retry import retry_until, unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
@@ -293,7 +293,7 @@ class NativeAsyncBackend:
         results = [int(r) for r in replies]
         if int(confirmed) >= config.wait_replicas:
             return results
-        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             with contextlib.suppress(CacheError):
