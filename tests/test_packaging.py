@@ -177,7 +177,8 @@ def round_trip(venv_python: Path, url: str, workdir: Path, *, hide: list[str] | 
     if hide is not None:
         cmd = hidden(hide, cmd)
     out = run(cmd, env=clean_env(), cwd=workdir)
-    result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    # The JSON line, wherever a log line on stderr may have landed around it.
+    result: dict[str, object] = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
     return result
 
 
