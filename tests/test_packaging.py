@@ -365,6 +365,12 @@ def test_wheel_runs_native_where_the_system_libhiredis_cannot_load(
     bundled = os.path.realpath(libs) + "/libhiredis-"
     assert all(os.path.realpath(m).startswith(bundled) for m in mapped), f"libhiredis mapped from {mapped}"
 
+    # The console script from the wheel's entry points, in the same environment.
+    cli = str(venv.parent / "hotlock")
+    assert run(hidden(hide, [cli, "--version"]), env=clean_env()).split() == ["hotlock", pyproject_version()]
+    listed = run(hidden(hide, [cli, "--url", redis_url, "locks", "--json"]), env=clean_env())
+    assert "[]" in listed.splitlines(), listed  # every lock of the round trip was released
+
 
 def test_sdist_ships_the_sources_and_no_generated_c(dist: Dist) -> None:
     version = pyproject_version()
