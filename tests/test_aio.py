@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class Aio:
     cluster_side: redis.cluster.RedisCluster | None = None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if sys.version_info < (3, 11):
+            # No asyncio.Runner before 3.11; asyncio.run and uvloop.run do the same work there
+            # (a fresh loop, the leftover tasks cancelled, the loop closed).
+            return uvloop.run(coro) if self.loop == "uvloop" else asyncio.run(coro)
         factory = uvloop.new_event_loop if self.loop == "uvloop" else None
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(coro)

@@ -40,7 +40,25 @@ __all__ = [
     "with_lock",
 ]
 
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    __version__: str
+else:
+
+    def __getattr__(name: str) -> str:
+        # The version is written once, in pyproject.toml, and read back from the installed
+        # metadata on first use: importlib.metadata would cost `import hotlock` about as much
+        # as hotlock itself. (Hidden from type checkers, which would otherwise take every
+        # misspelt hotlock.name for a str.)
+        if name == "__version__":
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                return version("hotlock")
+            except PackageNotFoundError:
+                raise AttributeError("hotlock.__version__: hotlock is not installed (pip install -e .)") from None
+        raise AttributeError(f"module 'hotlock' has no attribute {name!r}")
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
