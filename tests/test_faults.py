@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import redis
@@ -24,10 +25,13 @@ from redis.retry import Retry
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
+from hotlock._keys import stored as stored_key
 from hotlock.aio._backend import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy
+
+T = TypeVar("T")
 
 # A short reply timeout keeps every lost-reply test fast; it is what each fault costs.
 REPLY_TIMEOUT = 0.5
@@ -563,3 +567,202 @@ def test_async_restart_without_persistence_mid_hold(aio_backend: str, own_server
             await cache.close()
 
     asyncio.run(main())
+
+
+# -- a lost handshake reply (issue 9) -------------------------------------------------
+#
+# A fresh connection's first round trip is its handshake (native: AUTH, SELECT and the
+# script loads in one write; redis-py: AUTH and SELECT). Nothing of the call has been sent
+# yet, so a lost handshake reply is retried once, within the call's time budget, for every
+# operation, idempotent or not. The proxy here names db 1, so redis-py has a handshake too.
+#
+# The operation's own reply is another matter. acquire (same token), release and the
+# batches of both are safe to send twice and are resent; INCRBY and SET NX are not (a
+# resent INCRBY counts twice, a resent SET NX answers "not set" for a value this call
+# set), so their own lost reply is a CacheError the caller must treat as "maybe ran";
+# extend's own lost reply is a CacheError too (the caller retries while valid_for() lasts).
+
+HANDSHAKE_DB = 1
+
+
+@pytest.fixture
+def hproxy(redis_server: RedisServer, redis_url: str) -> Iterator[FaultProxy]:
+    """A proxy whose url selects HANDSHAKE_DB, so every backend's fresh connection has a handshake."""
+    with FaultProxy(redis_server.port, db=HANDSHAKE_DB) as p:
+        yield p
+
+
+@pytest.fixture
+def side(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A plain client on HANDSHAKE_DB, to look at what the server holds."""
+    client = redis.Redis(port=redis_server.port, db=HANDSHAKE_DB, socket_timeout=5)
+    yield client
+    client.close()
+
+
+ONCE = b"hotlock:once:"
+COUNT = b"hotlock:count:"
+
+
+def fresh_thread(proxy: FaultProxy, call: Callable[[], T]) -> T:
+    """Run ``call`` on a connection opened for it, with that connection's first reply lost.
+
+    A new thread has no native connection yet; the reset kills the pooled redis-py ones, so
+    redis-py opens a new one too. Returns what ``call`` returned (or raises what it raised)."""
+    proxy.reset()
+    connections = proxy.connections
+    proxy.drop_replies(1)
+    out, elapsed = in_new_thread(call)
+    assert proxy.dropped_replies == 1, "the handshake's reply was not the one dropped"
+    assert proxy.connections > connections
+    if isinstance(out, BaseException):
+        raise out
+    # One reply timeout for the lost handshake, then the retry: never more than the budget.
+    assert elapsed < 2 * REPLY_TIMEOUT + 0.3, elapsed
+    return out
+
+
+def in_new_thread(call: Callable[[], T]) -> tuple[T | BaseException, float]:
+    """What ``call`` returned or raised in a thread of its own, and how long it took."""
+    out: list[T | BaseException] = []
+
+    def body() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:
+            out.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(30)
+    assert out, "the call did not return within 30 s"
+    return out[0], time.monotonic() - started
+
+
+@pytest.fixture
+def hcache(redis_backend: str, hproxy: FaultProxy) -> Iterator[hotlock.Cache]:
+    c = open_cache(redis_backend, hproxy.url, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT)
+    yield c
+    hproxy.clear()
+    c.close()
+
+
+def test_lost_handshake_reply_acquire(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = fresh_thread(hproxy, lambda: hcache.lock("hs-acquire", ttl=10))
+    assert side.exists(lock_name(b"hs-acquire")) == 1
+    assert lock.unlock() is True
+    assert side.exists(lock_name(b"hs-acquire")) == 0
+
+
+def test_lost_handshake_reply_lock_wait_free(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = fresh_thread(hproxy, lambda: hcache.lock_wait("hs-wait", ttl=10, wait=1.0))
+    assert side.exists(lock_name(b"hs-wait")) == 1
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_lock_wait_then_polls_until_the_holder_expires(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    # The first attempt's handshake is lost and retried; the attempt finds the key held, and
+    # the wait goes on polling on the new connection until the holder's TTL runs out.
+    hcache.lock("hs-wait-held", ttl=0.3)
+    lock = fresh_thread(hproxy, lambda: hcache.lock_wait("hs-wait-held", ttl=10, wait=1.0))
+    assert side.exists(lock_name(b"hs-wait-held")) == 1
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_release(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = hcache.lock("hs-release", ttl=10)
+    assert fresh_thread(hproxy, lock.unlock) is True
+    assert side.exists(lock_name(b"hs-release")) == 0
+
+
+def test_lost_handshake_reply_extend(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = hcache.lock("hs-extend", ttl=10)
+    fresh_thread(hproxy, lambda: lock.extend(60))
+    assert 59_000 < side.pttl(lock_name(b"hs-extend")) <= 60_000
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_lock_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    hcache.lock("hs-many-b", ttl=10)  # held elsewhere: that slot is None
+    locks = fresh_thread(hproxy, lambda: hcache.lock_many(["hs-many-a", "hs-many-b", "hs-many-c"], ttl=10))
+    assert [lock is not None for lock in locks] == [True, False, True]
+    assert side.exists(lock_name(b"hs-many-a"), lock_name(b"hs-many-c")) == 2
+    assert hcache.unlock_many([lock for lock in locks if lock is not None]) == [True, True]
+
+
+def test_lost_handshake_reply_extend_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    locks = [hcache.lock(f"hs-xmany-{i}", ttl=10) for i in range(2)]
+    assert fresh_thread(hproxy, lambda: hcache.extend_many(locks, 60)) == [True, True]
+    assert all(59_000 < side.pttl(lock_name(f"hs-xmany-{i}".encode())) <= 60_000 for i in range(2))
+
+
+def test_lost_handshake_reply_unlock_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    locks = [hcache.lock(f"hs-umany-{i}", ttl=10) for i in range(2)]
+    assert fresh_thread(hproxy, lambda: hcache.unlock_many(locks)) == [True, True]
+    assert side.exists(*(lock_name(f"hs-umany-{i}".encode()) for i in range(2))) == 0
+
+
+def test_lost_handshake_reply_set_nx_sets_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    before = commandstat(redis_server, "set")
+    assert fresh_thread(hproxy, lambda: hcache.set_nx("hs-once", "v1", ttl=60)) is True
+    assert commandstat(redis_server, "set") - before == 1  # sent once: the handshake was what was retried
+    assert hcache.set_nx("hs-once", "v2", ttl=60) is False
+    assert side.get(stored_key(ONCE, b"hs-once")) == b"v1"
+
+
+def test_lost_handshake_reply_incr_counts_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    before = commandstat(redis_server, "incrby")
+    assert fresh_thread(hproxy, lambda: hcache.incr("hs-count", 5)) == 5
+    assert commandstat(redis_server, "incrby") - before == 1
+    assert side.get(stored_key(COUNT, b"hs-count")) == b"5"
+
+
+def test_lost_incr_reply_is_a_cache_error_that_counted_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    """INCRBY's own reply lost: never resent (that would count twice); the caller hears CacheError."""
+    assert hcache.incr("hs-lost-incr") == 1  # the connection is open and warm
+    before = commandstat(redis_server, "incrby")
+    hproxy.drop_replies(1)
+    with pytest.raises(CacheError, match="incr"):
+        hcache.incr("hs-lost-incr")
+    assert commandstat(redis_server, "incrby") - before == 1
+    assert side.get(stored_key(COUNT, b"hs-lost-incr")) == b"2"
+    assert hcache.incr("hs-lost-incr") == 3
+
+
+def test_lost_set_nx_reply_is_a_cache_error_not_a_false(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    """SET NX's own reply lost: a resend would answer False for the value this call set."""
+    assert hcache.set_nx("hs-warm", "1", ttl=60) is True
+    before = commandstat(redis_server, "set")
+    hproxy.drop_replies(1)
+    with pytest.raises(CacheError, match="set_nx"):
+        hcache.set_nx("hs-lost-once", "mine", ttl=60)
+    assert commandstat(redis_server, "set") - before == 1
+    assert side.get(stored_key(ONCE, b"hs-lost-once")) == b"mine"
+
+
+def test_blackholed_handshake_costs_the_call_budget(hcache: hotlock.Cache, hproxy: FaultProxy) -> None:
+    """A server that accepts but never answers: a fresh connection's call ends in CacheError
+    within two reply timeouts (the handshake and its one retry), lock_wait within
+    max(wait, one reply timeout) plus one reply timeout."""
+    hproxy.reset()
+    hproxy.blackhole(True)
+    calls: list[tuple[Callable[[], object], float]] = [
+        (lambda: hcache.lock("hs-bh", ttl=5), 2 * REPLY_TIMEOUT),
+        (lambda: hcache.incr("hs-bh"), 2 * REPLY_TIMEOUT),
+        (lambda: hcache.lock_wait("hs-bh", ttl=5, wait=1.5), 1.5 + REPLY_TIMEOUT),
+    ]
+    for call, budget in calls:
+        out, elapsed = in_new_thread(call)
+        assert isinstance(out, CacheError) and not isinstance(out, LockNotAcquired), out
+        assert elapsed < budget + 0.3, elapsed

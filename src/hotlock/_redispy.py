@@ -35,6 +35,11 @@ T = TypeVar("T")
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
+class _NotSent(RedisConnectionError):
+    """Getting a connection failed (its connect, or its handshake's reply lost): nothing of
+    the call was written, so trying once more is safe for any command."""
+
+
 class _PrimaryConnection(redis.Connection):
     """A connection to whichever primary the sentinels name at the moment it connects."""
 
@@ -128,7 +133,11 @@ class RedisPyBackend:
             # A failover: connections to the replaced primary must not take another write.
             self._epoch = self._watch.epoch
             pool.disconnect()
-        conn = pool.get_connection()
+        try:
+            # A fresh connection sends its handshake (AUTH, SELECT) here.
+            conn = pool.get_connection()
+        except _AMBIGUOUS as exc:
+            raise _NotSent(str(exc) or type(exc).__name__) from exc
         complete = False
         try:
             conn.send_packed_command(conn.pack_commands(commands))
@@ -169,19 +178,28 @@ class RedisPyBackend:
         return replies
 
     def _call(
-        self, what: str, key: bytes | None, fn: Callable[[float | None], T], retry_until: float | None = None
+        self,
+        what: str,
+        key: bytes | None,
+        fn: Callable[[float | None], T],
+        resend: bool = False,
+        retry_until: float | None = None,
     ) -> T:
         """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
 
-        With ``retry_until`` (a time.monotonic()), a lost reply is followed by one more try
-        as it was (same token: the scripts count "already my token" as success, and a
-        release that ran finds nothing to do), sharing whatever time is left until then.
+        The lost-reply rule (DESIGN §4, §6), as in the native client: one more try, sharing
+        whatever time is left until ``retry_until`` (a time.monotonic(); by default the
+        budget of a call that does not wait), after a lost handshake reply or a failed
+        connect (nothing of the call was sent: any call), or after a lost reply to the call
+        itself when ``resend`` (same token: the scripts count "already my token" as
+        success, and a release that ran finds nothing to do; never INCRBY or SET NX).
         """
         try:
             return fn(None)
         except _AMBIGUOUS as exc:
-            left = 0.0 if retry_until is None else min(self._timeout, retry_until - time.monotonic())
-            if left < 0.001:
+            until = self._retry_until() if retry_until is None else retry_until
+            left = min(self._timeout, until - time.monotonic())
+            if left < 0.001 or not (resend or isinstance(exc, _NotSent)):
                 raise self._error(what, key, exc) from exc
             try:
                 return fn(left)
@@ -228,7 +246,8 @@ class RedisPyBackend:
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+            # Loading twice changes nothing: a lost reply is resent.
+            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -237,7 +256,7 @@ class RedisPyBackend:
 
     def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float) -> int:
         replies = self._call(
-            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), retry_until
+            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
         )
         return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
@@ -247,13 +266,13 @@ class RedisPyBackend:
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), self._retry_until())
+        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
         return self._confirmed(
             "acquire_many", keys, tokens, [int(r) for r in replies[: len(keys)]], replies[len(keys) :]
         )
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         return bool(self._call("extend", key, lambda t: self._scripts(EXTEND, [(key, token, b"%d" % ttl_ms)], t))[0])
 
     def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
@@ -263,20 +282,26 @@ class RedisPyBackend:
     def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
-        return bool(
-            self._call("release", key, lambda t: self._scripts(RELEASE, [(key, token)], t), self._retry_until())[0]
-        )
+        return bool(self._call("release", key, lambda t: self._scripts(RELEASE, [(key, token)], t), True)[0])
 
     def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
+        replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), True)
         return [bool(r) for r in replies]
 
+    # Through _send, so a lost handshake is told apart from a lost reply to the command,
+    # which is never sent twice.
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return bool(self._call("set_nx", key, lambda _t: self._redis.set(key, value, nx=True, px=ttl_ms)))
+        return self._call("set_nx", key, lambda _t: self._one(("SET", key, value, "NX", "PX", ttl_ms))) is not None
 
     def incr(self, key: bytes, amount: int) -> int:
-        return int(self._call("incr", key, lambda _t: self._redis.incrby(key, amount)))
+        return int(self._call("incr", key, lambda _t: self._one(("INCRBY", key, amount))))
+
+    def _one(self, command: tuple[Any, ...]) -> Any:
+        (reply,) = self._send([command])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def info(self) -> dict[str, str] | None:
         try:
@@ -297,6 +322,8 @@ _ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() 
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _NotSent) and exc.__cause__ is not None:
+        return _describe(exc.__cause__)
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
     if isinstance(exc, ResponseError):
