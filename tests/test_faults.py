@@ -14,11 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import redis
+import uvloop
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -610,10 +611,10 @@ def fresh_thread(proxy: FaultProxy, call: Callable[[], T]) -> T:
     A new thread has no native connection yet; the reset kills the pooled redis-py ones, so
     redis-py opens a new one too. Returns what ``call`` returned (or raises what it raised)."""
     proxy.reset()
-    connections = proxy.connections
+    connections, dropped = proxy.connections, proxy.dropped_replies
     proxy.drop_replies(1)
     out, elapsed = in_new_thread(call)
-    assert proxy.dropped_replies == 1, "the handshake's reply was not the one dropped"
+    assert proxy.dropped_replies - dropped == 1, "the handshake's reply was not the one dropped"
     assert proxy.connections > connections
     if isinstance(out, BaseException):
         raise out
@@ -766,3 +767,226 @@ def test_blackholed_handshake_costs_the_call_budget(hcache: hotlock.Cache, hprox
         out, elapsed = in_new_thread(call)
         assert isinstance(out, CacheError) and not isinstance(out, LockNotAcquired), out
         assert elapsed < budget + 0.3, elapsed
+
+
+# -- a lost handshake reply, async (issue 9) ------------------------------------------
+#
+# The same rule on hotlock.aio: a connection opened for a call (here: after a reset broke
+# the previous one) loses its handshake's reply; the call retries within its budget.
+
+AIO_LOOPS = ["asyncio", "uvloop"]
+
+Fresh = Callable[[Callable[[], Awaitable[T]]], Awaitable[T]]
+
+
+@pytest.fixture(params=AIO_LOOPS)
+def aio_loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def run_on(loop: str, coro: Coroutine[Any, Any, T]) -> T:
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def run_handshake_case(
+    backend: str,
+    loop: str,
+    proxy: FaultProxy,
+    body: Callable[[hotlock.aio.AsyncCache, Fresh[Any]], Awaitable[None]],
+) -> None:
+    """Run ``body(cache, fresh)``: ``await fresh(call)`` runs ``call`` on a new connection
+    whose first reply (its handshake's) is lost, and returns what it returned."""
+
+    async def fresh(call: Callable[[], Awaitable[T]]) -> T:
+        proxy.reset()
+        await asyncio.sleep(0.1)  # the loop sees the connections reset before the call
+        connections, dropped = proxy.connections, proxy.dropped_replies
+        proxy.drop_replies(1)
+        started = time.monotonic()
+        result = await call()
+        elapsed = time.monotonic() - started
+        assert proxy.dropped_replies - dropped == 1, "the handshake's reply was not the one dropped"
+        assert proxy.connections > connections
+        assert elapsed < 2 * REPLY_TIMEOUT + 0.3, elapsed
+        return result
+
+    async def main() -> None:
+        cache = await hotlock.aio.connect(
+            proxy.url, backend=backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            await body(cache, fresh)
+        finally:
+            proxy.clear()
+            await cache.close()
+
+    run_on(loop, main())
+
+
+def test_async_lost_handshake_reply_acquire(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await fresh(lambda: cache.lock("ahs-acquire", ttl=10))
+        assert side.exists(lock_name(b"ahs-acquire")) == 1
+        assert await lock.unlock() is True
+        assert side.exists(lock_name(b"ahs-acquire")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_lock_wait(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await fresh(lambda: cache.lock_wait("ahs-wait", ttl=10, wait=1.0))
+        assert side.exists(lock_name(b"ahs-wait")) == 1
+        assert await lock.unlock() is True
+        # Held by another with a short TTL: the retried first attempt finds it held, and
+        # the wait goes on polling until the holder expires.
+        await cache.lock("ahs-wait-held", ttl=0.3)
+        lock = await fresh(lambda: cache.lock_wait("ahs-wait-held", ttl=10, wait=1.0))
+        assert side.exists(lock_name(b"ahs-wait-held")) == 1
+        assert await lock.unlock() is True
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_release_and_extend(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await cache.lock("ahs-lock", ttl=10)
+        await fresh(lambda: lock.extend(60))
+        assert 59_000 < side.pttl(lock_name(b"ahs-lock")) <= 60_000
+        assert await fresh(lock.unlock) is True
+        assert side.exists(lock_name(b"ahs-lock")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_batches(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        await cache.lock("ahs-many-b", ttl=10)  # held elsewhere: that slot is None
+        names = ["ahs-many-a", "ahs-many-b", "ahs-many-c"]
+        got = await fresh(lambda: cache.lock_many(names, ttl=10))
+        assert [lock is not None for lock in got] == [True, False, True]
+        locks = [lock for lock in got if lock is not None]
+        assert await fresh(lambda: cache.extend_many(locks, 60)) == [True, True]
+        assert all(59_000 < side.pttl(lock_name(n.encode())) <= 60_000 for n in ("ahs-many-a", "ahs-many-c"))
+        assert await fresh(lambda: cache.unlock_many(locks)) == [True, True]
+        assert side.exists(lock_name(b"ahs-many-a"), lock_name(b"ahs-many-c")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_set_nx_and_incr_run_once(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        sets, incrs = commandstat(redis_server, "set"), commandstat(redis_server, "incrby")
+        assert await fresh(lambda: cache.set_nx("ahs-once", "v1", ttl=60)) is True
+        assert await fresh(lambda: cache.incr("ahs-count", 5)) == 5
+        assert commandstat(redis_server, "set") - sets == 1
+        assert commandstat(redis_server, "incrby") - incrs == 1
+        assert await cache.set_nx("ahs-once", "v2", ttl=60) is False
+        assert side.get(stored_key(ONCE, b"ahs-once")) == b"v1"
+        assert side.get(stored_key(COUNT, b"ahs-count")) == b"5"
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_incr_and_set_nx_replies_are_cache_errors_that_ran_once(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    async def main() -> None:
+        cache = await hotlock.aio.connect(hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT)
+        try:
+            assert await cache.incr("ahs-lost-incr") == 1
+            incrs = commandstat(redis_server, "incrby")
+            hproxy.drop_replies(1)
+            with pytest.raises(CacheError, match="incr"):
+                await cache.incr("ahs-lost-incr")
+            # The lost reply cost that connection: open the next one before losing a reply again.
+            await (await cache.lock("ahs-rewarm", ttl=5)).unlock()
+            sets = commandstat(redis_server, "set")  # after the acquire script's own SET
+            hproxy.drop_replies(1)
+            with pytest.raises(CacheError, match="set_nx"):
+                await cache.set_nx("ahs-lost-once", "mine", ttl=60)
+            assert commandstat(redis_server, "incrby") - incrs == 1
+            assert commandstat(redis_server, "set") - sets == 1
+            assert side.get(stored_key(COUNT, b"ahs-lost-incr")) == b"2"
+            assert side.get(stored_key(ONCE, b"ahs-lost-once")) == b"mine"
+            assert await cache.incr("ahs-lost-incr") == 3
+        finally:
+            hproxy.clear()
+            await cache.close()
+
+    run_on(aio_loop, main())
+
+
+def test_async_connect_retries_a_lost_handshake_reply(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    """connect()'s own first round trip follows the rule too."""
+
+    async def main() -> None:
+        hproxy.drop_replies(1)
+        started = time.monotonic()
+        cache = await hotlock.aio.connect(
+            hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            assert hproxy.dropped_replies == 1
+            assert time.monotonic() - started < 2 * REPLY_TIMEOUT + 0.3
+            lock = await cache.lock("ahs-connect", ttl=10)
+            assert side.exists(lock_name(b"ahs-connect")) == 1
+            assert await lock.unlock() is True
+        finally:
+            await cache.close()
+
+    run_on(aio_loop, main())
+
+
+def test_connect_retries_a_lost_handshake_reply(redis_backend: str, hproxy: FaultProxy, side: redis.Redis) -> None:
+    hproxy.drop_replies(1)
+    started = time.monotonic()
+    cache = open_cache(redis_backend, hproxy.url, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT)
+    try:
+        assert hproxy.dropped_replies == 1
+        assert time.monotonic() - started < 2 * REPLY_TIMEOUT + 0.3
+        assert cache.lock("hs-connect", ttl=10).unlock() is True
+    finally:
+        cache.close()
+
+
+def test_async_blackholed_handshake_costs_the_call_budget(aio_backend: str, aio_loop: str, hproxy: FaultProxy) -> None:
+    async def main() -> None:
+        cache = await hotlock.aio.connect(
+            hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            hproxy.reset()
+            await asyncio.sleep(0.1)
+            hproxy.blackhole(True)
+            calls: list[tuple[Callable[[], Awaitable[object]], float]] = [
+                (lambda: cache.lock("ahs-bh", ttl=5), 2 * REPLY_TIMEOUT),
+                (lambda: cache.incr("ahs-bh"), 2 * REPLY_TIMEOUT),
+                (lambda: cache.lock_wait("ahs-bh", ttl=5, wait=1.5), 1.5 + REPLY_TIMEOUT),
+            ]
+            for call, budget in calls:
+                started = time.monotonic()
+                with pytest.raises(CacheError) as info:
+                    await call()
+                assert not isinstance(info.value, LockNotAcquired)
+                elapsed = time.monotonic() - started
+                assert elapsed < budget + 0.3, elapsed
+        finally:
+            hproxy.clear()
+            await cache.close()
+
+    run_on(aio_loop, main())

@@ -35,9 +35,18 @@ T = TypeVar("T")
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-class _NotSent(RedisConnectionError):
-    """Getting a connection failed (its connect, or its handshake's reply lost): nothing of
-    the call was written, so trying once more is safe for any command."""
+class HandshakeLost(RedisConnectionError):
+    """A new connection's handshake (AUTH, SELECT) lost its reply: nothing of the call was
+    sent, so one more try is safe for any command. Shared with aio/_redispy."""
+
+
+def _handshake(conn: Any) -> None:
+    """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
+    reply to the call's command."""
+    try:
+        conn.on_connect()
+    except _AMBIGUOUS as exc:
+        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
 
 
 class _PrimaryConnection(redis.Connection):
@@ -90,6 +99,7 @@ class RedisPyBackend:
             # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
             # (and an ACL permission) that would also eat into a lost-reply retry's budget.
             "protocol": 2,
+            "redis_connect_func": _handshake,
         }
         # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
         # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
@@ -133,11 +143,7 @@ class RedisPyBackend:
             # A failover: connections to the replaced primary must not take another write.
             self._epoch = self._watch.epoch
             pool.disconnect()
-        try:
-            # A fresh connection sends its handshake (AUTH, SELECT) here.
-            conn = pool.get_connection()
-        except _AMBIGUOUS as exc:
-            raise _NotSent(str(exc) or type(exc).__name__) from exc
+        conn = pool.get_connection()
         complete = False
         try:
             conn.send_packed_command(conn.pack_commands(commands))
@@ -189,17 +195,18 @@ class RedisPyBackend:
 
         The lost-reply rule (DESIGN §4, §6), as in the native client: one more try, sharing
         whatever time is left until ``retry_until`` (a time.monotonic(); by default the
-        budget of a call that does not wait), after a lost handshake reply or a failed
-        connect (nothing of the call was sent: any call), or after a lost reply to the call
-        itself when ``resend`` (same token: the scripts count "already my token" as
-        success, and a release that ran finds nothing to do; never INCRBY or SET NX).
+        budget of a call that does not wait), after a lost handshake reply (nothing of the
+        call was sent: any call), or after a lost reply to the call itself when ``resend``
+        (same token: the scripts count "already my token" as success, and a release that
+        ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
+        resent SET NX answers "not set" for the value this call set).
         """
         try:
             return fn(None)
         except _AMBIGUOUS as exc:
             until = self._retry_until() if retry_until is None else retry_until
             left = min(self._timeout, until - time.monotonic())
-            if left < 0.001 or not (resend or isinstance(exc, _NotSent)):
+            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)):
                 raise self._error(what, key, exc) from exc
             try:
                 return fn(left)
@@ -289,19 +296,11 @@ class RedisPyBackend:
         replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), True)
         return [bool(r) for r in replies]
 
-    # Through _send, so a lost handshake is told apart from a lost reply to the command,
-    # which is never sent twice.
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return self._call("set_nx", key, lambda _t: self._one(("SET", key, value, "NX", "PX", ttl_ms))) is not None
+        return bool(self._call("set_nx", key, lambda _t: self._redis.set(key, value, nx=True, px=ttl_ms)))
 
     def incr(self, key: bytes, amount: int) -> int:
-        return int(self._call("incr", key, lambda _t: self._one(("INCRBY", key, amount))))
-
-    def _one(self, command: tuple[Any, ...]) -> Any:
-        (reply,) = self._send([command])
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+        return int(self._call("incr", key, lambda _t: self._redis.incrby(key, amount)))
 
     def info(self) -> dict[str, str] | None:
         try:
@@ -322,8 +321,6 @@ _ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() 
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _NotSent) and exc.__cause__ is not None:
-        return _describe(exc.__cause__)
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
     if isinstance(exc, ResponseError):

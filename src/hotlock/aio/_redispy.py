@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError
@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, cache_error
-from .._redispy import _describe
+from .._redispy import HandshakeLost, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -35,6 +35,16 @@ T = TypeVar("T")
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
+
+async def _handshake(conn: Connection) -> None:
+    """redis.asyncio's own handshake (redis_connect_func), its lost reply told apart from a
+    lost reply to the call's command, as in the sync backend."""
+    try:
+        await conn.on_connect()
+    except _AMBIGUOUS as exc:
+        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
+
+
 # redis.asyncio opens a connection per concurrent command unless the pool is bounded;
 # thousands of tasks would otherwise mean thousands of sockets (and Redis's maxclients).
 # Tasks beyond this queue for a free connection with no time limit of their own: the
@@ -45,7 +55,35 @@ _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 MAX_CONNECTIONS = 128
 
 
-class _PrimaryConnection(Connection):
+def _reset_by_peer(conn: AbstractConnection) -> bool:
+    """Whether the peer reset this pooled connection while it sat idle.
+
+    redis.asyncio checks a pooled connection only for EOF and unread data, and a reset is
+    neither (the stream holds the error instead): the next write fails (on uvloop as a
+    RuntimeError, not even a ConnectionError) and costs the call its one retry. Reported
+    as "not ready", the pool reconnects before sending, as the native client does."""
+    reader, writer = conn._reader, conn._writer
+    if reader is not None and reader.exception() is not None:
+        return True
+    return writer is not None and writer.transport.is_closing()
+
+
+class _Connection(Connection):
+    async def can_read(self) -> bool:
+        return _reset_by_peer(self) or await super().can_read()
+
+
+class _SSLConnection(SSLConnection):
+    async def can_read(self) -> bool:
+        return _reset_by_peer(self) or await super().can_read()
+
+
+class _UnixConnection(UnixDomainSocketConnection):
+    async def can_read(self) -> bool:
+        return _reset_by_peer(self) or await super().can_read()
+
+
+class _PrimaryConnection(_Connection):
     """A connection to whichever primary the sentinels name at the moment it connects."""
 
     def __init__(self, *, primary: PrimaryWatch, **kwargs: Any) -> None:
@@ -73,6 +111,7 @@ class RedisAsyncBackend:
             "retry": Retry(NoBackoff(), 0),
             # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
             "protocol": 2,
+            "redis_connect_func": _handshake,
         }
         # As in the sync backend: no CLIENT SETINFO round trip on every connect.
         if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
@@ -86,7 +125,7 @@ class RedisAsyncBackend:
         self._watch: PrimaryWatch | None = None
         self._epoch = 0
         if config.unix_path is not None:
-            connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
+            connection_class, kwargs["path"] = _UnixConnection, config.unix_path
         elif config.sentinels:
             # As in sync: every connection asks the sentinels for the primary when it
             # connects (ServerConfig.primary, not redis.asyncio.sentinel, which can hand
@@ -96,7 +135,7 @@ class RedisAsyncBackend:
             connection_class = _PrimaryConnection
             kwargs.update(primary=self._watch, socket_keepalive=True)
         else:
-            connection_class = SSLConnection if config.tls else Connection
+            connection_class = _SSLConnection if config.tls else _Connection
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
         pool = aioredis.BlockingConnectionPool(
             max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
@@ -125,23 +164,24 @@ class RedisAsyncBackend:
         retry_lost_reply: bool = False,
         until: float | None = None,
     ) -> T:
-        """Run ``fn`` and turn every failure into CacheError. With ``retry_lost_reply``, a
-        lost reply is followed by one more try, which ends by ``until`` (loop time) when
-        given, else within one more reply timeout."""
+        """Run ``fn`` and turn every failure into CacheError, under the lost-reply rule
+        (DESIGN §4, §6), as in the sync backend: one more try, which ends by ``until`` (loop
+        time) when given, else within one more reply timeout, after a lost handshake reply
+        (nothing of the call was sent: any call), or after a lost reply to the call itself
+        with ``retry_lost_reply`` (same token: the acquire script counts "already my token"
+        as success; never INCRBY or SET NX, which would count twice or answer "not set")."""
         if self._watch is not None:
             await self._follow_primary()
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not retry_lost_reply:
+            if not (retry_lost_reply or isinstance(exc, HandshakeLost)):
                 raise await self._error(what, key, exc) from exc
-            # The reply was lost and the command may have run: send it once more as it was
-            # (same token; the acquire script counts "already my token" as success).
-            left = None if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
-            if left is not None and left < 0.001:
+            left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
+            if left < 0.001:
                 raise await self._error(what, key, exc) from exc
             try:
-                return await (fn() if left is None else asyncio.wait_for(fn(), left))
+                return await asyncio.wait_for(fn(), left)
             except TimeoutError as again:  # the retry's own time ran out (wait_for)
                 raise await self._error(f"{what} (retried after a lost reply)", key, RedisTimeoutError()) from again
             except (RedisError, OSError) as again:
