@@ -55,8 +55,9 @@ class CacheBase(Generic[L]):
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
 
-    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
-        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
+    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None) -> LockNotAcquired:
+        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), or 0 if unknown."""
+        held = "held elsewhere" if result == 0 else f"held elsewhere for up to {-result / 1000:.3f} s more"
         after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
         return LockNotAcquired(
             f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
@@ -99,9 +100,9 @@ class Cache(CacheBase[Lock]):
         token = new_token()
         sent = time.monotonic()
         result = self._backend.acquire(name, token, ms)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, None)
-        return Lock(self._backend, key, name, token, ms, sent)
+        return Lock(self._backend, key, name, token, result, ms, sent)
 
     def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
@@ -114,9 +115,9 @@ class Cache(CacheBase[Lock]):
         wait_for = wait_ms(wait)
         token = new_token()
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, wait_for)
-        return Lock(self._backend, key, name, token, ms, sent)
+        return Lock(self._backend, key, name, token, result, ms, sent)
 
     def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Acquire once, run ``fn(*args, **kwargs)``, release however it ends; return its result."""
@@ -136,7 +137,7 @@ class Cache(CacheBase[Lock]):
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
         return [
-            None if result else Lock(self._backend, key, name, token, ms, sent)
+            Lock(self._backend, key, name, token, result, ms, sent) if result > 0 else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
 
