@@ -209,7 +209,8 @@ class RedisAsyncBackend:
 
     async def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            await self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+            # Loading twice changes nothing: a lost reply is resent.
+            await self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
 
     async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
         try:
