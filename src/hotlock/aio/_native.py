@@ -19,7 +19,7 @@ from .._config import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import retry_until, unconfirmed
+from ._retry import info_fields, retry_until, unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
@@ -334,12 +334,7 @@ class NativeAsyncBackend:
             if str(reply).startswith("NOPERM"):
                 return None
             raise self._refused("INFO", None, reply)
-        fields: dict[str, str] = {}
-        for line in bytes(reply).decode("utf-8", "replace").splitlines():
-            name, sep, value = line.partition(":")
-            if sep and not line.startswith("#"):
-                fields[name] = value
-        return fields
+        return info_fields(bytes(reply))
 
     async def close(self) -> None:
         if self._connecting is not None:

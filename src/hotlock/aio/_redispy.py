@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -27,7 +28,7 @@ from .._redispy import HandshakeLost, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import retry_until, unconfirmed
+from ._retry import info_fields, retry_until, unconfirmed
 
 __all__ = ["RedisAsyncBackend"]
 
@@ -46,13 +47,9 @@ async def _handshake(conn: Connection) -> None:
         raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
 
 
-# redis.asyncio opens a connection per concurrent command unless the pool is bounded;
-# thousands of tasks would otherwise mean thousands of sockets (and Redis's maxclients).
-# Tasks beyond this queue for a free connection with no time limit of their own: the
-# queue moves as fast as the commands ahead of it, each bounded by the reply timeout, and
-# a long local queue is not a server failure to report as CacheError.
-# 128 keeps a hundred concurrent tasks out of the queue (its wake-ups cost more than the
-# commands) while bounding what one process asks of Redis.
+# A connection per concurrent command, up to a bound: thousands of tasks would otherwise
+# mean thousands of sockets (and Redis's maxclients). 128 keeps a hundred concurrent
+# tasks out of the queue while bounding what one process asks of Redis.
 MAX_CONNECTIONS = 128
 
 
@@ -69,22 +66,71 @@ def _reset_by_peer(conn: AbstractConnection) -> bool:
     return writer is not None and writer.transport.is_closing()
 
 
-class _Connection(Connection):
-    async def can_read(self) -> bool:
-        return _reset_by_peer(self) or await super().can_read()
+class _Pool:
+    """The backend's connections: idle ones reused last in, first out; callers beyond the
+    limit queued first in, first out, a released connection handed straight to the next.
+
+    Not redis.asyncio's BlockingConnectionPool: it takes a Condition, a timeout context and
+    metric hooks on every get and every release, which at 1000 tasks cost more client CPU
+    than the commands themselves (bench/profile_notes.md). Callers queue with no time limit
+    of their own: the queue moves as fast as the commands ahead, each bounded by the reply
+    timeout, and a long local queue is not a server failure to report as CacheError."""
+
+    def __init__(self, make: Callable[[], Any], limit: int) -> None:
+        self._make = make
+        self._limit = limit
+        self._all: list[Any] = []
+        self._idle: list[Any] = []
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+
+    async def get(self) -> Any:
+        """A connection, connected (a new one has sent its handshake) and in step."""
+        if self._idle:
+            conn = self._idle.pop()
+        elif len(self._all) < self._limit:
+            conn = self._make()
+            self._all.append(conn)
+        else:
+            waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                conn = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.put(waiter.result())  # handed over as we were cancelled: pass it on
+                raise
+        try:
+            if conn.is_connected and await self._stale(conn):
+                await conn.disconnect(nowait=True)
+            await conn.connect()  # nothing to do when connected
+        except BaseException:
+            self.put(conn)
+            raise
+        return conn
+
+    @staticmethod
+    async def _stale(conn: Any) -> bool:
+        # Closed or reset by the server while idle, or holding data nobody asked for: not
+        # reused as it is (redis.asyncio's own pool misses the reset).
+        try:
+            return _reset_by_peer(conn) or bool(await conn.can_read())
+        except (RedisConnectionError, OSError):
+            return True
+
+    def put(self, conn: Any) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    async def disconnect(self) -> None:
+        """Close every connection, in use or idle; each reconnects when next used."""
+        await asyncio.gather(*(conn.disconnect(nowait=True) for conn in self._all), return_exceptions=True)
 
 
-class _SSLConnection(SSLConnection):
-    async def can_read(self) -> bool:
-        return _reset_by_peer(self) or await super().can_read()
-
-
-class _UnixConnection(UnixDomainSocketConnection):
-    async def can_read(self) -> bool:
-        return _reset_by_peer(self) or await super().can_read()
-
-
-class _PrimaryConnection(_Connection):
+class _PrimaryConnection(Connection):
     """A connection to whichever primary the sentinels name at the moment it connects."""
 
     def __init__(self, *, primary: PrimaryWatch, **kwargs: Any) -> None:
@@ -120,13 +166,12 @@ class RedisAsyncBackend:
         else:
             kwargs["lib_name"] = kwargs["lib_version"] = None
         self._config = config
-        self._redis: aioredis.Redis
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
         # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
         self._watch: PrimaryWatch | None = None
         self._epoch = 0
         if config.unix_path is not None:
-            connection_class, kwargs["path"] = _UnixConnection, config.unix_path
+            connection_class, kwargs["path"] = UnixDomainSocketConnection, config.unix_path
         elif config.sentinels:
             # As in sync: every connection asks the sentinels for the primary when it
             # connects (ServerConfig.primary, not redis.asyncio.sentinel, which can hand
@@ -136,12 +181,9 @@ class RedisAsyncBackend:
             connection_class = _PrimaryConnection
             kwargs.update(primary=self._watch, socket_keepalive=True)
         else:
-            connection_class = _SSLConnection if config.tls else _Connection
+            connection_class = SSLConnection if config.tls else Connection
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
-        pool = aioredis.BlockingConnectionPool(
-            max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
+        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them (see _settled).
         self._inflight: dict[bytes, asyncio.Future[Any]] = {}
 
@@ -199,26 +241,65 @@ class RedisAsyncBackend:
             await asyncio.get_running_loop().run_in_executor(None, watch.refresh)
         if watch.epoch != self._epoch:
             self._epoch = watch.epoch
-            await self._redis.connection_pool.disconnect()
+            await self._pool.disconnect()
 
     async def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
-            await self._redis.connection_pool.disconnect()
+            await self._pool.disconnect()
         return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
         for script in SCRIPTS:
             # Loading twice changes nothing: a lost reply is resent.
-            await self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
+            await self._call("SCRIPT LOAD", None, lambda s=script: self._execute(b"SCRIPT", b"LOAD", s.source), True)  # type: ignore[misc]
 
     async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
         try:
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
+            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
         except NoScriptError:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
             await self._load_scripts()
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
+            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
+
+    async def _execute(self, *args: bytes | int) -> Any:
+        """One command on a pooled connection: its raw reply, or its error reply raised.
+
+        Straight on the connection, not through Redis.execute_command, which adds per
+        command a retry wrapper (ours is off), response callbacks and observability hooks:
+        together more client CPU than the command itself, on the path every lock takes
+        twice (bench/profile_notes.md). A connection that a failure or a cancellation
+        leaves with a reply in flight is closed, never reused out of step."""
+        conn = await self._pool.get()
+        try:
+            await conn.send_packed_command(conn.pack_command(*args), False)
+            return await conn.read_response()
+        except ResponseError:
+            raise  # a whole reply was read: the connection is in step
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            self._pool.put(conn)
+
+    async def _execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Commands written at once on one connection and every reply read, error replies
+        in place (as exceptions), as _execute does for one."""
+        conn = await self._pool.get()
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            self._pool.put(conn)
 
     async def _pipeline(
         self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int, trailer: tuple[Any, ...] = ()
@@ -227,12 +308,8 @@ class RedisAsyncBackend:
         on the same connection and its reply comes last."""
 
         async def run(indices: Iterable[int]) -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for i in indices:
-                pipe.execute_command("EVALSHA", script.sha, 1, keys[i], tokens[i], *args)
-            if trailer:
-                pipe.execute_command(*trailer)
-            return await pipe.execute(raise_on_error=False)
+            commands: list[tuple[Any, ...]] = [(b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices]
+            return await self._execute_many(commands + ([trailer] if trailer else []))
 
         replies = await run(range(len(keys)))
         missing = [i for i, r in enumerate(replies[: len(keys)]) if isinstance(r, NoScriptError)]
@@ -343,22 +420,20 @@ class RedisAsyncBackend:
         return [bool(r) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return bool(await self._call("set_nx", key, lambda: self._redis.set(key, value, nx=True, px=ttl_ms)))
+        reply = await self._call("set_nx", key, lambda: self._execute(b"SET", key, value, b"NX", b"PX", ttl_ms))
+        return reply is not None
 
     async def incr(self, key: bytes, amount: int) -> int:
-        return int(await self._call("incr", key, lambda: self._redis.incrby(key, amount)))
+        return int(await self._call("incr", key, lambda: self._execute(b"INCRBY", key, amount)))
 
     async def info(self) -> dict[str, str] | None:
         try:
-            raw = await self._redis.execute_command("INFO")  # type: ignore[no-untyped-call]
+            raw = await self._execute(b"INFO")
         except NoPermissionError:
             return None
         except (RedisError, OSError) as exc:
             raise cache_error(f"INFO failed: {_describe(exc)}", self.server) from exc
-        if isinstance(raw, dict):
-            return {str(k): str(v) for k, v in raw.items()}
-        return {}
+        return info_fields(bytes(raw))
 
     async def close(self) -> None:
-        await self._redis.aclose()
-        await self._redis.connection_pool.disconnect()
+        await self._pool.disconnect()
