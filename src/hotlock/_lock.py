@@ -5,24 +5,39 @@ from __future__ import annotations
 import logging
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from . import _ident
+from ._backend import native_module
 from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
-from .errors import LockLost
+from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
     from ._backend import Backend, Named
 
-__all__ = ["Lease", "Lock", "shown"]
+__all__ = ["Lease", "LeaseHooks", "Lock", "shown"]
 
 log = logging.getLogger("hotlock")
+
+# The held value is formatted on every acquisition: in C when the extension is there
+# (the same bytes, a quarter of the instructions), else by the Python definition.
+_native, _ = native_module()
+_held_value = held_value if _native is None else _native.held_value
 
 
 def shown(key: str | bytes) -> str:
     """A key as errors and logs show it."""
     return key if isinstance(key, str) else key.decode("utf-8", "backslashreplace")
+
+
+class LeaseHooks(Protocol):
+    """What a lease taken on a cache made with connect(metrics=...) reports to
+    (hotlock._metered.LeaseMeter); a plain lease has none."""
+
+    def extended(self, lease: Lease, ok: bool) -> None: ...
+    def released(self, lease: Lease, ok: bool) -> None: ...
+    def failed(self, lease: Lease, op: Literal["extend", "release"], error: CacheError) -> None: ...
 
 
 class Lease:
@@ -36,7 +51,7 @@ class Lease:
     bearer secret: it is in no repr, log line or message.
     """
 
-    __slots__ = ("_backend", "_deadline", "_name", "_pid", "_token", "_ttl_ms", "fence", "key")
+    __slots__ = ("_backend", "_deadline", "_meter", "_name", "_pid", "_token", "_ttl_ms", "fence", "key")
     _shown_as = "hotlock.Lease"
 
     def __init__(
@@ -48,11 +63,13 @@ class Lease:
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.
-        self._token = held_value(token, fence)
+        self._token = _held_value(token, fence)
         self._ttl_ms = ttl
         self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
+        # connect(metrics=...): set by the metered cache that took it; None costs one test.
+        self._meter: LeaseHooks | None = None
 
     def _now(self) -> float:
         """The clock the deadline is on."""
@@ -115,7 +132,15 @@ class Lock(Lease):
         """
         ms = self._extend_ms(ttl)
         sent = time.monotonic()
-        if not self._extended(self._backend.extend(self._name, self._token, ms), ms, sent):
+        try:
+            ok = self._backend.extend(self._name, self._token, ms)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "extend", error)
+            raise
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
+        if not self._extended(ok, ms, sent):
             raise self._lost("is no longer held: it expired or was taken over")
 
     def unlock(self) -> bool:
@@ -126,8 +151,15 @@ class Lock(Lease):
         """
         if not self._sendable():
             return False
-        released = self._backend.release(self._name, self._token)
+        try:
+            released = self._backend.release(self._name, self._token)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "release", error)
+            raise
         self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
         return released
 
     def __enter__(self) -> Lock:

@@ -12,14 +12,21 @@ Runs on asyncio and on uvloop alike. A cache belongs to the event loop it was co
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .. import _connect_config, _log_server
+from .._dialect import check_scripts, commands_from, detect, probe_needed
+from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
 from ._backend import native_aio, open_backend
 from ._cache import Acquiring, AsyncCache
 from ._lock import AsyncLock
 from ._memory import AsyncMemoryBackend
+from ._metered import MeteredAsyncCache
+
+if TYPE_CHECKING:
+    from ..metrics import Listener
+    from ._backend import AsyncBackend
 
 __all__ = ["Acquiring", "AsyncCache", "AsyncLock", "backend_info", "connect", "lock_wait", "with_lock"]
 
@@ -36,22 +43,37 @@ async def connect(
     backend: str | None = None,
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
+    scripts: str = "auto",
+    metrics: Listener | None = None,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
-    forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio).
+    forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
+    chooses between the Lua-free extend/release, where the server has them, and the scripts.
+    ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     """
+    check_scripts(scripts)
+    listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
-        return AsyncCache(AsyncMemoryBackend(), raw_prefix)
+        return _cache(AsyncMemoryBackend(), raw_prefix, listener)
     opened, why = await open_backend(config, backend)
     try:
-        _log_server(await opened.info(), opened.name, opened.server, why)
+        info = await opened.info()
+        commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
+        dialect = detect(info, commands, scripts)
+        opened.use_dialect(dialect)
+        _log_server(info, dialect, opened.name, opened.server, why)
     except BaseException:
         await opened.close()
         raise
-    return AsyncCache(opened, raw_prefix)
+    return _cache(opened, raw_prefix, listener)
+
+
+def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None) -> AsyncCache:
+    # A plain AsyncCache without a listener: the metered one only exists when asked for.
+    return AsyncCache(backend, prefix) if listener is None else MeteredAsyncCache(backend, prefix, listener)
 
 
 def backend_info() -> dict[str, str | None]:

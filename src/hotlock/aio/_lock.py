@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .._lock import Lease, shown
 from .._validate import Seconds
+from ..errors import CacheError
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
@@ -57,11 +58,15 @@ class AsyncLock(Lease):
         sent = self._loop.time()
         try:
             ok = await self._backend.extend(self._name, self._token, ms)
-        except BaseException:
+        except BaseException as error:
             # Cancelled or failed after the extend may have run: a shorter TTL may now be
             # in force, so trust whichever deadline comes first.
             self._deadline = min(self._deadline, sent + ms / 1000.0)
+            if self._meter is not None and isinstance(error, CacheError):  # metrics hook
+                self._meter.failed(self, "extend", error)
             raise
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
         if not self._extended(ok, ms, sent):
             raise self._lost("is no longer held: it expired or was taken over")
 
@@ -83,7 +88,13 @@ class AsyncLock(Lease):
             self._token = b""
             self._release_later([self._name], [token])
             raise
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "release", error)
+            raise
         self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
         return released
 
     async def __aenter__(self) -> AsyncLock:
