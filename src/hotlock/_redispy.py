@@ -44,6 +44,20 @@ T = TypeVar("T")
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
+class HandshakeLost(RedisConnectionError):
+    """A new connection's handshake (AUTH, SELECT) lost its reply: nothing of the call was
+    sent, so one more try is safe for any command. Shared with aio/_redispy."""
+
+
+def _handshake(conn: Any) -> None:
+    """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
+    reply to the call's command."""
+    try:
+        conn.on_connect()
+    except _AMBIGUOUS as exc:
+        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
+
+
 class _PrimaryConnection(redis.Connection):
     """A connection to whichever primary the sentinels name at the moment it connects."""
 
@@ -88,6 +102,8 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
         # (and an ACL permission) that would also eat into a lost-reply retry's budget.
         "protocol": 2,
+        # The handshake's lost reply told apart from the call's (HandshakeLost): any call may retry it.
+        "redis_connect_func": _handshake,
     }
     # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
     # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
@@ -194,19 +210,29 @@ class RedisPyBackend:
         return replies
 
     def _call(
-        self, what: str, key: bytes | None, fn: Callable[[float | None], T], retry_until: float | None = None
+        self,
+        what: str,
+        key: bytes | None,
+        fn: Callable[[float | None], T],
+        resend: bool = False,
+        retry_until: float | None = None,
     ) -> T:
         """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
 
-        With ``retry_until`` (a time.monotonic()), a lost reply is followed by one more try
-        as it was (same token: the scripts count "already my token" as success, and a
-        release that ran finds nothing to do), sharing whatever time is left until then.
+        The lost-reply rule (DESIGN §4, §6), as in the native client: one more try, sharing
+        whatever time is left until ``retry_until`` (a time.monotonic(); by default the
+        budget of a call that does not wait), after a lost handshake reply (nothing of the
+        call was sent: any call), or after a lost reply to the call itself when ``resend``
+        (same token: the scripts count "already my token" as success, and a release that
+        ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
+        resent SET NX answers "not set" for the value this call set).
         """
         try:
             return fn(None)
         except _AMBIGUOUS as exc:
-            left = 0.0 if retry_until is None else min(self._timeout, retry_until - time.monotonic())
-            if left < 0.001:
+            until = self._retry_until() if retry_until is None else retry_until
+            left = min(self._timeout, until - time.monotonic())
+            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)):
                 raise self._error(what, key, exc) from exc
             try:
                 return fn(left)
@@ -253,7 +279,8 @@ class RedisPyBackend:
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+            # Loading twice changes nothing: a lost reply is resent.
+            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -262,7 +289,7 @@ class RedisPyBackend:
 
     def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float) -> int:
         replies = self._call(
-            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), retry_until
+            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
         )
         return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
@@ -272,13 +299,13 @@ class RedisPyBackend:
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), self._retry_until())
+        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
         return self._confirmed(
             "acquire_many", keys, tokens, [int(r) for r in replies[: len(keys)]], replies[len(keys) :]
         )
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         return self.extend_many([key], [token], ttl_ms, "extend", key)[0]
 
     def extend_many(
@@ -306,10 +333,10 @@ class RedisPyBackend:
     ) -> list[bool]:
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            replies = self._call(what, key, lambda t: self._commands(dels, t), self._retry_until())
+            replies = self._call(what, key, lambda t: self._commands(dels, t), True)
         else:
             calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-            replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
+            replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)
         return [bool(r) for r in replies]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
