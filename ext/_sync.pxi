@@ -769,7 +769,11 @@ cdef class NativeBackend:
         cdef _Conn conn = self._conn()
         cdef int done = 0
         cdef int rc = REDIS_OK
-        self._ready(conn, "connect", None)
+        # The connect handshake under the one lost-reply rule, as every call's (a lost
+        # handshake reply is retried once within its budget).
+        cdef _Retry rule = self._rule(0.0, False)
+        self._ready(conn, "connect", None, &rule)
+        self._settle(conn, &rule)
         for args in commands:
             _append_args(conn.ctx, args)
         conn.busy = True
