@@ -29,7 +29,7 @@ class AsyncLock(Lease):
     """A held lock (see hotlock.Lease): the twin of hotlock.Lock, with the deadline on the
     event loop's clock and ``async with`` releasing it however the block ends."""
 
-    __slots__ = ("_block", "_cancelled", "_cancelling", "_loop", "_release_later")
+    __slots__ = ("_block", "_cancelled", "_cancelling", "_loop", "_release_later", "_via_waiter")
     _shown_as = "hotlock.aio.AsyncLock"
     _backend: AsyncBackend
 
@@ -53,6 +53,7 @@ class AsyncLock(Lease):
         self._block: asyncio.Task[object] | None = None
         self._cancelling = 0
         self._cancelled = False
+        self._via_waiter = False
 
     def _now(self) -> float:
         return self._loop.time()
@@ -120,14 +121,29 @@ class AsyncLock(Lease):
             return
         waiter = getattr(task, "_fut_waiter", None)
         if not HAS_UNCANCEL and (getattr(task, "_must_cancel", False) or (waiter is not None and waiter.cancelled())):
-            # 3.10: a cancellation from outside is already on its way, and a second
-            # cancel() would overwrite its message: let it end the block as it is.
+            # 3.10: a cancellation from outside is already on its way, and ours would be
+            # merged into it: let it end the block as what it is.
             return
         self._cancelled = True
         if HAS_UNCANCEL:
             task.cancel()
         else:
             task.cancel(self._cancel_message())
+            # Through the future it awaited (the usual case), or flagged for its next step.
+            self._via_waiter = not getattr(task, "_must_cancel", False)
+
+    def _after_told(self) -> None:
+        """Called by the renewer right after the on_lost callbacks ran (3.10 only matters).
+
+        On 3.10 a cancel() made after ours but before the task runs (a callback cancelling
+        it, say) is merged into our CancelledError, message and all; the task then still
+        has _must_cancel set. Seen here, the block is left to end as cancelled from outside.
+        """
+        task = self._block
+        if HAS_UNCANCEL or not self._cancelled or not self._via_waiter or task is None:
+            return  # (flagged for its next step, a later cancel() overwrites our message: _ours sees it)
+        if getattr(task, "_must_cancel", False):
+            self._cancelled = False
 
     def _ours(self, task: asyncio.Task[object] | None, error: BaseException | None) -> bool:
         """Whether the renewer's cancellation (and no other) is what ended the block."""

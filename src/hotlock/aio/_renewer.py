@@ -81,6 +81,8 @@ class AsyncRenewer:
                 if isinstance(lease, AsyncLock):
                     lease._cancel_block()
                 tell(lease, rec.callbacks)
+                if isinstance(lease, AsyncLock):
+                    lease._after_told()
             wake = self._schedule.next_wake()
             self._poke = poke = loop.create_future()
             timer = None if wake is None else loop.call_at(max(wake, now + _MIN_SLEEP), _resolve, poke)
