@@ -192,7 +192,7 @@ def test_a_manual_extend_is_kept_and_the_renewer_follows_the_new_ttl(cache: Cach
     assert lock.ttl == 1.2
     time.sleep(1.5)
     assert not lock.lost and lock.ttl == 1.2
-    assert lock.valid_for() > 0.6  # renewed with its new TTL, not the one it was taken with
+    assert lock.valid_for() > 0.3  # renewed with its new TTL: with the old one it never exceeds 0.3
     lock.unlock()
 
 

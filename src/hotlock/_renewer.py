@@ -164,7 +164,9 @@ class Schedule:
             if not rec.done and self._lost(rec, now):
                 tell.append(rec)
         for ms, heap in list(self._cohorts.items()):
-            horizon = now + ms / 1000.0 * EARLY
+            # Early only alongside a renewal that is due now: woken for anything else (a
+            # round trip landing, say), renewing early would only renew more often.
+            horizon = now + ms / 1000.0 * EARLY if heap and heap[0][0] <= now else now
             while heap and heap[0][0] <= horizon:
                 _, _, gen, rec = heapq.heappop(heap)
                 if gen != rec.gen or rec.done or rec.sending:
