@@ -85,11 +85,24 @@ static size_t next_key(char *key) {
     return (size_t)snprintf(key, KEYMAX, "hotlock:lock:bench:c:%s:%lu", tag, serial++);
 }
 
-/* EVALSHA sha 1 key token [ttl] */
-static void append(const char *sha, const char *key, size_t keylen, const unsigned char *tok, int with_ttl) {
+/* EVALSHA sha 1 key token-or-held-value [ttl] */
+static void append_n(const char *sha, const char *key, size_t keylen, const unsigned char *tok, size_t toklen,
+                     int with_ttl) {
     const char *argv[6] = {"EVALSHA", sha, "1", key, (const char *)tok, "30000"};
-    size_t lens[6] = {7, 40, 1, keylen, TOKEN, 5};
+    size_t lens[6] = {7, 40, 1, keylen, toklen, 5};
     if (redisAppendCommandArgv(ctx, with_ttl ? 6 : 5, argv, lens) != REDIS_OK) die("append", NULL);
+}
+
+static void append(const char *sha, const char *key, size_t keylen, const unsigned char *tok, int with_ttl) {
+    append_n(sha, key, keylen, tok, TOKEN, with_ttl);
+}
+
+/* What the key holds after ACQUIRE returned fence: the token, then the fence in decimal
+   (hotlock._scripts.held_value); extend and release compare it. */
+#define HELD (TOKEN + 24)
+static size_t held(unsigned char *out, const unsigned char *tok, long long fence) {
+    memcpy(out, tok, TOKEN);
+    return TOKEN + (size_t)snprintf((char *)out + TOKEN, HELD - TOKEN, "%lld", fence);
 }
 
 static long long reply_int(void) {
@@ -106,18 +119,22 @@ static void one_cycle(void) {
     unsigned char tok[TOKEN];
     size_t kl = next_key(key);
     token(tok, TOKEN);
+    unsigned char val[HELD];
     append(sha_acquire, key, kl, tok, 1);
-    if (reply_int() != 0) die("acquire found the fresh key held", NULL);
-    append(sha_release, key, kl, tok, 0);
+    long long fence = reply_int();
+    if (fence <= 0) die("acquire found the fresh key held", NULL);
+    append_n(sha_release, key, kl, val, held(val, tok, fence), 0);
     if (reply_int() != 1) die("release did not release", NULL);
 }
 
 static char held_key[KEYMAX];
 static size_t held_len;
 static unsigned char held_tok[TOKEN];
+static unsigned char held_val[HELD];
+static size_t held_val_len;
 
 static void one_extend(void) {
-    append(sha_extend, held_key, held_len, held_tok, 1);
+    append_n(sha_extend, held_key, held_len, held_val, held_val_len, 1);
     if (reply_int() != 1) die("extend lost the lock", NULL);
 }
 
@@ -125,14 +142,19 @@ static void one_batch(void) {
     static char keys[BATCH][KEYMAX];
     static size_t lens[BATCH];
     static unsigned char toks[BATCH][TOKEN];
+    static unsigned char vals[BATCH][HELD];
+    static size_t vlens[BATCH];
     token(&toks[0][0], sizeof toks); /* one draw for the batch, as lock_many does */
     for (int i = 0; i < BATCH; i++) {
         lens[i] = next_key(keys[i]);
         append(sha_acquire, keys[i], lens[i], toks[i], 1);
     }
-    for (int i = 0; i < BATCH; i++)
-        if (reply_int() != 0) die("batch acquire found a fresh key held", NULL);
-    for (int i = 0; i < BATCH; i++) append(sha_release, keys[i], lens[i], toks[i], 0);
+    for (int i = 0; i < BATCH; i++) {
+        long long fence = reply_int();
+        if (fence <= 0) die("batch acquire found a fresh key held", NULL);
+        vlens[i] = held(vals[i], toks[i], fence);
+    }
+    for (int i = 0; i < BATCH; i++) append_n(sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
     for (int i = 0; i < BATCH; i++)
         if (reply_int() != 1) die("batch release did not release", NULL);
 }
@@ -167,7 +189,9 @@ int main(int argc, char **argv) {
         held_len = (size_t)snprintf(held_key, KEYMAX, "hotlock:lock:bench:c:%s:held", tag);
         token(held_tok, TOKEN);
         append(sha_acquire, held_key, held_len, held_tok, 1);
-        if (reply_int() != 0) die("could not take the lock to extend", NULL);
+        long long fence = reply_int();
+        if (fence <= 0) die("could not take the lock to extend", NULL);
+        held_val_len = held(held_val, held_tok, fence);
     }
 
     const char *count = getenv("CEILING_COUNT");

@@ -39,7 +39,7 @@ class _Nothing:
     server = "nowhere"
 
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
-        return 0
+        return 1_764_582_723_123_456  # a fence as the server's clock makes them (16 digits)
 
     def release(self, key: bytes, token: bytes) -> bool:
         return True
@@ -48,6 +48,7 @@ class _Nothing:
 def _child(url: str, layer: str, n: int) -> dict[str, float]:
     import hotlock
     from hotlock._cache import Cache
+    from hotlock._scripts import held_value
 
     serial = itertools.count()
     cache = Cache(_Nothing(), b"hotlock:") if layer == "python" else hotlock.connect(url, backend="native")  # type: ignore[arg-type]
@@ -58,8 +59,8 @@ def _child(url: str, layer: str, n: int) -> dict[str, float]:
         def op() -> None:
             key = f"hotlock:lock:bench:l:{next(serial)}".encode()
             token = urandom(16)
-            backend.acquire(key, token, 30000)
-            backend.release(key, token)
+            fence = backend.acquire(key, token, 30000)
+            backend.release(key, held_value(token, fence))
     else:
 
         def op() -> None:

@@ -28,7 +28,7 @@ from hiredis cimport *
 
 from hotlock import _backoff
 from hotlock._config import cache_error
-from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS
+from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
 from hotlock.errors import CacheError
 

@@ -468,11 +468,11 @@ cdef class NativeBackend:
         if n == 1 and type(keys) is bytes:
             keys = [keys]
             tokens = [tokens]
-        held = [i for i in range(n) if values[i] == 0]
+        held = [i for i in range(n) if values[i] > 0]
         if held:
             try:
                 # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
-                self.release_many([keys[i] for i in held], [tokens[i] for i in held])
+                self.release_many([keys[i] for i in held], [held_value(tokens[i], values[i]) for i in held])
             except CacheError:
                 pass
         raise cache_error(
@@ -548,12 +548,13 @@ cdef class NativeBackend:
         while True:
             sent = _monotonic()
             self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, retry_until, "acquire", key, &result)
-            if result == 0:
-                return 0, sent
+            if result > 0:
+                return result, sent  # the fence
             remaining_ms = (deadline - _monotonic()) * 1000.0
             if remaining_ms <= 0.0:
                 return result, sent
-            sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, result, _CAP_MS)
+            # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
+            sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
             attempt += 1
             with nogil:
                 _sleep_ms(sleep_ms)

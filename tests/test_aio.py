@@ -8,6 +8,7 @@ default one). Ids read ``test_x[native-uvloop]``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import random
@@ -257,10 +258,12 @@ def test_the_token_belongs_to_the_lock_object_and_any_task_may_release_it(raio: 
         async with await raio.connect() as cache:
             a, b = await asyncio.gather(cache.lock("a", ttl=5), cache.lock("b", ttl=5))
             stored_a, stored_b = stored(raio, "a"), stored(raio, "b")
-            # The key layout under the prefix, and a fresh 16-byte token per acquisition.
+            # The key layout under the prefix, and a fresh 16-byte token per acquisition
+            # followed by the lock's fence in decimal.
             assert stored_a is not None and stored_b is not None
-            assert len(stored_a) == 16 and len(stored_b) == 16 and stored_a != stored_b
-            assert stored_a.hex() not in repr(a) and stored_a not in repr(a).encode()
+            assert stored_a[16:] == b"%d" % a.fence and stored_b[16:] == b"%d" % b.fence
+            assert stored_a[:16] != stored_b[:16]
+            assert stored_a[:16].hex() not in repr(a) and stored_a[:16] not in repr(a).encode()
             # Another task releases it through the object alone.
             assert await asyncio.get_running_loop().create_task(a.unlock()) is True
             assert raio.side.get(lock_key("a")) is None
@@ -821,3 +824,93 @@ def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
                 assert int(aio.side.info("clients")["connected_clients"]) == clients_before
 
     aio.run(main())
+
+
+# -- fencing (issue 10; the sync tests are in test_fencing.py) ----------------------------
+
+
+def _server_us(server: RedisServer) -> int:
+    seconds, micros = server.client().time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def _increasing(fences: list[int]) -> bool:
+    return all(a < b for a, b in itertools.pairwise(fences))
+
+
+def test_async_fence_on_lock_lock_wait_and_lock_many(aio: Aio) -> None:
+    async def main() -> None:
+        async with await aio.connect() as cache:
+            fences = []
+            for _ in range(300):
+                async with cache.lock("hot", ttl=5) as lock:
+                    fences.append(lock.fence)
+                async with cache.lock_wait("hot", ttl=5, wait=1) as lock:
+                    fences.append(lock.fence)
+                many = await cache.lock_many(["hot", "other"], ttl=5)
+                assert many[0] is not None and many[1] is not None
+                fences.append(many[0].fence)
+                await many[0].extend(5)
+                assert many[0].fence == fences[-1]
+                assert await cache.unlock_many(many) == [True, True]
+            assert _increasing(fences)
+            assert all(type(f) is int for f in fences)
+
+    aio.run(main())
+
+
+def test_async_fence_increases_across_an_expiry_and_flushall(raio: Aio) -> None:
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            first = await cache.lock("e", ttl=0.05)
+            await asyncio.sleep(0.1)
+            second = await cache.lock("e", ttl=30)
+            raio.side.flushall()
+            third = await cache.lock("e", ttl=30)
+            assert first.fence < second.fence < third.fence
+
+    raio.run(main())
+
+
+def test_async_lost_acquire_reply_retried_returns_the_same_fence(raio: Aio) -> None:
+    async def main(proxy: FaultProxy) -> None:
+        cache = await hotlock.aio.connect(proxy.url, backend=raio.backend, timeout=0.5, connect_timeout=0.5)
+        try:
+            before = _server_us(raio.server)
+            proxy.drop_replies(1)
+            lock = await cache.lock("lost", ttl=10)
+            assert proxy.dropped_replies == 1
+            assert raio.side.get(lock_name(b"lost")) == lock._token
+            assert before <= lock.fence < before + 400_000
+            assert await lock.unlock() is True
+        finally:
+            await cache.close()
+
+    with FaultProxy(raio.server.port) as proxy:
+        raio.run(main(proxy))
+
+
+def test_async_uncontended_acquire_is_one_round_trip(raio: Aio) -> None:
+    def calls() -> dict[str, int]:
+        return {k: int(v["calls"]) for k, v in raio.side.info("commandstats").items()}
+
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            await (await cache.lock("warm", ttl=5)).unlock()  # connected, scripts loaded
+            before = calls()
+            lock = await cache.lock("one-trip", ttl=5)
+            after = calls()
+            ran = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            # One EVALSHA from the client (and the INFO that read `before`); GET, TIME and
+            # SET ran inside the script.
+            assert ran == {
+                "cmdstat_info": 1,
+                "cmdstat_evalsha": 1,
+                "cmdstat_get": 1,
+                "cmdstat_time": 1,
+                "cmdstat_set": 1,
+            }
+            assert lock.fence > 0
+            await lock.unlock()
+
+    raio.run(main())

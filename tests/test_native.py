@@ -78,7 +78,7 @@ def test_native_backoff_schedule_is_the_python_one() -> None:
         for attempt in (0, 1, 2, 5, 6, 31, 32, 33, 1000)
         for u in (0.0, 0.25, 0.999999, rng.random())
         for remaining in (0.0, 0.5, 3.0, 10_000.0)
-        for holder in (-1, 1, 7, 100_000)
+        for holder in (-1, 0, 1, 7, 100_000)
         for cap in (_backoff.CAP_MS, 1.0, 500.0)
     ]
     cases += [(rng.randrange(64), rng.random(), rng.uniform(0, 100), rng.randrange(-1, 80), 50.0) for _ in range(2000)]
@@ -99,7 +99,7 @@ def test_native_sent_at_is_on_the_time_monotonic_clock(ncache: hotlock.Cache) ->
     before = time.monotonic()
     result, sent = backend.acquire_wait(lock_name(b"clock"), os.urandom(16), 5000, 1000)
     after = time.monotonic()
-    assert result == 0
+    assert result > 0  # acquired: the fence
     assert before <= sent <= after
 
 

@@ -46,6 +46,7 @@ COMMANDS = [
     "+pttl",
     "+pexpire",
     "+del",
+    "+time",
     "+incrby",
     "+info",
     "+select",

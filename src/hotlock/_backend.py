@@ -26,8 +26,10 @@ class Named(Protocol):
 
 
 class Backend(Named, Protocol):
-    # acquire/acquire_many return 0 for "acquired" and otherwise the holder's remaining
-    # TTL in ms (> 0), or -1 when it is unknown: the contract of _scripts.ACQUIRE.
+    # acquire/acquire_many return the fence (> 0) when acquired, and otherwise (<= 0)
+    # -(the holder's remaining TTL in ms), or 0 when it is unknown: the contract of
+    # _scripts.ACQUIRE. The key then holds _scripts.held_value(token, fence), which is
+    # the token extend/extend_many/release/release_many are given.
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int: ...
 
     # Polls acquire with the _backoff schedule until it succeeds or wait_ms has passed.

@@ -27,8 +27,8 @@ def ceiling_ms(attempt: int, cap_ms: float = CAP_MS) -> float:
 def delay_ms(attempt: int, u: float, remaining_ms: float, holder_ttl_ms: int, cap_ms: float = CAP_MS) -> float:
     """The sleep after a failed attempt, for a uniform draw ``u`` in [0, 1).
 
-    ``holder_ttl_ms`` is what the acquire script returned: the holder's PTTL (> 0) or -1
-    when it is unknown. Waking when the holder's key expires is the earliest useful moment.
+    ``holder_ttl_ms`` is the holder's PTTL (> 0) as the acquire script returned it (its
+    result negated), or <= 0 when it is unknown. Waking when the holder's key expires is the earliest useful moment.
     """
     d = u * ceiling_ms(attempt, cap_ms)
     if holder_ttl_ms > 0:
@@ -47,7 +47,9 @@ class Backoff:
         self._cap_ms = cap_ms
 
     def next_sleep(self, holder_ttl_ms: int) -> float | None:
-        """Seconds to sleep before the next attempt, or None when the deadline has passed."""
+        """Seconds to sleep before the next attempt, or None when the deadline has passed.
+
+        ``holder_ttl_ms`` as in delay_ms: the failed acquire's result negated."""
         remaining_ms = (self.deadline - time.monotonic()) * 1000.0
         if remaining_ms <= 0:
             return None
@@ -57,7 +59,7 @@ class Backoff:
 
 
 def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float]:
-    """Run ``acquire`` on the schedule until it returns 0 or the deadline passes.
+    """Run ``acquire`` on the schedule until it returns a fence (> 0) or the deadline passes.
 
     Returns the last result and the time.monotonic() at which that attempt was sent.
     This is the loop of the pure-Python backends; the native one runs it in C.
@@ -66,9 +68,9 @@ def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float]:
     while True:
         sent = time.monotonic()
         result = acquire()
-        if result == 0:
+        if result > 0:
             return result, sent
-        sleep = backoff.next_sleep(result)
+        sleep = backoff.next_sleep(-result)
         if sleep is None:
             return result, sent
         time.sleep(sleep)

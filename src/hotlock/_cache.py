@@ -66,8 +66,9 @@ class CacheBase(Generic[L]):
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
 
-    def _not_acquired(self, key: str | bytes, holder_ttl_ms: int, waited_ms: int | None) -> LockNotAcquired:
-        held = "held elsewhere" if holder_ttl_ms < 0 else f"held elsewhere for up to {holder_ttl_ms / 1000:.3f} s more"
+    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None) -> LockNotAcquired:
+        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), or 0 if unknown."""
+        held = "held elsewhere" if result == 0 else f"held elsewhere for up to {-result / 1000:.3f} s more"
         after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
         return LockNotAcquired(
             f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
@@ -134,9 +135,9 @@ class Cache(CacheBase[Lock]):
         token = new_token()
         sent = time.monotonic()
         result = self._backend.acquire(name, token, ms)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, None)
-        lock = Lock(self._backend, key, name, token, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -161,9 +162,9 @@ class Cache(CacheBase[Lock]):
         hold = auto_extend_ms(auto_extend, max_hold, ms)
         token = new_token()
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
-        if result:
+        if result <= 0:
             raise self._not_acquired(key, result, wait_for)
-        lock = Lock(self._backend, key, name, token, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -197,7 +198,7 @@ class Cache(CacheBase[Lock]):
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
         locks = [
-            None if result else Lock(self._backend, key, name, token, ms, sent)
+            Lock(self._backend, key, name, token, result, ms, sent) if result > 0 else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
         if auto_extend:

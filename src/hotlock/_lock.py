@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 from . import _ident
+from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
 from .errors import LockLost
 
@@ -40,20 +41,27 @@ def shown(key: str | bytes) -> str:
 class Lease:
     """What a sync Lock and an async hotlock.aio.AsyncLock share: the lease's state.
 
-    A held lock: its key, a hidden token, the pid that took it and a local deadline. The
-    token lives here and nowhere else (never in a thread-local, a contextvar or on the
-    cache), so whoever holds the object may extend or release it and two acquisitions
-    never share state. The token is a bearer secret: it is in no repr, log line or message.
+    A held lock: its key, its fence, a hidden token, the pid that took it and a local
+    deadline. ``fence`` is an int larger than the fence of every earlier acquisition of
+    this key (README "Fencing tokens"); extend keeps it. The token lives here and nowhere
+    else (never in a thread-local, a contextvar or on the cache), so whoever holds the
+    object may extend or release it and two acquisitions never share state. The token is a
+    bearer secret: it is in no repr, log line or message.
     """
 
-    __slots__ = ("_auto", "_backend", "_deadline", "_loss", "_name", "_pid", "_token", "_ttl_ms", "key")
+    __slots__ = ("_auto", "_backend", "_deadline", "_loss", "_name", "_pid", "_token", "_ttl_ms", "fence", "key")
     _shown_as = "hotlock.Lease"
 
-    def __init__(self, backend: Named, key: str | bytes, name: bytes, token: bytes, ttl: int, sent_at: float) -> None:
+    def __init__(
+        self, backend: Named, key: str | bytes, name: bytes, token: bytes, fence: int, ttl: int, sent_at: float
+    ) -> None:
         self._backend = backend
         self.key = key
+        self.fence = fence
         self._name = name  # the Redis key, prefix included
-        self._token = token  # b"" once released: nothing more is sent for this lock
+        # What the key holds (token + fence) and extend/release compare; b"" once
+        # released: nothing more is sent for this lock.
+        self._token = held_value(token, fence)
         self._ttl_ms = ttl
         self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.

@@ -11,8 +11,35 @@ import time
 
 from ._backoff import poll
 from ._config import cache_error
+from ._ident import TOKEN_BYTES
+from ._scripts import held_value
 
 __all__ = ["MemoryBackend"]
+
+_SWEEP_MIN = 1024
+
+_fence_mutex = threading.Lock()
+_last_fence = 0
+
+
+def _next_fence() -> int:
+    """The wall clock in microseconds, as the server's TIME would give, but at least one
+    more than the last fence handed out in this process: strictly increasing per key
+    (and across keys) even when the clock is stepped back or two acquisitions fall in
+    one microsecond. Process-wide, so a new MemoryBackend (close() and connect again)
+    never repeats a fence."""
+    global _last_fence
+    now = time.time_ns() // 1000
+    with _fence_mutex:
+        _last_fence = max(now, _last_fence + 1)
+        return _last_fence
+
+
+def _releases(value: bytes, token: bytes) -> bool:
+    """_scripts.RELEASE's comparison: the held value, or a bare token followed by a fence."""
+    if value == token:
+        return True
+    return len(token) == TOKEN_BYTES and len(value) > TOKEN_BYTES and value.startswith(token)
 
 
 class MemoryBackend:
@@ -23,6 +50,16 @@ class MemoryBackend:
         # key -> (value, monotonic expiry in seconds, or None for "never", as INCR keys)
         self._data: dict[bytes, tuple[bytes, float | None]] = {}
         self._mutex = threading.Lock()
+        # Expired entries go when next looked at, and all at once whenever the dict has
+        # doubled since the last sweep: memory stays bounded by the keys in use (within
+        # 2x), not by every key ever locked, at an amortised O(1) per write.
+        self._sweep_at = _SWEEP_MIN
+
+    def _put(self, key: bytes, entry: tuple[bytes, float | None], now: float) -> None:
+        self._data[key] = entry
+        if len(self._data) >= self._sweep_at:
+            self._data = {k: e for k, e in self._data.items() if e[1] is None or e[1] > now}
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(self._data))
 
     def _live(self, key: bytes, now: float) -> tuple[bytes, float | None] | None:
         entry = self._data.get(key)
@@ -32,13 +69,19 @@ class MemoryBackend:
         return entry
 
     def _acquire_locked(self, key: bytes, token: bytes, ttl_ms: int, now: float) -> int:
+        # _scripts.ACQUIRE's contract, value layout included (token + fence digits).
         entry = self._live(key, now)
-        if entry is None or entry[0] == token:
-            self._data[key] = (token, now + ttl_ms / 1000.0)
-            return 0
+        if entry is None:
+            fence = _next_fence()
+            self._put(key, (held_value(token, fence), now + ttl_ms / 1000.0), now)
+            return fence
+        value = entry[0]
+        if len(value) > len(token) and value.startswith(token):
+            self._data[key] = (value, now + ttl_ms / 1000.0)
+            return int(value[len(token) :])
         if entry[1] is None:
-            return -1
-        return max(1, int((entry[1] - now) * 1000.0))
+            return 0
+        return -max(1, int((entry[1] - now) * 1000.0))
 
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
         with self._mutex:
@@ -70,7 +113,7 @@ class MemoryBackend:
 
     def _release_locked(self, key: bytes, token: bytes, now: float) -> bool:
         entry = self._live(key, now)
-        if entry is None or entry[0] != token:
+        if entry is None or not _releases(entry[0], token):
             return False
         del self._data[key]
         return True
@@ -89,18 +132,19 @@ class MemoryBackend:
             now = time.monotonic()
             if self._live(key, now) is not None:
                 return False
-            self._data[key] = (value, now + ttl_ms / 1000.0)
+            self._put(key, (value, now + ttl_ms / 1000.0), now)
             return True
 
     def incr(self, key: bytes, amount: int) -> int:
         with self._mutex:
-            entry = self._live(key, time.monotonic())
+            now = time.monotonic()
+            entry = self._live(key, now)
             current = 0 if entry is None else int(entry[0])
             value = current + amount
             if not -(2**63) <= value < 2**63:
                 # Redis refuses the same overflow; keep the backends identical.
                 raise cache_error("INCR failed: increment or decrement would overflow", self.server, key)
-            self._data[key] = (str(value).encode(), None if entry is None else entry[1])
+            self._put(key, (str(value).encode(), None if entry is None else entry[1]), now)
             return value
 
     def info(self) -> dict[str, str] | None:

@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from ._backoff import poll
 from ._config import ServerConfig, cache_error
-from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from .errors import CacheError
 
@@ -208,7 +208,7 @@ class RedisPyBackend:
         """Under wait_replicas: undo what was acquired unless enough replicas confirmed it."""
         if not wait_reply or int(wait_reply[0]) >= self._wait_replicas:
             return results
-        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             with contextlib.suppress(CacheError):

@@ -45,9 +45,10 @@ RENEW_AFTER = 1 / 3
 # a newly taken lease joins the round trip of those already held instead of making its
 # own, so N leases of one TTL settle into one batch per period.
 EARLY = 1 / 6
-# Extends per round trip: 10,000 leases cost 5 round trips, and Redis (single-threaded)
-# is never busy with one client's batch for more than a few milliseconds at a time.
-BATCH = 2000
+# Extends per round trip: 10,000 leases cost 2 round trips (sent one after the other, so
+# on a starved client fewer is safer), and Redis (single-threaded) is busy with one
+# batch for about 10 ms.
+BATCH = 5000
 # After a failed round trip (Redis unreachable), try again after this share of the TTL.
 RETRY_AFTER = 1 / 10
 

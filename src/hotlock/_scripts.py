@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "SCRIPTS", "Script"]
+from ._ident import TOKEN_BYTES
+
+__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "SCRIPTS", "Script", "held_value"]
 
 
 class Script:
@@ -22,24 +24,46 @@ class Script:
         return f"<Script {self.sha.decode()[:12]}>"
 
 
-# KEYS[1] lock key; ARGV[1] token; ARGV[2] TTL in ms.
-# Returns 0 when the key now holds ARGV[1] with a fresh TTL: it was free, or it already
-# held this token (a retry after a lost reply must not turn our own acquire into a
-# conflict). Otherwise returns the holder's remaining TTL in ms (at least 1, so 0 stays
-# "acquired"), or -1 if the holder's key has no TTL (not written by hotlock).
+# KEYS[1] lock key; ARGV[1] token (TOKEN_BYTES random bytes); ARGV[2] TTL in ms.
+# The key's value is the token followed by the fence in ASCII decimal: one key per lock,
+# no fence state of its own, so it lives in the lock's slot and expires with the lock.
+# Returns the fence (> 0) when the key now holds this token with a fresh TTL:
+# - it was free: the fence is the server's clock in microseconds (TIME), built from
+#   TIME's two strings so no Lua double is ever formatted (no exponent, no rounding);
+#   it is below 2^53, so the number returned is exact. A restart or FLUSHALL loses no
+#   order: the clock kept moving. TIME before a write needs effects replication, the
+#   only mode of Redis 7 and Valkey and the default since Redis 5 (6.2 included);
+#   a server set to replicate scripts verbatim refuses the SET (an error, never a fence).
+# - it already held this token (a retry after a lost reply must not turn our own
+#   acquire into a conflict): the fence stored with it, TTL refreshed.
+# Otherwise (held) returns -(the holder's remaining TTL in ms) (<= -1), or 0 when the
+# holder's key has no TTL (not written by hotlock).
 ACQUIRE = Script(
     """local v = redis.call('GET', KEYS[1])
-if v == false or v == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 0
+if v == false then
+  local t = redis.call('TIME')
+  local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+  redis.call('SET', KEYS[1], ARGV[1] .. f, 'PX', ARGV[2])
+  return tonumber(f)
+end
+local n = #ARGV[1]
+if #v > n and string.sub(v, 1, n) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(string.sub(v, n + 1))
 end
 local t = redis.call('PTTL', KEYS[1])
-if t == -1 then return -1 end
-if t < 1 then return 1 end
-return t"""
+if t == -1 then return 0 end
+if t < 1 then return -1 end
+return -t"""
 )
 
-# KEYS[1] lock key; ARGV[1] token; ARGV[2] TTL in ms.
+
+def held_value(token: bytes, fence: int) -> bytes:
+    """The value ACQUIRE stored for ``token`` with ``fence``: what extend and release compare."""
+    return token + b"%d" % fence
+
+
+# KEYS[1] lock key; ARGV[1] the held value (token + fence); ARGV[2] TTL in ms.
 # Returns 1 and sets the TTL to ARGV[2] from now (it never adds to what is left) when
 # the key holds ARGV[1]; returns 0 and changes nothing otherwise.
 EXTEND = Script(
@@ -49,11 +73,16 @@ end
 return 0"""
 )
 
-# KEYS[1] lock key; ARGV[1] token.
-# Returns 1 and deletes the key when it holds ARGV[1]; returns 0 and changes nothing
-# otherwise (expired, taken over: never someone else's lock).
+# KEYS[1] lock key; ARGV[1] the held value (token + fence), or a bare token (exactly
+# TOKEN_BYTES bytes) whose acquire's reply never came, so its fence is unknown (an
+# interrupted async acquisition released in the background).
+# Returns 1 and deletes the key when it holds ARGV[1], or that bare token followed by a
+# fence; returns 0 and changes nothing otherwise (expired, taken over: never someone
+# else's lock).
 RELEASE = Script(
-    """if redis.call('GET', KEYS[1]) == ARGV[1] then
+    f"""local v = redis.call('GET', KEYS[1])
+local n = {TOKEN_BYTES}
+if v == ARGV[1] or (v and #ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]) then
   return redis.call('DEL', KEYS[1])
 end
 return 0"""

@@ -25,7 +25,8 @@ class AsyncBackend(Protocol):
     # whose caller was cancelled while it was in flight. AsyncCache relies on it to
     # release an interrupted acquisition in the background.
 
-    # 0 for "acquired", else the holder's remaining TTL in ms or -1: _scripts.ACQUIRE.
+    # The fence (> 0) when acquired, else -(the holder's remaining TTL in ms) or 0 when
+    # unknown: _scripts.ACQUIRE, as hotlock._backend.Backend.
     # ``since`` (loop time) and ``wait_ms`` are those of the lock_wait this attempt belongs
     # to: as in sync, a lost-reply retry ends by since + max(wait, timeout) + timeout, so
     # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout.

@@ -117,20 +117,23 @@ class AsyncCache(CacheBase[AsyncLock]):
                 sent = loop.time()
                 maybe_held = True
                 result = await self._backend.acquire(name, token, ms, since, wait_for or 0)
-                if result == 0:
-                    lock = AsyncLock(self._backend, self._release_in_background, loop, key, name, token, ms, sent)
+                if result > 0:
+                    lock = AsyncLock(
+                        self._backend, self._release_in_background, loop, key, name, token, result, ms, sent
+                    )
                     if auto:
                         self._renew([lock], hold)
                     return lock
                 maybe_held = False
-                sleep = None if backoff is None else backoff.next_sleep(result)
+                sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
                     raise self._not_acquired(key, result, wait_for)
                 await asyncio.sleep(sleep)
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
             # taken the key: release it behind that acquire, since nobody will hold the
-            # lock object. The backend's ordering promise puts the release after it.
+            # lock object. The backend's ordering promise puts the release after it. Its
+            # fence is unknown: RELEASE takes the bare token for this.
             if maybe_held:
                 self._release_in_background([name], [token])
             raise
@@ -174,7 +177,9 @@ class AsyncCache(CacheBase[AsyncLock]):
             self._release_in_background(names, tokens)
             raise
         locks = [
-            None if result else AsyncLock(self._backend, self._release_in_background, loop, key, name, token, ms, sent)
+            AsyncLock(self._backend, self._release_in_background, loop, key, name, token, result, ms, sent)
+            if result > 0
+            else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
         if auto_extend:

@@ -41,10 +41,11 @@ class AsyncLock(Lease):
         key: str | bytes,
         name: bytes,
         token: bytes,
+        fence: int,
         ttl: int,
         sent_at: float,
     ) -> None:
-        super().__init__(backend, key, name, token, ttl, sent_at)
+        super().__init__(backend, key, name, token, fence, ttl, sent_at)
         # The cache's background release, for an unlock cancelled mid-flight.
         self._release_later = release_later
         self._loop = loop

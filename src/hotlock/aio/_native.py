@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, cache_error
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import retry_until, unconfirmed
@@ -293,7 +293,7 @@ class NativeAsyncBackend:
         results = [int(r) for r in replies]
         if int(confirmed) >= config.wait_replicas:
             return results
-        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             with contextlib.suppress(CacheError):

@@ -22,8 +22,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, cache_error
+from .._ident import TOKEN_BYTES
 from .._redispy import _describe
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import retry_until, unconfirmed
@@ -232,7 +233,9 @@ class RedisAsyncBackend:
         return asyncio.shield(task)
 
     async def _settled(self, tokens: list[bytes]) -> None:
-        pending = {task for token in tokens if (task := self._inflight.get(token)) is not None}
+        # A release gives the held value (token + fence) or, for an interrupted acquire,
+        # the bare token: the acquire was recorded under the bare token.
+        pending = {task for token in tokens if (task := self._inflight.get(token[:TOKEN_BYTES])) is not None}
         if pending:
             await asyncio.wait(pending)
 
@@ -269,7 +272,7 @@ class RedisAsyncBackend:
         results, confirmed = [int(r) for r in replies[:-1]], int(replies[-1])
         if confirmed >= config.wait_replicas:
             return results
-        held = [(k, t) for k, t, r in zip(keys, tokens, results, strict=True) if r == 0]
+        held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             with contextlib.suppress(CacheError):
