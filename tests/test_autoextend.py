@@ -556,3 +556,32 @@ def test_the_soak_checker_catches_holders_without_auto_extend(redis_backend: str
     for p in procs:
         p.join(30)
     assert checker.overlaps > 0
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+
+class Recorder:
+    """A metrics listener that records (event, key) for every event (connect(metrics=...))."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda key, *rest: self.events.append((name, key))
+
+
+def test_renewals_and_their_losses_reach_the_metrics_listener(
+    backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    recorder = Recorder()
+    cache = open_cache(backend, redis_url, metrics=recorder)
+    try:
+        lock = cache.lock("metered", ttl=0.6, auto_extend=True)
+        time.sleep(0.5)  # one renewal
+        assert ("extended", "metered") in recorder.events
+        delete_key(cache, redis_server, "metered")
+        wait_until(lambda: ("lost", "metered") in recorder.events, 1)
+        assert lock.lost
+    finally:
+        cache.close()

@@ -11,16 +11,20 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ._backend import BACKEND_NAMES, native_module, open_backend
+from ._backend import BACKEND_NAMES, Backend, native_module, open_backend
 from ._cache import Cache
 from ._config import ServerConfig, parse_url
 from ._keys import check_prefix
 from ._lock import Lock
 from ._memory import MemoryBackend
+from ._metered import MeteredCache, check_listener
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
+
+if TYPE_CHECKING:
+    from .metrics import Listener
 
 __all__ = [
     "Cache",
@@ -56,6 +60,7 @@ def connect(
     backend: str | None = None,
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
+    metrics: Listener | None = None,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -70,17 +75,26 @@ def connect(
     replicas have the lock, up to ``wait_timeout`` seconds (default: half of ``timeout``);
     if fewer confirm, the acquire is undone and raises CacheError. It narrows, not closes,
     the two-holder window of a failover.
+
+    ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
+    told of every acquisition, release, extension, loss and error; without one, nothing is paid.
     """
+    listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
-        return Cache(MemoryBackend(), raw_prefix)
+        return _cache(MemoryBackend(), raw_prefix, listener)
     opened, why = open_backend(config, backend)
     try:
         _log_server(opened.info(), opened.name, opened.server, why)
     except BaseException:
         opened.close()
         raise
-    return Cache(opened, raw_prefix)
+    return _cache(opened, raw_prefix, listener)
+
+
+def _cache(backend: Backend, prefix: bytes, listener: Listener | None) -> Cache:
+    # A plain Cache without a listener: the metered one only exists when asked for.
+    return Cache(backend, prefix) if listener is None else MeteredCache(backend, prefix, listener)
 
 
 def _connect_config(

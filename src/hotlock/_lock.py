@@ -6,17 +6,17 @@ import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from . import _ident
 from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
-from .errors import LockLost
+from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
     from ._backend import Backend, Named
 
-__all__ = ["Lease", "Lock", "Watch", "shown"]
+__all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "shown"]
 
 log = logging.getLogger("hotlock")
 
@@ -38,6 +38,15 @@ def shown(key: str | bytes) -> str:
     return key if isinstance(key, str) else key.decode("utf-8", "backslashreplace")
 
 
+class LeaseHooks(Protocol):
+    """What a lease taken on a cache made with connect(metrics=...) reports to
+    (hotlock._metered.LeaseMeter); a plain lease has none."""
+
+    def extended(self, lease: Lease, ok: bool) -> None: ...
+    def released(self, lease: Lease, ok: bool) -> None: ...
+    def failed(self, lease: Lease, op: Literal["extend", "release"], error: CacheError) -> None: ...
+
+
 class Lease:
     """What a sync Lock and an async hotlock.aio.AsyncLock share: the lease's state.
 
@@ -49,7 +58,19 @@ class Lease:
     bearer secret: it is in no repr, log line or message.
     """
 
-    __slots__ = ("_auto", "_backend", "_deadline", "_loss", "_name", "_pid", "_token", "_ttl_ms", "fence", "key")
+    __slots__ = (
+        "_auto",
+        "_backend",
+        "_deadline",
+        "_loss",
+        "_meter",
+        "_name",
+        "_pid",
+        "_token",
+        "_ttl_ms",
+        "fence",
+        "key",
+    )
     _shown_as = "hotlock.Lease"
 
     def __init__(
@@ -66,6 +87,8 @@ class Lease:
         self._pid = _ident.pid
         # The TTL runs from when the acquire was sent, not from when its reply came back.
         self._deadline = sent_at + ttl / 1000.0
+        # connect(metrics=...): set by the metered cache that took it; None costs one test.
+        self._meter: LeaseHooks | None = None
         # Why it is known lost (an extend found another token or none, ...), or None.
         self._loss: str | None = None
         # The renewer's record when taken with auto_extend=True (hotlock._renewer).
@@ -190,10 +213,16 @@ class Lock(Lease):
         ms = self._extend_ms(ttl)
         sent = time.monotonic()
         try:
-            ok = self._extended(self._backend.extend(self._name, self._token, ms), ms, sent)
-        finally:
-            if self._auto is not None:
-                self._auto.touch()  # a new deadline to renew by, or a loss to tell
+            ok = self._backend.extend(self._name, self._token, ms)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "extend", error)
+            raise
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
+        self._extended(ok, ms, sent)
+        if self._auto is not None:
+            self._auto.touch()  # a new deadline to renew by, or a loss to tell
         if not ok:
             raise self._lost(TAKEN)
 
@@ -209,8 +238,15 @@ class Lock(Lease):
             # Before the release is sent: a renewal racing it then finds no key (extends
             # never create one) and its reply is ignored, so no loss is told for it.
             self._auto.forget()
-        released = self._backend.release(self._name, self._token)
+        try:
+            released = self._backend.release(self._name, self._token)
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "release", error)
+            raise
         self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
         return released
 
     def __enter__(self) -> Lock:

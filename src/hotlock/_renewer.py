@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import _ident
 from ._lock import TAKEN, shown
+from .errors import CacheError
 
 if TYPE_CHECKING:
     from ._backend import Backend
@@ -268,6 +269,19 @@ def warn_failed(recs: list[Held], error: BaseException) -> None:
         )
 
 
+def metered(recs: list[Held], results: Sequence[bool] | None, error: BaseException | None) -> None:
+    """A round trip's outcomes to the leases' metrics hooks (connect(metrics=...)), called
+    with no renewer lock held: a renewal counts as an extend, a failed one as an error."""
+    for i, rec in enumerate(recs):
+        meter = rec.lease._meter
+        if meter is None or rec.gone:
+            continue
+        if results is not None:
+            meter.extended(rec.lease, results[i])
+        elif isinstance(error, CacheError):
+            meter.failed(rec.lease, "extend", error)
+
+
 def tell(lease: Lease, callbacks: list[Callable[[Lease], object]]) -> None:
     """Say that ``lease`` is lost: a log line, then each callback (its error logged, never raised)."""
     why = lease._loss or TAKEN
@@ -390,14 +404,16 @@ class Renewer:
                     continue
                 sent = time.monotonic()
                 results: list[bool] | None
+                failure: Exception | None = None
                 try:
                     results = self._backend.extend_many(names, tokens, ms)
                 except Exception as error:
-                    results = None
+                    results, failure = None, error
                     warn_failed(live, error)
                 with self._mutex:
                     self._schedule.applied(live, results, ms, sent, time.monotonic())
                     self._wake.notify()
+                metered(live, results, failure)
 
     def close(self) -> None:
         """Stop renewing: the leases still held then expire by their TTL."""

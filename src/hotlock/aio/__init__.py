@@ -12,14 +12,20 @@ Runs on asyncio and on uvloop alike. A cache belongs to the event loop it was co
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .. import _connect_config, _log_server
+from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
 from ._backend import native_aio, open_backend
 from ._cache import Acquiring, AsyncCache
 from ._lock import AsyncLock
 from ._memory import AsyncMemoryBackend
+from ._metered import MeteredAsyncCache
+
+if TYPE_CHECKING:
+    from ..metrics import Listener
+    from ._backend import AsyncBackend
 
 __all__ = ["Acquiring", "AsyncCache", "AsyncLock", "backend_info", "connect", "lock_wait", "with_lock"]
 
@@ -36,22 +42,30 @@ async def connect(
     backend: str | None = None,
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
+    metrics: Listener | None = None,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio).
+    ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     """
+    listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
-        return AsyncCache(AsyncMemoryBackend(), raw_prefix)
+        return _cache(AsyncMemoryBackend(), raw_prefix, listener)
     opened, why = await open_backend(config, backend)
     try:
         _log_server(await opened.info(), opened.name, opened.server, why)
     except BaseException:
         await opened.close()
         raise
-    return AsyncCache(opened, raw_prefix)
+    return _cache(opened, raw_prefix, listener)
+
+
+def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None) -> AsyncCache:
+    # A plain AsyncCache without a listener: the metered one only exists when asked for.
+    return AsyncCache(backend, prefix) if listener is None else MeteredAsyncCache(backend, prefix, listener)
 
 
 def backend_info() -> dict[str, str | None]:

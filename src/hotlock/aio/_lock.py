@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .._lock import TAKEN, Lease, shown
 from .._validate import Seconds
+from ..errors import CacheError
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
@@ -69,15 +70,19 @@ class AsyncLock(Lease):
         sent = self._loop.time()
         try:
             ok = await self._backend.extend(self._name, self._token, ms)
-        except BaseException:
+        except BaseException as error:
             # Cancelled or failed after the extend may have run: a shorter TTL may now be
             # in force, so trust whichever deadline comes first.
             self._deadline = min(self._deadline, sent + ms / 1000.0)
+            if self._meter is not None and isinstance(error, CacheError):  # metrics hook
+                self._meter.failed(self, "extend", error)
             raise
-        finally:
-            if self._auto is not None:
-                self._auto.touch()  # a new deadline to renew by, or a loss to tell
-        if not self._extended(ok, ms, sent):
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
+        self._extended(ok, ms, sent)
+        if self._auto is not None:
+            self._auto.touch()  # a new deadline to renew by, or a loss to tell
+        if not ok:
             raise self._lost(TAKEN)
 
     async def unlock(self) -> bool:
@@ -101,7 +106,13 @@ class AsyncLock(Lease):
             self._token = b""
             self._release_later([self._name], [token])
             raise
+        except CacheError as error:
+            if self._meter is not None:  # metrics hook
+                self._meter.failed(self, "release", error)
+            raise
         self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
         return released
 
     async def __aenter__(self) -> AsyncLock:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._renewer import Held, Schedule, sendable, split_live, tell, warn_failed
+from .._renewer import Held, Schedule, metered, sendable, split_live, tell, warn_failed
 from ._lock import AsyncLock
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class AsyncRenewer:
                     continue
                 sent = loop.time()
                 results: list[bool] | None
+                failure: Exception | None = None
                 try:
                     results = await self._backend.extend_many(names, tokens, ms)
                 except asyncio.CancelledError:
@@ -109,10 +110,11 @@ class AsyncRenewer:
                         rec.sending = False
                     raise
                 except Exception as error:
-                    results = None
+                    results, failure = None, error
                     warn_failed(live, error)
                 self._schedule.applied(live, results, ms, sent, loop.time())
                 self._wake()
+                metered(live, results, failure)
 
     async def close(self) -> None:
         """Stop renewing: the leases still held then expire by their TTL."""

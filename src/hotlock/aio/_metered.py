@@ -1,0 +1,102 @@
+"""The async twin of hotlock._metered: an AsyncCache that reports to a metrics listener."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .._metered import Meter, as_list, sendable
+from ..errors import CacheError, LockNotAcquired
+from ._cache import AsyncCache
+from ._lock import AsyncLock
+
+if TYPE_CHECKING:
+    from ..metrics import Listener
+    from ._backend import AsyncBackend
+
+__all__ = ["MeteredAsyncCache"]
+
+
+class MeteredAsyncCache(AsyncCache):
+    """An AsyncCache that reports to a listener (see hotlock.metrics). Times are on the
+    event loop's clock, as the lease's deadline is."""
+
+    __slots__ = ("_meter",)
+
+    def __init__(self, backend: AsyncBackend, prefix: bytes, listener: Listener) -> None:
+        super().__init__(backend, prefix)
+        self._meter = Meter(listener)
+
+    async def _acquire(
+        self, key: str | bytes, name: bytes, ms: int, wait_for: int | None, auto: bool = False, hold: int | None = None
+    ) -> AsyncLock:
+        # lock() and lock_wait() both end here; wait_for is None for a try-once acquire.
+        # The signature is the parent's own, so mypy flags this override if that one changes.
+        meter = self._meter
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            lock = await super()._acquire(key, name, ms, wait_for, auto, hold)
+        except LockNotAcquired:
+            meter.not_acquired(key, "held" if wait_for is None else "timeout", started, loop.time())
+            raise
+        except CacheError as error:
+            meter.error(key, "acquire", error)
+            raise
+        meter.attach(lock)
+        # lock_wait's tries are not counted (as in sync, where the loop is in the backend).
+        meter.acquired(key, started, loop.time(), 1 if wait_for is None else None)
+        return lock
+
+    async def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[AsyncLock | None]:
+        meter = self._meter
+        given = as_list(keys)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            locks = await super().lock_many(given, *args, **kwargs)
+        except CacheError as error:
+            for key in given:
+                meter.error(key, "acquire", error)
+            raise
+        now = loop.time()
+        for key, lock in zip(given, locks, strict=True):
+            if lock is None:
+                meter.not_acquired(key, "held", started, now)
+            else:
+                meter.attach(lock)
+                meter.acquired(key, started, now, 1)
+        return locks
+
+    async def extend_many(self, locks: Iterable[AsyncLock | None], *args: Any, **kwargs: Any) -> list[bool]:
+        items = as_list(locks)
+        sent = sendable(items)
+        try:
+            results = await super().extend_many(items, *args, **kwargs)
+        except CacheError as error:
+            for held in sent.values():
+                if held._meter is not None:
+                    held._meter.failed(held, "extend", error)
+            raise
+        for item, ok in zip(items, results, strict=True):
+            lease = sent.get(id(item))
+            if lease is not None and lease._meter is not None:
+                lease._meter.extended(lease, ok)
+        return results
+
+    async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
+        items = as_list(locks)
+        sent = sendable(items)
+        try:
+            results = await super().unlock_many(items)
+        except CacheError as error:
+            for held in sent.values():
+                if held._meter is not None:
+                    held._meter.failed(held, "release", error)
+            raise
+        for item, ok in zip(items, results, strict=True):
+            lease = sent.get(id(item))
+            if lease is not None and lease._meter is not None:
+                lease._meter.released(lease, ok)
+        return results
