@@ -14,12 +14,12 @@ import os
 import threading
 import weakref
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from libc.math cimport ldexp
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec, timeval
 from posix.types cimport suseconds_t, time_t
 from posix.unistd cimport close, getpid
@@ -47,6 +47,47 @@ cdef bytes _SHA_EXTEND = EXTEND.sha
 cdef bytes _SHA_RELEASE = RELEASE.sha
 cdef tuple _SOURCES = tuple([s.source for s in SCRIPTS])
 cdef tuple _SHAS = tuple([s.sha for s in SCRIPTS])
+
+
+cdef const char *_PAIRS = (b"00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+                           b"40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+                           b"8081828384858687888990919293949596979899")
+
+
+def held_value(bytes token not None, long long fence):
+    """= hotlock._scripts.held_value(token, fence): the token, then the fence in decimal.
+
+    The one formatting step on every acquisition's path, so done here: Python's general
+    bytes formatting of a 16-digit int costs about 1,600 instructions, this about a
+    quarter of that. tests/test_native.py checks it against the Python definition."""
+    cdef char digits[20]
+    cdef int i = 20
+    cdef unsigned long long v
+    cdef unsigned int d
+    if fence <= 0:
+        raise ValueError("a fence is > 0")
+    v = <unsigned long long>fence
+    # Two digits per division (the fence has 16): half the divisions of one at a time.
+    while v >= 100:
+        d = <unsigned int>(v % 100)
+        v = v // 100
+        i -= 2
+        digits[i] = _PAIRS[2 * d]
+        digits[i + 1] = _PAIRS[2 * d + 1]
+    if v >= 10:
+        i -= 2
+        digits[i] = _PAIRS[2 * v]
+        digits[i + 1] = _PAIRS[2 * v + 1]
+    else:
+        i -= 1
+        digits[i] = <char>(48 + v)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(token)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n + 20 - i)
+    cdef char *p = PyBytes_AS_STRING(out)
+    memcpy(p, PyBytes_AS_STRING(token), n)
+    memcpy(p + n, digits + i, 20 - i)
+    return out
+
 
 include "_clock.pxi"
 include "_sync.pxi"

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 import hotlock
-from hotlock import _backoff
+from hotlock import _backoff, _scripts
 from hotlock._backend import choose, native_module
 from hotlock._config import parse_url
 from hotlock.errors import CacheError, LockLost, LockNotAcquired
@@ -726,3 +726,15 @@ print("ok")
 """,
     )
     assert out.strip() == "ok"
+
+
+def test_native_held_value_is_the_python_definition() -> None:
+    # The Lock formats token + fence with the C one; the scripts define it in Python.
+    rng = random.Random(10)
+    fences = [1, 9, 10, 99, 100, 1_764_582_723_123_456, 2**53, 2**63 - 1]
+    fences += [rng.randrange(1, 2**63) for _ in range(20_000)]
+    for fence in fences:
+        token = os.urandom(rng.randrange(0, 20))
+        assert native.held_value(token, fence) == _scripts.held_value(token, fence), (token, fence)
+    with pytest.raises(ValueError):
+        native.held_value(b"t" * 16, 0)

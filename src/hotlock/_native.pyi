@@ -29,6 +29,9 @@ class NativeBackend:
 AioCore: Any
 AioProtocol: Any
 
+# _scripts.held_value in C (the Lock's hot path).
+def held_value(token: bytes, fence: int) -> bytes: ...
+
 # Test hooks: the C backoff schedule (compared with hotlock._backoff.delay_ms) and the
 # clock acquire_wait stamps sent_at with.
 def _delay_ms(attempt: int, u: float, remaining_ms: float, holder_ttl_ms: int, cap_ms: float = ...) -> float: ...
