@@ -36,8 +36,10 @@ compile: venv
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
 
 # The long fault and soak runs (marked slow) have short forms that run here; test-slow runs them whole.
+# Every server-facing test runs on Redis and on Valkey (tests/conftest.py): two workers (-n 2,
+# pytest-xdist, each with its own servers) keep that within the time one server used to take.
 test: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m "not slow"
+	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -n 2 -m "not slow"
 
 test-slow: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m slow
@@ -54,6 +56,8 @@ lint: venv
 bench: compile
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
+	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
+	$(PY) -m bench.dialect
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"

@@ -19,6 +19,17 @@ cdef extern from "<poll.h>" nogil:
 
 cdef const char *_S_EVALSHA = b"EVALSHA"
 cdef const char *_S_ONE = b"1"
+cdef const char *_S_SET = b"SET"
+cdef const char *_S_IFEQ = b"IFEQ"
+cdef const char *_S_PX = b"PX"
+cdef const char *_S_DELIFEQ = b"DELIFEQ"
+cdef const char *_S_DELEX = b"DELEX"
+
+# NativeBackend._plain: what extend and release send (hotlock._dialect decides, at connect).
+cdef enum:
+    _PLAIN_NONE = 0  # the EXTEND/RELEASE scripts
+    _PLAIN_DELIFEQ = 1  # SET key v IFEQ v PX ms; DELIFEQ key v (Valkey 9)
+    _PLAIN_DELEX = 2  # SET key v IFEQ v PX ms; DELEX key IFEQ v (Redis 8.4+)
 
 
 cdef class _Conn:
@@ -120,6 +131,37 @@ cdef inline int _append_evalsha(redisContext *ctx, bytes sha, bytes key, bytes t
     return redisAppendCommandArgv(ctx, 6, argv, lens)
 
 
+cdef inline int _append_plain(redisContext *ctx, int plain, bytes key, bytes token, long long ms) noexcept:
+    # The Lua-free extend (ms >= 0) and release (ms < 0): the commands of hotlock._dialect.
+    cdef const char *argv[7]
+    cdef size_t lens[7]
+    cdef char num[24]
+    cdef const char *k = PyBytes_AS_STRING(key)
+    cdef size_t klen = <size_t>PyBytes_GET_SIZE(key)
+    cdef const char *t = PyBytes_AS_STRING(token)
+    cdef size_t tlen = <size_t>PyBytes_GET_SIZE(token)
+    if ms >= 0:
+        argv[0] = _S_SET; lens[0] = 3
+        argv[1] = k; lens[1] = klen
+        argv[2] = t; lens[2] = tlen
+        argv[3] = _S_IFEQ; lens[3] = 4
+        argv[4] = t; lens[4] = tlen
+        argv[5] = _S_PX; lens[5] = 2
+        argv[6] = num
+        lens[6] = <size_t>snprintf(num, sizeof(num), "%lld", ms)
+        return redisAppendCommandArgv(ctx, 7, argv, lens)
+    if plain == _PLAIN_DELIFEQ:
+        argv[0] = _S_DELIFEQ; lens[0] = 7
+        argv[1] = k; lens[1] = klen
+        argv[2] = t; lens[2] = tlen
+        return redisAppendCommandArgv(ctx, 3, argv, lens)
+    argv[0] = _S_DELEX; lens[0] = 5
+    argv[1] = k; lens[1] = klen
+    argv[2] = _S_IFEQ; lens[2] = 4
+    argv[3] = t; lens[3] = tlen
+    return redisAppendCommandArgv(ctx, 4, argv, lens)
+
+
 cdef int _append_args(redisContext *ctx, tuple args) except -1:
     """Append one command given as a tuple of bytes (handshake and rare commands)."""
     cdef Py_ssize_t n = len(args), i
@@ -176,6 +218,8 @@ cdef class NativeBackend:
     cdef size_t _wait_lens[3]
     cdef object _local  # threading.local: .conn is this thread's _Conn
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
+    cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
+    cdef int _plain  # _PLAIN_*: what extend and release send
 
     def __init__(self, config):
         if config.tls:
@@ -209,6 +253,8 @@ cdef class NativeBackend:
         self._wait_lens[2] = len(self._wait_ms)
         self._local = threading.local()
         self._conns = weakref.WeakSet()
+        self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
+        self._plain = _PLAIN_NONE
         # Connect now: a configured but unreachable server is a CacheError at connect().
         self._ready(self._conn(), "connect", None)
 
@@ -356,7 +402,7 @@ cdef class NativeBackend:
     # -- scripts ----------------------------------------------------------------------------
 
     cdef int _scripts(self, bytes sha, object keys, object tokens, Py_ssize_t n, long long ms,
-                      double retry_until, str what, bytes err_key, long long *values) except -1:
+                      double retry_until, str what, bytes err_key, long long *values, int plain=-1) except -1:
         """EVALSHA sha 1 key token [ms] for n keys, appended together and read together:
         one round trip. ``keys``/``tokens`` are one bytes each when n == 1 (the hot path,
         no list), else lists. Each integer reply goes to values[i].
@@ -367,7 +413,11 @@ cdef class NativeBackend:
         send the same calls once more, with what is left until then as the reply timeout;
         for an acquire the script counts "already my token" as success, and a release that
         ran finds nothing to do. Under wait_replicas a WAIT rides in the same write as the
-        acquires; too few replicas undoes them."""
+        acquires; too few replicas undoes them.
+
+        On a server with compare-and-set (self._plain), extend and release go as plain
+        commands (_append_plain) through this same loop: the same batching and lost-reply
+        retry; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come."""
         cdef redisReply *one[2]
         cdef char one_todo[1]
         cdef redisReply **replies = one
@@ -383,6 +433,8 @@ cdef class NativeBackend:
         cdef Py_ssize_t i, j, sent, missing
         cdef int rc
         cdef _Conn conn = self._conn()
+        if plain < 0:  # extend and release as the dialect says; the acquire always by script
+            plain = self._plain if sha is not _SHA_ACQUIRE else _PLAIN_NONE
         if not single:
             replies = <redisReply **>malloc((n + 1) * sizeof(redisReply *))
             todo = <char *>malloc(n)
@@ -397,7 +449,10 @@ cdef class NativeBackend:
                 sent = 0
                 for i in range(n):
                     if todo[i]:
-                        if single:
+                        if plain:
+                            rc = _append_plain(conn.ctx, plain, <bytes>keys if single else <bytes>(<list>keys)[i],
+                                               <bytes>tokens if single else <bytes>(<list>tokens)[i], ms)
+                        elif single:
                             rc = _append_evalsha(conn.ctx, sha, <bytes>keys, <bytes>tokens, ms)
                         else:
                             rc = _append_evalsha(conn.ctx, sha, <bytes>(<list>keys)[i],
@@ -435,6 +490,9 @@ cdef class NativeBackend:
                     j += 1
                     if r.type == REDIS_REPLY_INTEGER:
                         values[i] = r.integer
+                        todo[i] = 0
+                    elif plain and (r.type == REDIS_REPLY_STATUS or r.type == REDIS_REPLY_NIL):
+                        values[i] = r.type == REDIS_REPLY_STATUS  # SET IFEQ: OK (extended) or nil
                         todo[i] = 0
                     elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
                         missing += 1
@@ -484,7 +542,8 @@ cdef class NativeBackend:
         returns within max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
         return _monotonic() + (wait_s if wait_s > self._timeout else self._timeout) + self._timeout
 
-    cdef list _many(self, bytes sha, list keys, list tokens, long long ms, double retry_until, str what):
+    cdef list _many(self, bytes sha, list keys, list tokens, long long ms, double retry_until, str what,
+                    int plain=-1):
         cdef Py_ssize_t n = len(keys), i
         cdef long long *values
         if len(tokens) != n:
@@ -498,7 +557,7 @@ cdef class NativeBackend:
         if values is NULL:
             raise MemoryError()
         try:
-            self._scripts(sha, keys, tokens, n, ms, retry_until, what, None, values)
+            self._scripts(sha, keys, tokens, n, ms, retry_until, what, None, values, plain)
             return [values[i] for i in range(n)]
         finally:
             free(values)
@@ -509,6 +568,7 @@ cdef class NativeBackend:
         """Send one command; its reply as Python (int, bytes, None, or a _ReplyError), never
         retried: set_nx and incr are not safe to send twice."""
         cdef redisReply *r = NULL
+        cdef size_t i
         cdef _Conn conn = self._conn()
         self._ready(conn, what, key)
         _append_args(conn.ctx, args)
@@ -521,6 +581,9 @@ cdef class NativeBackend:
                 return r.str[:r.len]
             if r.type == REDIS_REPLY_NIL:
                 return None
+            if r.type == REDIS_REPLY_ARRAY:
+                # COMMAND INFO: each element's presence is all hotlock asks of it.
+                return [r.element[i].type != REDIS_REPLY_NIL for i in range(r.elements)]
             return _ReplyError(self._reply_error(conn, r), _is_error(r, b"NOPERM", 6))
         finally:
             freeReplyObject(r)
@@ -566,21 +629,36 @@ cdef class NativeBackend:
     def extend(self, bytes key not None, bytes token not None, long long ttl_ms):
         # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         cdef long long value
-        self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, 0.0, "extend", key, &value)
+        try:
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, 0.0, "extend", key, &value)
+        except CacheError as exc:
+            if not _oom_on_plain(self._plain, exc):
+                raise
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, 0.0, "extend", key, &value, _PLAIN_NONE)
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        return [v != 0 for v in self._many(_SHA_EXTEND, keys, tokens, ttl_ms, 0.0, "extend_many")]
+        try:
+            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, 0.0, "extend_many")
+        except CacheError as exc:
+            if not _oom_on_plain(self._plain, exc):
+                raise
+            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, 0.0, "extend_many", _PLAIN_NONE)
+        return [v != 0 for v in values]
 
     def release(self, bytes key not None, bytes token not None):
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
+        # A bare token (fence unknown) goes by script: hotlock._dialect.bare_tokens.
         cdef long long value
-        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value)
+        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES else -1
+        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value, plain)
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
-        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many")]
+        plain = _PLAIN_NONE if bare_tokens(tokens) else -1
+        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many",
+                                           plain)]
 
     def set_nx(self, bytes key not None, bytes value not None, long long ttl_ms):
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
@@ -612,6 +690,17 @@ cdef class NativeBackend:
                     fields[name] = value
         return fields
 
+    def command_info(self):
+        """COMMAND INFO DELIFEQ DELEX: which of them the server has, or None when it or its ACL refuses COMMAND."""
+        reply = self._command(COMMAND_PROBE, "COMMAND INFO", None)
+        if isinstance(reply, _ReplyError):
+            return None  # NOPERM, or a proxy without COMMAND: the version decides
+        return reply if type(reply) is list else None
+
+    def use_dialect(self, dialect):
+        self.dialect = dialect
+        self._plain = {"DELIFEQ": _PLAIN_DELIFEQ, "DELEX": _PLAIN_DELEX}.get(dialect.release, _PLAIN_NONE)
+
     def close(self):
         """Drop every thread's connection (a later call reconnects, as on redis-py)."""
         for conn in list(self._conns):
@@ -619,6 +708,14 @@ cdef class NativeBackend:
 
     def __repr__(self):
         return f"<hotlock._native.NativeBackend server={self.server}>"
+
+
+cdef inline bint _oom_on_plain(int plain, object exc):
+    # SET is refused at maxmemory under noeviction (it may grow the key) while the EXTEND
+    # script's PEXPIRE is not: a Lua-free extend refused OOM runs again as the script
+    # (extending twice is harmless: the TTL is set from now), so a full server still
+    # lets holders keep their locks, as on the script path.
+    return plain != _PLAIN_NONE and "replied OOM" in str(exc)
 
 
 cdef class _ReplyError:

@@ -12,7 +12,6 @@ import itertools
 import logging
 import os
 import random
-import shutil
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,7 +27,7 @@ import hotlock
 import hotlock.aio
 from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, free_port, lock_name, start_redis
+from .conftest import RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -465,7 +464,7 @@ def test_connect_checks_its_arguments_and_logs_like_sync(aio: Aio, caplog: pytes
         assert "no cache configured: locks exclude nothing outside this process" in caplog.text
     else:
         assert f"with the {aio.backend} backend" in caplog.text
-        assert "(Redis " in caplog.text
+        assert f"({aio.server.named}, " in caplog.text
 
 
 def test_an_unreachable_server_is_a_cache_error_naming_it(raio: Aio) -> None:
@@ -608,7 +607,7 @@ def test_auth_and_select_from_the_url(raio: Aio) -> None:
 
 def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
     path = str(tmp_path / "redis.sock")
-    server = start_redis("--unixsocket", path, "--unixsocketperm", "700")
+    server = start_redis("--unixsocket", path, "--unixsocketperm", "700", kind=raio.server.kind)
 
     async def main() -> None:
         async with await hotlock.aio.connect(f"unix://{path}?db=2", backend=raio.backend) as cache:
@@ -623,7 +622,7 @@ def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
 
 
 def test_readonly_is_a_cache_error_that_drops_the_connection(raio: Aio) -> None:
-    replica = start_redis("--replicaof", raio.server.host, str(raio.server.port))
+    replica = start_redis("--replicaof", raio.server.host, str(raio.server.port), kind=raio.server.kind)
 
     async def main() -> None:
         side = replica.client()
@@ -657,10 +656,9 @@ def test_sentinel_url_finds_the_primary(raio: Aio, tmp_path: Any) -> None:
         f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
         f"sentinel monitor aiomaster {raio.server.host} {raio.server.port} 1\n"
     )
-    exe = shutil.which("redis-sentinel")
-    if exe is None:
-        pytest.fail("redis-sentinel is not installed (make test installs it)")
-    proc = subprocess.Popen([exe, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The server's own sentinel: redis-sentinel over Redis, valkey-server --sentinel over Valkey.
+    exe = server_exe(raio.server.kind, sentinel=True)
+    proc = subprocess.Popen([exe[0], str(conf), *exe[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def main() -> None:
         deadline = time.monotonic() + 10

@@ -334,8 +334,8 @@ def test_keys_live_under_the_prefix(redis_backend: str, redis_server: RedisServe
         assert client.exists(b"app1:lock:{k}") == 0
 
 
-def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
-    server = start_redis()
+def test_redis_down_is_cache_error_not_contention(redis_backend: str, server_kind: str) -> None:
+    server = start_redis(kind=server_kind)
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     lock = cache.lock("down", ttl=5)
     server.stop()
@@ -350,11 +350,13 @@ def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
     cache.close()
 
 
-def test_release_failure_in_with_block_is_a_warning(redis_backend: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_release_failure_in_with_block_is_a_warning(
+    redis_backend: str, server_kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     class Boom(Exception):
         pass
 
-    server = start_redis()
+    server = start_redis(kind=server_kind)
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     with caplog.at_level(logging.WARNING, "hotlock"), pytest.raises(Boom) as info, cache.lock("bye", ttl=5):
         server.stop()
@@ -373,9 +375,9 @@ def test_unreachable_server_is_cache_error_at_connect(redis_backend: str) -> Non
     assert url.split("//")[1].split("/")[0] in str(info.value)
 
 
-def test_unix_socket_url(redis_backend: str, tmp_path: Path) -> None:
+def test_unix_socket_url(redis_backend: str, server_kind: str, tmp_path: Path) -> None:
     sock = tmp_path / "redis.sock"
-    server = start_redis("--unixsocket", str(sock), "--unixsocketperm", "700")
+    server = start_redis("--unixsocket", str(sock), "--unixsocketperm", "700", kind=server_kind)
     try:
         with hotlock.connect(f"unix://{sock}?db=2", backend=redis_backend) as cache:
             assert cache.server == f"unix://{sock}?db=2"

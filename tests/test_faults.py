@@ -237,9 +237,9 @@ def restart(server: RedisServer) -> None:
 
 
 @pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A private redis-server this test may restart, fill or reconfigure."""
-    server = start_redis()
+def own_server(server_kind: str) -> Iterator[RedisServer]:
+    """A private server of this test's kind that it may restart, fill or reconfigure."""
+    server = start_redis(kind=server_kind)
     yield server
     server.stop()
 
@@ -288,14 +288,17 @@ def test_script_flush_costs_one_reload_per_flush(rcache: hotlock.Cache, redis_se
             assert lock.unlock() is True
             calls += 3
     # Each flush: one EVALSHA answered NOSCRIPT, then the three scripts loaded once, and
-    # every later call of every script runs first time.
+    # every later call of every script runs first time. On the Lua-free path (Valkey 9)
+    # only the acquire is a script: extend and release send none.
+    if rcache.server_info["lua_free"]:
+        calls //= 3
     assert commandstat(redis_server, "evalsha") - evalsha == calls + flushes
     assert commandstat(redis_server, "script|load") - loads == flushes * 3
 
 
 def test_readonly_is_a_cache_error_that_drops_the_connection(redis_backend: str, own_server: RedisServer) -> None:
     """A primary demoted under a client (what a failover does to the old one)."""
-    other = start_redis()
+    other = start_redis(kind=own_server.kind)
     cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
     try:
         cache.lock("before", ttl=5).unlock()

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Protocol
 
 from ._config import ServerConfig
+from ._dialect import Dialect
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -23,6 +24,11 @@ class Named(Protocol):
 
     name: str  # "native", "redis-py" or "memory"
     server: str  # the server as shown in logs and errors, without credentials
+
+    # The server's dialect (_dialect), set by connect() through use_dialect: what extend
+    # and release send. Read-only here: cache.server_info shows it.
+    @property
+    def dialect(self) -> Dialect: ...
 
 
 class Backend(Named, Protocol):
@@ -47,6 +53,11 @@ class Backend(Named, Protocol):
 
     # The server's INFO fields, or None when an ACL refuses INFO.
     def info(self) -> dict[str, str] | None: ...
+
+    # COMMAND INFO DELIFEQ DELEX (_dialect.COMMAND_PROBE): the raw reply, or None when the
+    # server or its ACL refuses COMMAND. Then use_dialect(the detected dialect), once.
+    def command_info(self) -> list[object] | None: ...
+    def use_dialect(self, dialect: Dialect) -> None: ...
     def close(self) -> None: ...
 
 

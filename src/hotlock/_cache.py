@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
@@ -62,6 +62,13 @@ class CacheBase(Generic[L]):
     def server(self) -> str:
         """The server, without credentials."""
         return self._backend.server
+
+    @property
+    def server_info(self) -> Mapping[str, object]:
+        """What connect() found, read-only: ``kind`` ("redis", "valkey", "unknown" when INFO
+        is refused, "memory"), ``version``, ``lua_free`` (extend/release sent without
+        scripts), ``extend`` and ``release`` (what each sends) and ``reason``."""
+        return self._backend.dialect.mapping()
 
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"

@@ -17,12 +17,20 @@ import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ._backoff import poll
 from ._config import ServerConfig, cache_error
+from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from .errors import CacheError
@@ -70,6 +78,8 @@ class RedisPyBackend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
@@ -168,6 +178,14 @@ class RedisPyBackend:
                 raise reply
         return replies
 
+    def _commands(self, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
+        """Plain commands in one round trip (the Lua-free extend and release); error replies raised."""
+        replies = self._send(commands, timeout)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     def _call(
         self, what: str, key: bytes | None, fn: Callable[[float | None], T], retry_until: float | None = None
     ) -> T:
@@ -254,22 +272,37 @@ class RedisPyBackend:
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
-        return bool(self._call("extend", key, lambda t: self._scripts(EXTEND, [(key, token, b"%d" % ttl_ms)], t))[0])
+        return self.extend_many([key], [token], ttl_ms, "extend", key)[0]
 
-    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+    def extend_many(
+        self, keys: list[bytes], tokens: list[bytes], ttl_ms: int, what: str = "extend_many", key: bytes | None = None
+    ) -> list[bool]:
+        if self.dialect.lua_free:
+            # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
+            sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+            try:
+                return [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call("extend_many", None, lambda t: self._scripts(EXTEND, calls, t))]
+        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
 
     def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
-        return bool(
-            self._call("release", key, lambda t: self._scripts(RELEASE, [(key, token)], t), self._retry_until())[0]
-        )
+        return self.release_many([key], [token], "release", key)[0]
 
-    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
+    def release_many(
+        self, keys: list[bytes], tokens: list[bytes], what: str = "release_many", key: bytes | None = None
+    ) -> list[bool]:
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            replies = self._call(what, key, lambda t: self._commands(dels, t), self._retry_until())
+        else:
+            calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
+            replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
         return [bool(r) for r in replies]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -288,6 +321,19 @@ class RedisPyBackend:
         if isinstance(raw, dict):
             return {str(k): str(v) for k, v in raw.items()}
         return {}
+
+    def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's raw reply, or None when the server or its ACL refuses it."""
+        try:
+            reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], t))[0]
+        except CacheError as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return None  # NOPERM, or a proxy without COMMAND: the version decides
+            raise
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
 
     def close(self) -> None:
         self._redis.close()

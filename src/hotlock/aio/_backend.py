@@ -12,6 +12,7 @@ from typing import Protocol
 
 from .._backend import native_module
 from .._config import ServerConfig
+from .._dialect import Dialect
 
 __all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
 
@@ -19,6 +20,10 @@ __all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
 class AsyncBackend(Protocol):
     name: str  # "native", "redis-py" or "memory", as in sync
     server: str  # the server as shown in logs and errors, without credentials
+
+    # As in sync: the server's dialect, set once by connect() through use_dialect.
+    @property
+    def dialect(self) -> Dialect: ...
 
     # The ordering promise that makes cancellation safe: a release of a token takes
     # effect after every acquire of that token already called on this backend, even one
@@ -43,6 +48,8 @@ class AsyncBackend(Protocol):
 
     # The server's INFO fields, or None when an ACL refuses INFO.
     async def info(self) -> dict[str, str] | None: ...
+    async def command_info(self) -> list[object] | None: ...
+    def use_dialect(self, dialect: Dialect) -> None: ...
     async def close(self) -> None: ...
 
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, cache_error
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -52,6 +53,8 @@ class NativeAsyncBackend:
 
     def __init__(self, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._config = config
         self._protocol_class = protocol_class
         self._proto: AioConnection | None = None
@@ -263,11 +266,19 @@ class NativeAsyncBackend:
                 raise self._refused(what, None, reply)
         return replies
 
-    async def _command(self, what: str, key: bytes, *command: bytes | int) -> Any:
-        reply = await self._roundtrip(what, key, lambda p: p.execute(*command))
+    async def _command(self, what: str, key: bytes, *command: bytes | int, retry: bool = False) -> Any:
+        reply = await self._roundtrip(what, key, lambda p: p.execute(*command), retry)
         if isinstance(reply, ReplyError):
             raise self._refused(what, key, reply)
         return reply
+
+    async def _commands(self, what: str, commands: list[tuple[bytes, ...]], retry: bool = False) -> list[Any]:
+        """Plain commands (the Lua-free extend and release) in one write; error replies raised."""
+        replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(list(commands)), retry)
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise self._refused(what, None, reply)
+        return replies
 
     # -- the AsyncBackend interface ---------------------------------------------------
     # Ordering promise: every command of this backend goes through one connection in
@@ -301,17 +312,39 @@ class NativeAsyncBackend:
         raise unconfirmed(what, int(confirmed), config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self.dialect.lua_free:
+            # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
+            reply = await self._roundtrip("extend", key, lambda p: p.execute(*extend_command(key, token, ttl_ms)))
+            if not _oom(reply):  # refused at maxmemory: the script is not (see _dialect)
+                if isinstance(reply, ReplyError):
+                    raise self._refused("extend", key, reply)
+                return reply is not None
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self.dialect.lua_free:
+            sets: list[tuple[bytes | int, ...]] = [
+                extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
+            ]
+            replies: list[Any] = await self._roundtrip("extend_many", None, lambda p: p.pipeline(sets))
+            if not any(_oom(r) for r in replies):  # refused at maxmemory: the script is not (see _dialect)
+                for reply in replies:
+                    if isinstance(reply, ReplyError):
+                        raise self._refused("extend_many", None, reply)
+                return [r is not None for r in replies]
         return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
+        if self.dialect.lua_free and not bare_tokens([token]):
+            return bool(await self._command("release", key, *release_command(self.dialect, key, token), retry=True))
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            return [bool(r) for r in await self._commands("release_many", dels, retry=True)]
         return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -333,12 +366,26 @@ class NativeAsyncBackend:
                 fields[name] = value
         return fields
 
+    async def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
+        reply = await self._roundtrip("COMMAND INFO", None, lambda p: p.execute(*COMMAND_PROBE))
+        if isinstance(reply, ReplyError):
+            return None  # NOPERM, or a proxy without COMMAND: the version decides
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+
     async def close(self) -> None:
         if self._connecting is not None:
             self._connecting.cancel()
         if self._proto is not None:
             self._proto.close()
             self._proto = None
+
+
+def _oom(reply: object) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("OOM")
 
 
 def _noscript(reply: object) -> bool:

@@ -17,11 +17,19 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, cache_error
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._ident import TOKEN_BYTES
 from .._redispy import _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
@@ -64,6 +72,8 @@ class RedisAsyncBackend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
         kwargs: dict[str, Any] = {
             "username": config.username,
@@ -208,6 +218,21 @@ class RedisAsyncBackend:
                 raise reply
         return replies
 
+    async def _commands(self, commands: list[tuple[bytes, ...]]) -> list[Any]:
+        """Plain commands (the Lua-free extend and release) in one round trip, error replies
+        raised; one command goes without a pipeline. Raw replies: no response callbacks
+        (SET's would turn nil into False, which would read the same, but DELEX has none)."""
+        if len(commands) == 1:
+            return [await self._redis.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
+        pipe = self._redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     def _shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
         """Run ``work`` to completion even if its caller is cancelled, recorded under ``tokens``.
 
@@ -282,9 +307,26 @@ class RedisAsyncBackend:
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self.dialect.lua_free:
+            # SET's response callback reads OK as True and nil as None: the key held this value or not.
+            command = extend_command(key, token, ttl_ms)
+            try:
+                return bool((await self._call("extend", key, lambda: self._commands([command])))[0])
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self.dialect.lua_free:
+            sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+            try:
+                return [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         replies = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
         return [bool(r) for r in replies]
 
@@ -292,12 +334,20 @@ class RedisAsyncBackend:
         await self._settled([token])
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
+        if self.dialect.lua_free and not bare_tokens([token]):
+            command = release_command(self.dialect, key, token)
+            work = self._call("release", key, lambda: self._commands([command]), True)
+            return bool((await self._shielded([token], work))[0])
         work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
         return bool(await self._shielded([token], work))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._settled(tokens)
-        work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            work = self._call("release_many", None, lambda: self._commands(dels), True)
+        else:
+            work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
         replies = await self._shielded(tokens, work)
         return [bool(r) for r in replies]
 
@@ -317,6 +367,26 @@ class RedisAsyncBackend:
         if isinstance(raw, dict):
             return {str(k): str(v) for k, v in raw.items()}
         return {}
+
+    async def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
+        # "COMMAND INFO" as one name: redis-py splits it on the wire, and finds no response
+        # callback for it (COMMAND's own would parse a full command table).
+        args = COMMAND_PROBE[2:]
+        try:
+            reply = await self._call(
+                "COMMAND INFO",
+                None,
+                lambda: self._redis.execute_command("COMMAND INFO", *args),  # type: ignore[no-untyped-call]
+            )
+        except CacheError as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return None  # NOPERM, or a proxy without COMMAND: the version decides
+            raise
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
 
     async def close(self) -> None:
         await self._redis.aclose()
