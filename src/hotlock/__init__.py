@@ -226,6 +226,14 @@ def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], 
     return cache.with_lock(key, ttl, fn, *args, **kwargs)
 
 
-def lock_wait(cache: Cache, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
-    """``cache.lock_wait(key, ttl, wait)``."""
-    return cache.lock_wait(key, ttl, wait)
+def lock_wait(
+    cache: Cache,
+    key: str | bytes,
+    ttl: Seconds = DEFAULT_TTL,
+    wait: Seconds = 10.0,
+    *,
+    auto_extend: bool = False,
+    max_hold: Seconds | None = None,
+) -> Lock:
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)

@@ -95,6 +95,14 @@ async def with_lock(
     return await cache.with_lock(key, ttl, fn, *args, **kwargs)
 
 
-def lock_wait(cache: AsyncCache, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Acquiring:
-    """``cache.lock_wait(key, ttl, wait)``: await it, or use it with ``async with``."""
-    return cache.lock_wait(key, ttl, wait)
+def lock_wait(
+    cache: AsyncCache,
+    key: str | bytes,
+    ttl: Seconds = DEFAULT_TTL,
+    wait: Seconds = 10.0,
+    *,
+    auto_extend: bool = False,
+    max_hold: Seconds | None = None,
+) -> Acquiring:
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``: await it, or use it with ``async with``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)
