@@ -31,7 +31,7 @@ from hotlock.aio._backend import native_aio
 from hotlock.aio._cluster import AsyncClusterBackend, AsyncLink
 
 from .cluster import Cluster, start_cluster
-from .conftest import lock_name
+from .conftest import RedisServer, lock_name
 from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
 
@@ -371,7 +371,8 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
     (the map is asked of another node). A lock taken with wait_replicas=1 before the kill
     is still held, and still its holder's, on the promoted replica. (Without it, one
     granted in the last moment before the kill, not yet copied, would be lost: the
-    two-holder window of any asynchronous failover; see the README.)"""
+    two-holder window of any asynchronous failover, forced in
+    test_failover_can_give_two_holders_on_a_cluster; see the README.)"""
     cluster = spare_cluster
     cluster.flush()
     victim = cluster.primary_ports()[0]
@@ -415,6 +416,165 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
         confirmed.close()
     finally:
         cluster.restart(victim)  # back as a replica, so the next backend's run has a failover too
+
+
+# -- the two-holder window of a failover, forced ------------------------------------------
+# A lock granted by a primary in the last moment before it dies may never reach its replica.
+# Left to timing that window is a few microseconds; here it is forced: the replica is
+# SIGSTOPped (it can neither read nor reconnect) and the primary drops its replication link
+# (CLIENT KILL TYPE replica), so a write that follows reaches the primary's backlog only.
+# SIGSTOP alone would not do: bytes already written to the replica's socket are read when it
+# resumes. Then the primary is SIGKILLed and the replica promoted with CLUSTER FAILOVER
+# TAKEOVER (at once; the automatic election would take the node timeout and more).
+
+
+def _shard_to_fail(cluster: Cluster) -> tuple[int, int]:
+    """A primary (not a seed of cluster.url, when one can be had) and its replica's port,
+    with the cluster healthy, synced and empty."""
+    cluster.wait_ok()
+    cluster.wait_synced()
+    cluster.flush()
+    seeds = {n.port for n in cluster.nodes[:2]}
+    primaries = cluster.primary_ports()
+    primary = next((p for p in primaries if p not in seeds), primaries[0])
+    replica = int(cluster.client(primary).info("replication")["slave0"]["port"])
+    return primary, replica
+
+
+def _node(cluster: Cluster, port: int) -> RedisServer:
+    return next(n for n in cluster.nodes if n.port == port)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@contextlib.contextmanager
+def _replica_cut_off(cluster: Cluster, primary: int, replica: int) -> Iterator[None]:
+    """While inside: the replica is frozen and no longer linked, so the primary's writes go
+    nowhere but its backlog. On leaving, the replica runs again (it reconnects by itself,
+    if its primary is still there)."""
+    proc = _node(cluster, replica).proc
+    assert proc is not None and proc.poll() is None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while not _stopped(proc.pid):  # a signal is delivered soon after kill(), not within it
+            assert time.monotonic() < deadline, "the replica did not stop"
+            time.sleep(0.01)
+        side = cluster.client(primary)
+        assert side.execute_command("CLIENT", "KILL", "TYPE", "replica") == 1
+        assert int(side.info("replication")["connected_slaves"]) == 0
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+def _kill(cluster: Cluster, port: int) -> None:
+    proc = _node(cluster, port).proc
+    assert proc is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+def _take_over(cluster: Cluster, replica: int, key: str) -> None:
+    """Promote ``replica`` (its primary is dead) and wait until every live node says so."""
+    side = cluster.client(replica)
+    deadline = time.monotonic() + 30
+    while side.info("replication")["role"] != "master":
+        with contextlib.suppress(redis.ResponseError):  # promoted meanwhile by the election
+            side.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        if time.monotonic() > deadline:
+            pytest.fail("CLUSTER FAILOVER TAKEOVER did not promote the replica")
+        time.sleep(0.05)
+    cluster.wait_ok()
+    assert cluster.owner_of(lock_name(key)) == replica
+
+
+def _bring_back(cluster: Cluster, port: int) -> None:
+    """Restart a killed primary: it rejoins as its promoted replica's replica."""
+    proc = _node(cluster, port).proc
+    if proc is not None and proc.poll() is not None:
+        cluster.restart(port)
+
+
+def test_failover_can_give_two_holders_on_a_cluster(redis_backend: str, spare_cluster: Cluster) -> None:
+    """The README's caveat, reproduced: a lock granted by a primary whose replica never got
+    it (replica frozen, link cut), the primary SIGKILLed, the replica promoted: a second
+    client is granted the same key, and both hold valid-looking leases."""
+    cluster = spare_cluster
+    primary, replica = _shard_to_fail(cluster)
+    key = keys_on(cluster, primary, 1, "two")[0]
+    a = hotlock.connect(cluster.url, backend=redis_backend, timeout=1, connect_timeout=1)
+    try:
+        with _replica_cut_off(cluster, primary, replica):
+            first = a.lock(key, ttl=120)  # granted and answered at once: no replica is asked
+            assert cluster.client(primary).get(lock_name(key)) == first._token
+            _kill(cluster, primary)  # before the replica could have it
+        _take_over(cluster, replica, key)
+        assert cluster.client(replica).exists(lock_name(key)) == 0  # the grant died with the primary
+        with hotlock.connect(cluster.url, backend=redis_backend, timeout=1, connect_timeout=1) as b:
+            second = b.lock(key, ttl=120)  # the promoted replica never saw the first
+            # Two holders of one key, each with a live lease: why the protected resource
+            # must check an idempotency key or a fencing token.
+            assert first.valid_for() > 60 and second.valid_for() > 60
+            assert second._token != first._token
+            assert cluster.client(replica).get(lock_name(key)) == second._token
+            assert second.unlock() is True
+    finally:
+        a.close()
+        _bring_back(cluster, primary)
+
+
+def test_wait_replicas_closes_the_failover_window_on_a_cluster(redis_backend: str, spare_cluster: Cluster) -> None:
+    """The same forced window with wait_replicas=1. An acquire the cut-off replica cannot
+    confirm in time is undone and raised as CacheError: its caller never believes it holds
+    the lock. One with a longer wait_timeout is still waiting while the replica is frozen
+    and returns once the replica, running again, has it. After the same SIGKILL and
+    promotion, each key has exactly one holder."""
+    cluster = spare_cluster
+    primary, replica = _shard_to_fail(cluster)
+    undone, kept = keys_on(cluster, primary, 2, "wr")
+    hasty = hotlock.connect(cluster.url, backend=redis_backend, wait_replicas=1, wait_timeout=0.3, timeout=2)
+    # A generous wait: the resumed replica reconnects and acknowledges within a few seconds.
+    patient = hotlock.connect(cluster.url, backend=redis_backend, wait_replicas=1, wait_timeout=20, timeout=25)
+    got: dict[str, object] = {}
+
+    def acquire() -> None:
+        try:
+            got["lock"] = patient.lock(kept, ttl=120)
+        except BaseException as exc:  # reported by the asserts below
+            got["error"] = exc
+
+    waiter = threading.Thread(target=acquire)
+    try:
+        with _replica_cut_off(cluster, primary, replica):
+            with pytest.raises(CacheError, match="replicas"):
+                hasty.lock(undone, ttl=120)
+            assert cluster.client(primary).exists(lock_name(undone)) == 0  # undone, not stranded
+            waiter.start()
+            waiter.join(1.0)
+            assert waiter.is_alive(), f"the acquire did not wait for the frozen replica: {got}"
+        waiter.join(60)
+        assert not waiter.is_alive() and "lock" in got, got
+        held = got["lock"]
+        assert isinstance(held, hotlock.Lock)
+        _kill(cluster, primary)
+        _take_over(cluster, replica, kept)
+        # The promoted replica has the confirmed lock, and nothing of the undone one.
+        assert cluster.client(replica).get(lock_name(kept)) == held._token
+        assert cluster.client(replica).exists(lock_name(undone)) == 0
+        with hotlock.connect(cluster.url, backend=redis_backend, timeout=1, connect_timeout=1) as b:
+            with pytest.raises(LockNotAcquired):
+                b.lock(kept, ttl=120)  # still its first holder's
+            assert b.lock(undone, ttl=120).unlock() is True  # its only holder: the first was told no
+    finally:
+        if waiter.is_alive():
+            waiter.join(60)
+        hasty.close()
+        patient.close()
+        _bring_back(cluster, primary)
 
 
 # -- wait_replicas and NOSCRIPT ------------------------------------------------------------
