@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         raise SystemExit("bench.instructions needs valgrind (apt-get install valgrind)")
     exe, why = ceiling.build()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "src"))))
     rows: dict[str, dict[str, float]] = {}
     with start_redis() as server:
         scripts = ceiling.write_scripts()

@@ -7,6 +7,8 @@ Peels the native path layer by layer, interleaved, on one private redis-server:
                urandom token): Cython + hiredis, without the public Python layer
 - ``api``      cache.lock(key, ttl).unlock(): the public API
 - ``python``   the public API over a backend that does nothing: the Python layer alone
+- ``metrics``  (with ``--metrics``) the public API with the Prometheus adapter listening
+               (hotlock.metrics.PrometheusMetrics on a registry of its own)
 
 It reads one private attribute (``Cache._backend``) to call the backend directly; that
 is the point of the exercise and nothing else in bench/ does it. By default server and
@@ -51,7 +53,18 @@ def _child(url: str, layer: str, n: int) -> dict[str, float]:
     from hotlock._scripts import held_value
 
     serial = itertools.count()
-    cache = Cache(_Nothing(), b"hotlock:") if layer == "python" else hotlock.connect(url, backend="native")  # type: ignore[arg-type]
+    metrics = None
+    if layer == "metrics":
+        from prometheus_client import CollectorRegistry
+
+        from hotlock.metrics import PrometheusMetrics
+
+        metrics = PrometheusMetrics(CollectorRegistry())
+    cache = (
+        Cache(_Nothing(), b"hotlock:")  # type: ignore[arg-type]
+        if layer == "python"
+        else hotlock.connect(url, backend="native", metrics=metrics)
+    )
     if layer == "backend":
         backend = cache._backend
         urandom = os.urandom
@@ -79,6 +92,7 @@ def _child(url: str, layer: str, n: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.layers", description=__doc__.splitlines()[0])
     ap.add_argument("--split", action="store_true", help="server and client on different cores")
+    ap.add_argument("--metrics", action="store_true", help="also the public API with the Prometheus adapter")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--cycles", type=int, default=8000)
     ap.add_argument("--child", nargs=2, metavar=("URL", "LAYER"), help=argparse.SUPPRESS)
@@ -90,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     pin = pinning(one_core=not args.split)
     client = pin.prefix(pin.client)
     exe, why = ceiling.build()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "src"))))
     results: dict[str, list[dict[str, float]]] = {}
     with start_redis(pin.server) as server:
         for i in range(args.runs):
-            for layer in ("python", "backend", "api"):
+            for layer in ("python", "backend", "api", *(("metrics",) if args.metrics else ())):
                 cmd = [*client, sys.executable, "-m", "bench.layers", "--cycles", str(args.cycles), "--child"]
                 done = subprocess.run([*cmd, server.url, layer], capture_output=True, text=True, env=env, cwd=ROOT)
                 if done.returncode != 0:
@@ -106,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("C", []).append({"rate": rate, "cpu_us": cpu_us})
     print(f"pinning: {pin.note}; {args.runs} rounds; acquire+release of a fresh key" + ("" if exe else f"; C: {why}"))
     print(f"{'layer':<10} {'cycles/s':>10} {'CPU us/cycle':>13}")
-    for layer in ("C", "backend", "api", "python"):
+    for layer in ("C", "backend", "api", "metrics", "python"):
         if layer in results:
             rate = statistics.median(r["rate"] for r in results[layer])
             cpu = statistics.median(r["cpu_us"] for r in results[layer])
             print(f"{layer:<10} {rate:>10,.0f} {cpu:>13.1f}")
+    if "metrics" in results:
+        api = statistics.median(r["cpu_us"] for r in results["api"])
+        metered = statistics.median(r["cpu_us"] for r in results["metrics"])
+        print(f"metrics / api client CPU: {metered / api:.3f}")
     return 0
 
 

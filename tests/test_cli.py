@@ -134,7 +134,7 @@ def test_bad_usage_exits_2_before_any_io(args: list[str]) -> None:
         ("http://127.0.0.1:6379/0", "url scheme must be"),
         ("redis://127.0.0.1:99999/0", "port"),
         ("redis://127.0.0.1:6379/x", "database number"),
-        ("redis+cluster://", "at least one seed"),
+        ("redis+cluster://", "at least one node"),  # the library's own parse_url message
     ],
 )
 def test_a_bad_url_gets_the_library_message_and_exit_2(url: str, message: str) -> None:
@@ -708,6 +708,9 @@ def test_doctor_on_a_cluster_names_its_shards(cluster: list[RedisServer]) -> Non
     assert "0-5460" in detail and "10923-16383" in detail
     assert found["server"]["status"] == "ok" and "cluster mode" in found["server"]["detail"]
     assert found["acl"]["status"] == "ok"
+    # connect() takes the cluster URL: a real lock cycle runs across the shards.
+    assert found["library"]["status"] == "ok", found["library"]
+    assert found["lua-free"]["status"] == "ok", found["lua-free"]
     assert "latency" in found and found["latency"]["detail"].count("p99") == 3  # every primary measured
 
 

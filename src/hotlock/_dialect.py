@@ -43,6 +43,7 @@ __all__ = [
     "commands_from",
     "detect",
     "extend_command",
+    "kind_and_version",
     "probe_needed",
     "release_command",
 ]

@@ -26,6 +26,9 @@ __all__ = ["LeaseMeter", "Meter", "MeteredCache", "as_list", "check_listener", "
 
 log = logging.getLogger("hotlock")
 
+_monotonic = time.monotonic  # the clock of Lease._now, bound once for the hot path
+_plain_lock = Cache.lock
+
 
 def check_listener(metrics: object) -> Listener | None:
     """connect()'s check of ``metrics``, before any I/O: None, or an object with every
@@ -42,23 +45,36 @@ def check_listener(metrics: object) -> Listener | None:
 
 
 class Meter:
-    """One cache's listener, called so that it can never change a lock call's outcome."""
+    """One cache's listener, called so that it can never change a lock call's outcome.
 
-    __slots__ = ("_warned", "listener")
+    The listener's methods are looked up once, here (at connect): an event then costs
+    one call of the bound method inside a try, nothing more."""
+
+    __slots__ = ("_acquired", "_error", "_extended", "_lost", "_not_acquired", "_released", "_warned", "listener")
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
         self._warned = False
+        self._acquired = listener.acquired
+        self._not_acquired = listener.not_acquired
+        self._released = listener.released
+        self._extended = listener.extended
+        self._lost = listener.lost
+        self._error = listener.error
+
+    def raised(self) -> None:
+        """The listener raised (called from its ``except``): a broken listener must not
+        turn an acquired lock into an exception (the key would stay held until its TTL)
+        nor fail a release; say so once per cache."""
+        if not self._warned:
+            self._warned = True
+            log.warning("metrics listener %r raised; its events are dropped", self.listener, exc_info=True)
 
     def call(self, event: Callable[..., None], *args: Any) -> None:
         try:
             event(*args)
         except Exception:
-            # A broken listener must not turn an acquired lock into an exception (the key
-            # would stay held until its TTL) nor fail a release; say so once per cache.
-            if not self._warned:
-                self._warned = True
-                log.warning("metrics listener %r raised; its events are dropped", self.listener, exc_info=True)
+            self.raised()
 
     def attach(self, lease: Lease) -> None:
         """Give a just-acquired lease its LeaseMeter. The hold time runs from when its
@@ -66,13 +82,24 @@ class Meter:
         lease._meter = LeaseMeter(self, lease._deadline - lease._ttl_ms / 1000.0)
 
     def acquired(self, key: str | bytes, started: float, now: float, attempts: int | None) -> None:
-        self.call(self.listener.acquired, key, now - started, attempts)
+        try:
+            self._acquired(key, now - started, attempts)
+        except Exception:
+            self.raised()
+
+    def took(self, lease: Lease, started: float, now: float, attempts: int | None) -> None:
+        """attach() and acquired() in one: the try-once acquire's path."""
+        lease._meter = LeaseMeter(self, lease._deadline - lease._ttl_ms / 1000.0)
+        try:
+            self._acquired(lease.key, now - started, attempts)
+        except Exception:
+            self.raised()
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, started: float, now: float) -> None:
-        self.call(self.listener.not_acquired, key, outcome, now - started)
+        self.call(self._not_acquired, key, outcome, now - started)
 
     def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
-        self.call(self.listener.error, key, op, error)
+        self.call(self._error, key, op, error)
 
 
 class LeaseMeter:
@@ -85,22 +112,24 @@ class LeaseMeter:
         self.taken_at = taken_at  # on the lease's own clock (Lease._now)
 
     def extended(self, lease: Lease, ok: bool) -> None:
-        listener = self.meter.listener
-        self.meter.call(listener.extended, lease.key, ok)
+        meter = self.meter
+        meter.call(meter._extended, lease.key, ok)
         if not ok:
-            self.meter.call(listener.lost, lease.key, lease._now() - self.taken_at)
+            meter.call(meter._lost, lease.key, lease._now() - self.taken_at)
 
     def released(self, lease: Lease, ok: bool) -> None:
-        listener = self.meter.listener
-        held = lease._now() - self.taken_at
-        if ok:
-            self.meter.call(listener.released, lease.key, held)
-        else:
-            # The release found another token or none: the lease had been lost already.
-            self.meter.call(listener.lost, lease.key, held)
+        meter = self.meter
+        try:
+            if ok:
+                meter._released(lease.key, lease._now() - self.taken_at)
+            else:
+                # The release found another token or none: the lease had been lost already.
+                meter._lost(lease.key, lease._now() - self.taken_at)
+        except Exception:
+            meter.raised()
 
     def failed(self, lease: Lease, op: Op, error: CacheError) -> None:
-        self.meter.call(self.meter.listener.error, lease.key, op, error)
+        self.meter.call(self.meter._error, lease.key, op, error)
 
 
 def as_list(items: Any) -> Any:
@@ -129,7 +158,18 @@ class MeteredCache(Cache):
         self._meter = Meter(listener)
 
     def lock(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
-        return self._observe(super().lock, "held", key, args, kwargs)
+        # The hot path, written out (no _observe, no super()): metrics cost little here.
+        started = _monotonic()
+        try:
+            lock = _plain_lock(self, key, *args, **kwargs)
+        except LockNotAcquired:
+            self._meter.not_acquired(key, "held", started, _monotonic())
+            raise
+        except CacheError as error:
+            self._meter.error(key, "acquire", error)
+            raise
+        self._meter.took(lock, started, _monotonic(), 1)
+        return lock
 
     def lock_wait(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
         return self._observe(super().lock_wait, "timeout", key, args, kwargs, attempts=None)
@@ -153,8 +193,7 @@ class MeteredCache(Cache):
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.attach(lock)
-        meter.acquired(key, started, time.monotonic(), attempts)
+        meter.took(lock, started, time.monotonic(), attempts)
         return lock
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:

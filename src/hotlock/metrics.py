@@ -18,8 +18,11 @@ A cache made without ``metrics`` pays nothing: its locks carry no listener and t
 
 from __future__ import annotations
 
+import math
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ._lock import shown
@@ -148,6 +151,39 @@ _ACQUIRE_OUTCOMES = ("acquired", "held", "timeout", "error")
 _EXTEND_OUTCOMES = ("ok", "lost", "error")
 
 
+def _fast_inc(counter: Any) -> Callable[[], None]:
+    """``counter.inc`` for an unlabelled counter (or a bound child), as a call of its value's
+    own inc (thread-safe, under the value's lock) without Counter.inc's checks for a
+    negative amount, an exemplar and an unbound parent, which cannot apply here. Falls
+    back to the public method where prometheus_client's insides are not as expected."""
+    add = getattr(getattr(counter, "_value", None), "inc", None)
+    if not callable(add):
+        return counter.inc  # type: ignore[no-any-return]
+    return partial(add, 1)
+
+
+def _fast_observe(histogram: Any) -> Callable[[float], None]:
+    """``histogram.observe`` for an unlabelled histogram: add to its sum and to the one
+    bucket the amount falls in (prometheus_client keeps the buckets non-cumulative and sums
+    them at collection), found by bisection instead of Histogram.observe's linear scan and
+    per-call checks. Falls back to the public method where the insides are not as expected."""
+    try:
+        bounds = [float(b) for b in histogram._upper_bounds]
+        adds = [b.inc for b in histogram._buckets]
+        add_sum = histogram._sum.inc
+    except (AttributeError, TypeError, ValueError):
+        return histogram.observe  # type: ignore[no-any-return]
+    if not bounds or len(bounds) != len(adds) or bounds[-1] != math.inf or bounds != sorted(bounds):
+        return histogram.observe  # type: ignore[no-any-return]
+
+    def observe(amount: float) -> None:
+        add_sum(amount)
+        # The first bucket whose upper bound is >= amount (Histogram.observe's own rule).
+        adds[bisect_left(bounds, amount)](1)
+
+    return observe
+
+
 class PrometheusMetrics(BaseListener):
     """A Listener that keeps prometheus_client counters and histograms
     (``pip install hotlock[prometheus]``):
@@ -216,13 +252,19 @@ class PrometheusMetrics(BaseListener):
             # one inc() or observe() (prometheus_client's labels() is a dict lookup under a lock).
             self._acq = {o: self.acquisitions.labels(outcome=o) for o in _ACQUIRE_OUTCOMES}
             self._ext = {o: self.extensions.labels(outcome=o) for o in _EXTEND_OUTCOMES}
+            # And the per-cycle events (acquired + released) bound to the values they add
+            # to, so a lock cycle costs no lookups and no per-call checks (bench/results.md
+            # "Metrics: what the listener costs").
+            self._count_acquired = _fast_inc(self._acq["acquired"])
+            self._observe_wait = _fast_observe(self.acquire_wait)
+            self._observe_hold = _fast_observe(self.hold)
 
     # Each method has a fast path (no key_space: pre-resolved children) and a labelled one.
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         if self._key_space is None:
-            self._acq["acquired"].inc()
-            self.acquire_wait.observe(wait_s)
+            self._count_acquired()
+            self._observe_wait(wait_s)
         else:
             space = self._space(key)
             self.acquisitions.labels(space, "acquired").inc()
@@ -236,7 +278,7 @@ class PrometheusMetrics(BaseListener):
 
     def released(self, key: str | bytes, held_s: float) -> None:
         if self._key_space is None:
-            self.hold.observe(held_s)
+            self._observe_hold(held_s)
         else:
             self.hold.labels(self._space(key)).observe(held_s)
 

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from .. import backend_info
+from .._dialect import COMMAND_PROBE, commands_from, detect, kind_and_version
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._target import Node, Target, glob_escape
 
@@ -79,12 +80,14 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def server_kind(info: dict[str, Any]) -> tuple[str, str]:
-    """("Redis" or "Valkey", its version) from INFO server. Valkey 8+ says server_name:valkey
-    and valkey_version, and keeps redis_version at 7.2.4 for old clients: never trust that
-    one on Valkey."""
-    if info.get("server_name") == "valkey" or "valkey_version" in info:
-        return "Valkey", str(info.get("valkey_version") or info.get("redis_version") or "?")
-    return "Redis", str(info.get("redis_version") or "?")
+    """("Redis" or "Valkey", its version) from INFO server, by the library's own reading
+    (hotlock._dialect.kind_and_version: Valkey 8+ keeps redis_version at 7.2.4 for old
+    clients, so that one is never trusted on Valkey)."""
+    kind, version = kind_and_version({str(k): str(v) for k, v in info.items()})
+    return _KIND_NAMES.get(kind, "unknown server"), version or "?"
+
+
+_KIND_NAMES = {"redis": "Redis", "valkey": "Valkey"}
 
 
 def check_server(target: Target) -> list[Check]:
@@ -122,34 +125,30 @@ def check_server(target: Target) -> list[Check]:
 
 
 def check_dialect(target: Target) -> list[Check]:
-    """The Lua-free path (DESIGN §11): compare-and-set and compare-and-delete commands."""
-    node = target.nodes[0]
-    try:
-        reply = _raw(node.client, "COMMAND", "INFO", "DELIFEQ", "DELEX")
-        offered = [name for name, entry in zip(("DELIFEQ", "DELEX"), reply, strict=False) if entry]
-    except redis.ResponseError:
-        # COMMAND refused: go by the version (Valkey 9.0 brought DELIFEQ, Redis 8.4 DELEX).
-        info = _info(node.client, "server") or {}
-        valkey = info.get("valkey_version")
-        version = _version(str(valkey or info.get("redis_version", "0")))
-        offered = ["DELIFEQ"] if valkey and version >= (9, 0) else ["DELEX"] if version >= (8, 4) else []
-        if not info:
-            return [Check("lua-free", OK, "COMMAND INFO and INFO are refused: cannot tell whether SET IFEQ is offered")]
-    if offered:
-        return [
-            Check(
-                "lua-free",
-                OK,
-                f"the server offers SET IFEQ and {offered[0]}: extend and release can run without Lua",
+    """The Lua-free path (DESIGN §11): what connect() would choose on each primary, by the
+    library's own rule (hotlock._dialect.detect over INFO and COMMAND INFO DELIFEQ DELEX)."""
+    found: dict[str, list[str]] = {}
+    for node in target.nodes:
+        try:
+            commands = commands_from(_raw(node.client, *COMMAND_PROBE))
+        except redis.ResponseError:
+            commands = None  # COMMAND refused: detect goes by the version
+        info = _info(node.client, "server")
+        dialect = detect(None if info is None else {str(k): str(v) for k, v in info.items()}, commands, "auto")
+        if dialect.lua_free:
+            how = f"the server offers SET IFEQ and {dialect.release}: extend and release can run without Lua"
+        elif dialect.kind == "unknown":
+            how = "INFO is refused: the server's kind is unknown, so extend and release run as Lua scripts (EVALSHA)"
+        else:
+            how = (
+                "no SET IFEQ/DELIFEQ/DELEX here (Valkey 9+, Redis 8.4+): "
+                "extend and release run as Lua scripts (EVALSHA)"
             )
-        ]
-    return [
-        Check(
-            "lua-free",
-            OK,
-            "no SET IFEQ/DELIFEQ/DELEX here (Valkey 9+, Redis 8.4+): extend and release run as Lua scripts (EVALSHA)",
-        )
-    ]
+        found.setdefault(how, []).append(node.address)
+    if len(found) == 1:
+        return [Check("lua-free", OK, next(iter(found)))]
+    # A cluster mid-upgrade: each primary gets what it offers (the backend detects per node).
+    return [Check("lua-free", OK, "; ".join(f"{', '.join(nodes)}: {how}" for how, nodes in found.items()))]
 
 
 # -- eviction, persistence -----------------------------------------------------------
@@ -404,10 +403,7 @@ def check_library(target: Target, url: str) -> list[Check]:
     level = log.level
     log.setLevel(logging.ERROR)  # its connect lines repeat what doctor says itself
     try:
-        try:
-            cache = hotlock.connect(url, prefix=prefix, timeout=target.timeout, connect_timeout=target.timeout)
-        except ValueError as exc:
-            return [Check("library", WARN, f"hotlock.connect() does not take this url yet: {exc}")]
+        cache = hotlock.connect(url, prefix=prefix, timeout=target.timeout, connect_timeout=target.timeout)
         try:
             with cache.lock("k", ttl=SCRATCH_TTL_MS / 1000) as lock:
                 with contextlib.suppress(hotlock.LockNotAcquired):
@@ -615,7 +611,7 @@ def _sentinel_topology(target: Target) -> list[Check]:
     sentinels = int(master.get("num-other-sentinels", 0)) + 1
     quorum = master.get("quorum", "?")
     detail = (
-        f"Sentinel service {target.config.service if target.config else '?'}: primary {target.nodes[0].address}, "
+        f"Sentinel service {target.config.service}: primary {target.nodes[0].address}, "
         f"{len(up)} of {len(replicas)} replicas up, {sentinels} sentinels (quorum {quorum})"
     )
     if not up:

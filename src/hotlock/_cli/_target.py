@@ -13,7 +13,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -26,7 +25,6 @@ from .._validate import MAX_KEY_BYTES
 from ..errors import CacheError
 
 __all__ = [
-    "CLUSTER_SCHEMES",
     "CliError",
     "Node",
     "Target",
@@ -42,8 +40,6 @@ __all__ = [
 
 # The exit codes (README "Command line").
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
-
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 class CliError(Exception):
@@ -179,7 +175,7 @@ class Target:
     kind: str  # "standalone", "sentinel" or "cluster"
     prefix: bytes
     timeout: float
-    config: ServerConfig | None  # None for a cluster URL
+    config: ServerConfig  # a cluster URL's seeds in config.seeds
     nodes: list[Node] = field(default_factory=list)  # the primaries
     cluster: Any = None  # redis.cluster.RedisCluster
     sentinel_info: dict[str, Any] = field(default_factory=dict)
@@ -215,54 +211,13 @@ def _client_kwargs(username: str | None, password: str | None, timeout: float) -
     return kwargs
 
 
-def parse_target_url(url: str, timeout: float) -> ServerConfig | tuple[str, list[tuple[str, int]], bool]:
-    """A ServerConfig (the library's own parse), or for redis+cluster:// the cluster's
-    (display, seeds, tls). Raises UsageError with parse_url's message."""
-    scheme = urlsplit(url).scheme
-    if scheme in CLUSTER_SCHEMES:
-        return _parse_cluster(url)
+def parse_target_url(url: str, timeout: float) -> ServerConfig:
+    """The library's own parse of ``url`` (a cluster URL's seeds in ``ServerConfig.seeds``).
+    Raises UsageError with parse_url's message."""
     try:
         return parse_url(url, connect_timeout=timeout, timeout=timeout)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--url: {exc}") from None
-
-
-def _parse_cluster(url: str) -> tuple[str, list[tuple[str, int]], bool]:
-    """``redis+cluster://[user:pass@]h1[:port],h2[:port]...`` (port 6379 by default)."""
-    parts = urlsplit(url)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    seeds = []
-    for item in hosts.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.startswith("["):
-            host, _, rest = item[1:].partition("]")
-            port_text = rest.lstrip(":")
-        else:
-            host, _, port_text = item.partition(":")
-        try:
-            port = int(port_text) if port_text else 6379
-        except ValueError:
-            raise UsageError("--url: redis+cluster:// url: each port must be a number") from None
-        if not host or not 0 < port < 65536:
-            raise UsageError("--url: redis+cluster:// url: each seed needs a host and a port from 1 to 65535")
-        seeds.append((host, port))
-    if not seeds:
-        raise UsageError("--url: redis+cluster:// url needs at least one seed, as in redis+cluster://h1:7000,h2:7000")
-    if parts.path not in ("", "/", "/0"):
-        raise UsageError("--url: a cluster has only database 0")
-    shown = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in seeds)
-    del userinfo  # credentials are read again by open_target; never shown
-    return f"{parts.scheme}://{shown}", seeds, parts.scheme == "rediss+cluster"
-
-
-def _credentials(url: str) -> tuple[str | None, str | None]:
-    userinfo, _, _ = urlsplit(url).netloc.rpartition("@")
-    if not userinfo:
-        return None, None
-    user, colon, pw = userinfo.partition(":")
-    return (unquote(user) or None), (unquote(pw) if colon else None)
 
 
 def _unreachable(display: str, exc: BaseException) -> Unreachable:
@@ -280,10 +235,9 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
 
     Raises UsageError for a bad URL (before any I/O) and Unreachable when no server answers.
     """
-    parsed = parse_target_url(url, timeout)
-    if isinstance(parsed, tuple):
-        return _open_cluster(url, prefix, timeout, *parsed)
-    config = parsed
+    config = parse_target_url(url, timeout)
+    if config.seeds:
+        return _open_cluster(config, prefix, timeout)
     kwargs = _client_kwargs(config.username, config.password, timeout)
     kwargs["db"] = config.db
     target = Target(
@@ -375,26 +329,23 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _open_cluster(
-    url: str, prefix: bytes, timeout: float, display: str, seeds: list[tuple[str, int]], tls: bool
-) -> Target:
+def _open_cluster(config: ServerConfig, prefix: bytes, timeout: float) -> Target:
     from redis.cluster import ClusterNode, RedisCluster
 
-    nodes: Any = [ClusterNode(h, p) for h, p in seeds]  # type: ignore[no-untyped-call]
-
-    username, password = _credentials(url)
-    kwargs = _client_kwargs(username, password, timeout)
+    nodes: Any = [ClusterNode(h, p) for h, p in config.seeds]  # type: ignore[no-untyped-call]
+    display = config.display
+    kwargs = _client_kwargs(config.username, config.password, timeout)
     try:
         cluster: Any = RedisCluster(
             startup_nodes=nodes,
-            ssl=tls,
+            ssl=config.tls,
             require_full_coverage=False,  # doctor reports uncovered slots itself
             cluster_error_retry_attempts=1,
             **kwargs,
         )
     except (redis.RedisError, OSError) as exc:
         raise _unreachable(display, exc) from None
-    target = Target(display=display, kind="cluster", prefix=prefix, timeout=timeout, config=None, cluster=cluster)
+    target = Target(display=display, kind="cluster", prefix=prefix, timeout=timeout, config=config, cluster=cluster)
     for node in cluster.get_primaries():
         target.nodes.append(Node(f"{node.host}:{node.port}", node.redis_connection))
     return target
