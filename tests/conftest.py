@@ -317,9 +317,11 @@ def rcache(redis_backend: str, server_url: str) -> Iterator[hotlock.Cache]:
 # A test (or a module, by pytestmark) marked @pytest.mark.topologies("single", "cluster")
 # runs its cache/rcache on each (ids test_x[native-single], test_x[native-cluster]).
 # Unmarked tests run on one server only. The memory backend has no cluster form, so that
-# pair is deselected.
+# pair is deselected. HOTLOCK_TEST_TOPOLOGIES=single leaves the cluster out (make
+# test-pythons: the cluster dimension runs on the main Python only).
 
 TOPOLOGIES = ("single", "cluster")
+ENABLED_TOPOLOGIES = tuple(t for t in os.environ.get("HOTLOCK_TEST_TOPOLOGIES", ",".join(TOPOLOGIES)).split(",") if t)
 
 
 def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
@@ -329,7 +331,7 @@ def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
     unknown = set(marker.args) - set(TOPOLOGIES)
     if unknown:
         raise ValueError(f"unknown topologies {sorted(unknown)}: the known ones are {TOPOLOGIES}")
-    metafunc.parametrize("topology", marker.args, indirect=True)
+    metafunc.parametrize("topology", [t for t in marker.args if t in ENABLED_TOPOLOGIES], indirect=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
