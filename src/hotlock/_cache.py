@@ -86,15 +86,30 @@ class CacheBase(Generic[L]):
 class Cache(CacheBase[Lock]):
     """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
 
-    __slots__ = ()
+    __slots__ = ("_take",)
     _lock_type = Lock
     _shown_as = "hotlock.Cache"
     _backend: Backend
+
+    def __init__(self, backend: Backend, prefix: bytes) -> None:
+        super().__init__(backend, prefix)
+        # The native backend does lock()'s common case in one call (ext/_lease.pxi): the
+        # key and TTL as the validators would take them (anything else it hands to them),
+        # the token, the acquire and the Lock, copied from this template. None elsewhere.
+        taker = getattr(backend, "taker", None)
+        self._take: Callable[[str | bytes, Seconds], Lock | int] | None = (
+            None if taker is None else taker(self._lock_prefix, Lock(backend, "", b"", b"", 1, 1, 0.0))
+        )
 
     # -- locks ------------------------------------------------------------------------
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Lock:
         """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
+        if self._take is not None:
+            lock = self._take(key, ttl)
+            if type(lock) is int:
+                raise self._not_acquired(key, lock, None)
+            return lock  # type: ignore[return-value]
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         token = new_token()

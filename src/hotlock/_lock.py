@@ -149,7 +149,7 @@ class Lock(Lease):
         Idempotent, and never raises LockLost. A CacheError (Redis down) keeps the token,
         so a later call can still release it; otherwise the key expires by its TTL.
         """
-        if not self._sendable():
+        if not self._token or self._pid != _ident.pid:  # self._sendable(), inline: the hot path
             return False
         try:
             released = self._backend.release(self._name, self._token)
