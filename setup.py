@@ -18,10 +18,27 @@ from setuptools.command.build_ext import build_ext
 
 REQUIRE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
 SKIP = os.environ.get("HOTLOCK_NO_EXTENSIONS") == "1"
+# pip runs this file once per build hook: twice for the metadata (egg_info, dist_info), then
+# once to build. Only a build says why the extension is left out, so the line appears once.
+BUILD_COMMANDS = ("build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop")
+BUILDING = any(cmd in sys.argv[1:] for cmd in BUILD_COMMANDS)
 
 
 def say(message: str) -> None:
-    print(f"hotlock: {message}", file=sys.stderr)
+    if BUILDING:
+        print(f"hotlock: {message}", file=sys.stderr)
+
+
+def failure(exc: BaseException) -> str:
+    """Why the compile failed, in a few words: setuptools' error carries the whole command line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileNotFoundError) and seen.filename:
+            return f"no C compiler: {seen.filename} not found"
+        if isinstance(seen, subprocess.CalledProcessError) and isinstance(seen.cmd, list | tuple):
+            return f"compiling failed: {seen.cmd[0]} exited with status {seen.returncode}"
+        seen = seen.__cause__ or seen.__context__
+    return str(exc)
 
 
 def hiredis_flags() -> dict[str, list[str]] | None:
@@ -97,7 +114,7 @@ class BuildExt(build_ext):
         except Exception as exc:
             if REQUIRE:
                 raise
-            say(f"the native extension did not build ({exc}): pure-Python install")
+            say(f"the native extension did not build ({failure(exc)}): pure-Python install")
 
     def build_extension(self, ext: Extension) -> None:
         try:
@@ -105,7 +122,7 @@ class BuildExt(build_ext):
         except Exception as exc:
             if REQUIRE or not getattr(ext, "optional", False):
                 raise
-            say(f"the native extension did not build ({exc}): pure-Python install")
+            say(f"the native extension did not build ({failure(exc)}): pure-Python install")
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -17,6 +17,8 @@ from .workloads import percentile
 
 HERE = Path(__file__).resolve().parent
 NOTES = HERE / "profile_notes.md"
+# Written by python -m bench.renewal --write (auto_extend's renewal cost), appended as written.
+RENEWAL = HERE / "renewal.md"
 
 __all__ = ["aggregate", "chart", "markdown"]
 
@@ -312,6 +314,9 @@ def markdown(data: dict[str, Any]) -> str:
     add("")
     if NOTES.exists():
         add(NOTES.read_text().rstrip())
+        add("")
+    if RENEWAL.exists():
+        add(RENEWAL.read_text().rstrip())
         add("")
     return "\n".join(lines)
 

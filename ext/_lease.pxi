@@ -138,7 +138,7 @@ cdef class _Taker:
         except IndexError:
             token = _ident.new_token()  # the pool is empty: it refills
         sent = _monotonic()
-        self._backend._scripts(_SHA_ACQUIRE, name, token, 1, ms, self._backend._retry_until(0.0),
+        self._backend._scripts(_SHA_ACQUIRE, name, token, 1, ms, self._backend._rule(0.0, True),
                                "acquire", name, &fence)
         if fence <= 0:
             return fence

@@ -28,7 +28,10 @@ from posix.unistd cimport close, getpid
 from hiredis cimport *
 
 from hotlock import _backoff
+from hotlock._cluster import LinkLost, ReplyError
 from hotlock._config import cache_error
+from hotlock._dialect import COMMAND_PROBE, UNDETECTED, bare_tokens
+from hotlock._ident import TOKEN_BYTES
 from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
 from hotlock.errors import CacheError
@@ -43,6 +46,7 @@ cdef extern from "compat.h" nogil:
 HIREDIS_VERSION = (<bytes>HOTLOCK_HIREDIS_VERSION).decode()
 HAS_TLS = bool(HOTLOCK_HAS_TLS)
 
+cdef Py_ssize_t _TOKEN_BYTES = TOKEN_BYTES
 cdef bytes _SHA_ACQUIRE = ACQUIRE.sha
 cdef bytes _SHA_EXTEND = EXTEND.sha
 cdef bytes _SHA_RELEASE = RELEASE.sha

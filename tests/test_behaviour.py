@@ -17,7 +17,11 @@ from hotlock import Cache, LockLost, LockNotAcquired
 
 from .conftest import RedisServer, free_port, lock_name, start_redis
 
+# The behaviour suite's tests run on one server and on the Redis Cluster (tests/cluster.py).
+on_every_topology = pytest.mark.topologies("single", "cluster")
 
+
+@on_every_topology
 def test_lock_conflict_is_lock_not_acquired(cache: Cache) -> None:
     held = cache.lock("job", ttl=5)
     with pytest.raises(LockNotAcquired) as info:
@@ -29,6 +33,7 @@ def test_lock_conflict_is_lock_not_acquired(cache: Cache) -> None:
     cache.lock("job", ttl=5).unlock()
 
 
+@on_every_topology
 def test_lock_is_a_lease(cache: Cache) -> None:
     lock = cache.lock("lease", ttl=2)
     assert lock.key == "lease"
@@ -38,6 +43,7 @@ def test_lock_is_a_lease(cache: Cache) -> None:
     assert lock.valid_for() == 0.0
 
 
+@on_every_topology
 def test_unlock_is_idempotent(cache: Cache) -> None:
     lock = cache.lock("idem", ttl=5)
     assert lock.unlock() is True
@@ -45,6 +51,7 @@ def test_unlock_is_idempotent(cache: Cache) -> None:
     assert lock.unlock() is False
 
 
+@on_every_topology
 def test_lock_expires_by_itself(cache: Cache) -> None:
     lock = cache.lock("crash", ttl=0.1)
     time.sleep(0.15)
@@ -56,6 +63,7 @@ def test_lock_expires_by_itself(cache: Cache) -> None:
     assert other.unlock() is True, "the successor still held the key"
 
 
+@on_every_topology
 def test_extend_replaces_the_ttl(cache: Cache) -> None:
     lock = cache.lock("ext", ttl=0.2)
     lock.extend(3)
@@ -70,6 +78,7 @@ def test_extend_replaces_the_ttl(cache: Cache) -> None:
     cache.lock("ext").unlock()
 
 
+@on_every_topology
 def test_extend_default_keeps_the_lock_ttl(cache: Cache) -> None:
     lock = cache.lock("ext-default", ttl=0.3)
     time.sleep(0.2)
@@ -78,6 +87,7 @@ def test_extend_default_keeps_the_lock_ttl(cache: Cache) -> None:
     lock.unlock()
 
 
+@on_every_topology
 def test_extend_after_unlock_is_lock_lost(cache: Cache) -> None:
     lock = cache.lock("gone", ttl=5)
     lock.unlock()
@@ -86,6 +96,7 @@ def test_extend_after_unlock_is_lock_lost(cache: Cache) -> None:
     assert info.value.key == "gone"
 
 
+@on_every_topology
 def test_takeover_is_never_released_or_extended_by_the_old_holder(cache: Cache) -> None:
     old = cache.lock("take", ttl=0.05)
     time.sleep(0.08)
@@ -99,6 +110,7 @@ def test_takeover_is_never_released_or_extended_by_the_old_holder(cache: Cache) 
     assert new.unlock() is True
 
 
+@on_every_topology
 def test_context_manager_releases_and_propagates(cache: Cache) -> None:
     class Boom(Exception):
         pass
@@ -109,6 +121,7 @@ def test_context_manager_releases_and_propagates(cache: Cache) -> None:
     cache.lock("ctx").unlock()  # released by the with block
 
 
+@on_every_topology
 def test_context_manager_does_not_raise_when_lock_was_lost(cache: Cache) -> None:
     with cache.lock("ctx-lost", ttl=0.05):
         time.sleep(0.08)
@@ -117,12 +130,14 @@ def test_context_manager_does_not_raise_when_lock_was_lost(cache: Cache) -> None
         cache.lock("ctx-lost")  # the with block did not release the new holder
 
 
+@on_every_topology
 def test_with_lock_returns_and_releases(cache: Cache) -> None:
     assert cache.with_lock("w", 5, lambda a, b=0: a + b, 2, b=3) == 5
     assert hotlock.with_lock(cache, "w", 5, lambda: "again") == "again"
 
 
 @pytest.mark.parametrize("exc", [ValueError("x"), KeyboardInterrupt(), SystemExit(3)])
+@on_every_topology
 def test_with_lock_releases_however_fn_ends(cache: Cache, exc: BaseException) -> None:
     def work() -> None:
         raise exc
@@ -133,6 +148,7 @@ def test_with_lock_releases_however_fn_ends(cache: Cache, exc: BaseException) ->
     cache.lock("w-exc").unlock()
 
 
+@on_every_topology
 def test_with_lock_does_not_run_fn_when_held(cache: Cache) -> None:
     calls = []
     with cache.lock("w-held", ttl=5), pytest.raises(LockNotAcquired):
@@ -140,6 +156,7 @@ def test_with_lock_does_not_run_fn_when_held(cache: Cache) -> None:
     assert calls == []
 
 
+@on_every_topology
 def test_lock_wait_takes_a_free_lock_at_once(cache: Cache) -> None:
     t0 = time.monotonic()
     lock = cache.lock_wait("free", ttl=5, wait=2)
@@ -147,6 +164,7 @@ def test_lock_wait_takes_a_free_lock_at_once(cache: Cache) -> None:
     assert lock.unlock() is True
 
 
+@on_every_topology
 def test_lock_wait_gives_up_at_the_deadline(cache: Cache) -> None:
     holder = cache.lock("busy", ttl=10)
     t0 = time.monotonic()
@@ -158,6 +176,7 @@ def test_lock_wait_gives_up_at_the_deadline(cache: Cache) -> None:
     holder.unlock()
 
 
+@on_every_topology
 def test_lock_wait_gets_a_released_lock(cache: Cache) -> None:
     holder = cache.lock("handoff", ttl=10)
     threading.Timer(0.1, holder.unlock).start()
@@ -168,6 +187,7 @@ def test_lock_wait_gets_a_released_lock(cache: Cache) -> None:
     assert lock.unlock() is True
 
 
+@on_every_topology
 def test_lock_wait_wakes_when_the_holder_expires(cache: Cache) -> None:
     cache.lock("expiring", ttl=0.2)  # a crashed holder: never released
     t0 = time.monotonic()
@@ -178,6 +198,7 @@ def test_lock_wait_wakes_when_the_holder_expires(cache: Cache) -> None:
     lock.unlock()
 
 
+@on_every_topology
 def test_lock_wait_ttl_runs_from_the_winning_attempt(cache: Cache) -> None:
     holder = cache.lock("late", ttl=0.3)
     lock = cache.lock_wait("late", ttl=1, wait=2)
@@ -186,6 +207,7 @@ def test_lock_wait_ttl_runs_from_the_winning_attempt(cache: Cache) -> None:
     holder.unlock()
 
 
+@on_every_topology
 def test_lock_many_in_order_with_none_where_held(cache: Cache) -> None:
     held = cache.lock("m2", ttl=5)
     locks = cache.lock_many(["m1", "m2", b"m3"], ttl=5)
@@ -198,6 +220,7 @@ def test_lock_many_in_order_with_none_where_held(cache: Cache) -> None:
     held.unlock()
 
 
+@on_every_topology
 def test_extend_many_reports_lost_locks(cache: Cache) -> None:
     locks = cache.lock_many(["e1", "e2"], ttl=0.05)
     locks[1].extend(5)  # type: ignore[union-attr]
@@ -207,6 +230,7 @@ def test_extend_many_reports_lost_locks(cache: Cache) -> None:
     assert cache.unlock_many(locks) == [False, True]
 
 
+@on_every_topology
 def test_lock_many_batch_of_a_hundred(cache: Cache) -> None:
     keys = [f"batch:{i}" for i in range(100)]
     locks = cache.lock_many(keys, ttl=5)
@@ -216,6 +240,7 @@ def test_lock_many_batch_of_a_hundred(cache: Cache) -> None:
     assert cache.unlock_many(locks) == [True] * 100
 
 
+@on_every_topology
 def test_many_refuses_locks_of_another_cache(cache: Cache) -> None:
     other = hotlock.connect(None)
     foreign = other.lock("x")
@@ -223,6 +248,7 @@ def test_many_refuses_locks_of_another_cache(cache: Cache) -> None:
         cache.unlock_many([foreign])
 
 
+@on_every_topology
 def test_set_nx_is_once(cache: Cache) -> None:
     assert cache.set_nx("charged:o1", "1", ttl=5) is True
     assert cache.set_nx("charged:o1", "1", ttl=5) is False
@@ -231,11 +257,13 @@ def test_set_nx_is_once(cache: Cache) -> None:
     assert cache.set_nx("charged:o2", 7, ttl=5) is True
 
 
+@on_every_topology
 def test_set_nx_and_locks_do_not_collide(cache: Cache) -> None:
     assert cache.set_nx("same", "1", ttl=5) is True
     cache.lock("same", ttl=5).unlock()
 
 
+@on_every_topology
 def test_incr_is_atomic(cache: Cache) -> None:
     assert cache.incr("c") == 1
     assert cache.incr("c") == 2
@@ -254,6 +282,7 @@ def test_incr_is_atomic(cache: Cache) -> None:
     assert cache.incr("threads", 0) == 800
 
 
+@on_every_topology
 def test_tokens_are_per_acquisition_not_per_thread(cache: Cache) -> None:
     lock = cache.lock("thread-handoff", ttl=5)
     result: list[bool] = []
@@ -263,6 +292,7 @@ def test_tokens_are_per_acquisition_not_per_thread(cache: Cache) -> None:
     assert result == [True], "another thread holding the object may release it"
 
 
+@on_every_topology
 def test_token_never_shown(cache: Cache) -> None:
     lock = cache.lock("secret", ttl=0.05)
     token = lock._token
@@ -273,6 +303,7 @@ def test_token_never_shown(cache: Cache) -> None:
         assert token.hex() not in text and repr(token) not in text
 
 
+@on_every_topology
 def test_timedelta_and_bytes_keys(cache: Cache) -> None:
     lock = cache.lock(b"\xffraw", ttl=timedelta(milliseconds=1500))
     assert 1.4 < lock.valid_for() <= 1.5
@@ -280,6 +311,7 @@ def test_timedelta_and_bytes_keys(cache: Cache) -> None:
     assert lock.unlock() is True
 
 
+@on_every_topology
 def test_forked_child_cannot_touch_the_parent_lock(cache: Cache) -> None:
     lock = cache.lock("fork", ttl=5)
     pid = os.fork()
@@ -301,6 +333,7 @@ def test_forked_child_cannot_touch_the_parent_lock(cache: Cache) -> None:
     assert lock.unlock() is True, "the child must not have released the parent's lock"
 
 
+@on_every_topology
 def test_forked_child_can_take_its_own_locks(rcache: Cache) -> None:
     rcache.lock("before-fork", ttl=5).unlock()
     pid = os.fork()
@@ -316,6 +349,7 @@ def test_forked_child_can_take_its_own_locks(rcache: Cache) -> None:
     rcache.lock("after-fork", ttl=5).unlock()  # the parent's connection still works
 
 
+@on_every_topology
 def test_enabled_and_backend(cache: Cache, backend: str) -> None:
     assert cache.backend == backend
     assert cache.enabled is (backend != "memory")
@@ -334,8 +368,8 @@ def test_keys_live_under_the_prefix(redis_backend: str, redis_server: RedisServe
         assert client.exists(b"app1:lock:{k}") == 0
 
 
-def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
-    server = start_redis()
+def test_redis_down_is_cache_error_not_contention(redis_backend: str, server_kind: str) -> None:
+    server = start_redis(kind=server_kind)
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     lock = cache.lock("down", ttl=5)
     server.stop()
@@ -350,11 +384,13 @@ def test_redis_down_is_cache_error_not_contention(redis_backend: str) -> None:
     cache.close()
 
 
-def test_release_failure_in_with_block_is_a_warning(redis_backend: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_release_failure_in_with_block_is_a_warning(
+    redis_backend: str, server_kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     class Boom(Exception):
         pass
 
-    server = start_redis()
+    server = start_redis(kind=server_kind)
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
     with caplog.at_level(logging.WARNING, "hotlock"), pytest.raises(Boom) as info, cache.lock("bye", ttl=5):
         server.stop()
@@ -373,9 +409,9 @@ def test_unreachable_server_is_cache_error_at_connect(redis_backend: str) -> Non
     assert url.split("//")[1].split("/")[0] in str(info.value)
 
 
-def test_unix_socket_url(redis_backend: str, tmp_path: Path) -> None:
+def test_unix_socket_url(redis_backend: str, server_kind: str, tmp_path: Path) -> None:
     sock = tmp_path / "redis.sock"
-    server = start_redis("--unixsocket", str(sock), "--unixsocketperm", "700")
+    server = start_redis("--unixsocket", str(sock), "--unixsocketperm", "700", kind=server_kind)
     try:
         with hotlock.connect(f"unix://{sock}?db=2", backend=redis_backend) as cache:
             assert cache.server == f"unix://{sock}?db=2"

@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -178,13 +177,13 @@ def test_options_work_before_and_after_the_command(redis_url: str) -> None:
 # -- doctor ------------------------------------------------------------------------------
 
 
-def test_doctor_on_a_well_configured_server(redis_url: str) -> None:
+def test_doctor_on_a_well_configured_server(redis_url: str, redis_server: RedisServer) -> None:
     result = cli("doctor", "--json", url=redis_url)
     found = checks(result)
     assert result.returncode == 0, found
     for name in ("server", "topology", "eviction", "persistence", "acl", "library", "latency", "timeouts", "clock"):
         assert name in found
-    assert found["server"]["status"] == "ok" and "Redis" in found["server"]["detail"]
+    assert found["server"]["status"] == "ok" and redis_server.named in found["server"]["detail"]
     assert found["eviction"]["status"] == "ok"
     assert found["acl"]["status"] == "ok"
     assert found["library"]["status"] == "ok"
@@ -720,11 +719,10 @@ def test_doctor_on_a_cluster_node_with_a_plain_url_fails(cluster: list[RedisServ
 # -- Sentinel ------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("redis-sentinel") is None, reason="redis-sentinel is not installed")
-def test_doctor_and_locks_through_sentinel() -> None:
+def test_doctor_and_locks_through_sentinel(server_kind: str) -> None:
     from .test_sentinel import SERVICE, start_topology
 
-    topo = start_topology()
+    topo = start_topology(server_kind)
     try:
         primary = topo.primary_port()
         with hotlock.connect(topo.url) as cache:

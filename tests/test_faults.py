@@ -14,20 +14,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import redis
+import uvloop
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
+from hotlock._keys import stored as stored_key
 from hotlock.aio._backend import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy
+
+T = TypeVar("T")
 
 # A short reply timeout keeps every lost-reply test fast; it is what each fault costs.
 REPLY_TIMEOUT = 0.5
@@ -237,9 +242,9 @@ def restart(server: RedisServer) -> None:
 
 
 @pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A private redis-server this test may restart, fill or reconfigure."""
-    server = start_redis()
+def own_server(server_kind: str) -> Iterator[RedisServer]:
+    """A private server of this test's kind that it may restart, fill or reconfigure."""
+    server = start_redis(kind=server_kind)
     yield server
     server.stop()
 
@@ -288,14 +293,17 @@ def test_script_flush_costs_one_reload_per_flush(rcache: hotlock.Cache, redis_se
             assert lock.unlock() is True
             calls += 3
     # Each flush: one EVALSHA answered NOSCRIPT, then the three scripts loaded once, and
-    # every later call of every script runs first time.
+    # every later call of every script runs first time. On the Lua-free path (Valkey 9)
+    # only the acquire is a script: extend and release send none.
+    if rcache.server_info["lua_free"]:
+        calls //= 3
     assert commandstat(redis_server, "evalsha") - evalsha == calls + flushes
     assert commandstat(redis_server, "script|load") - loads == flushes * 3
 
 
 def test_readonly_is_a_cache_error_that_drops_the_connection(redis_backend: str, own_server: RedisServer) -> None:
     """A primary demoted under a client (what a failover does to the old one)."""
-    other = start_redis()
+    other = start_redis(kind=own_server.kind)
     cache = open_cache(redis_backend, own_server.url, timeout=REPLY_TIMEOUT)
     try:
         cache.lock("before", ttl=5).unlock()
@@ -563,3 +571,425 @@ def test_async_restart_without_persistence_mid_hold(aio_backend: str, own_server
             await cache.close()
 
     asyncio.run(main())
+
+
+# -- a lost handshake reply (issue 9) -------------------------------------------------
+#
+# A fresh connection's first round trip is its handshake (native: AUTH, SELECT and the
+# script loads in one write; redis-py: AUTH and SELECT). Nothing of the call has been sent
+# yet, so a lost handshake reply is retried once, within the call's time budget, for every
+# operation, idempotent or not. The proxy here names db 1, so redis-py has a handshake too.
+#
+# The operation's own reply is another matter. acquire (same token), release and the
+# batches of both are safe to send twice and are resent; INCRBY and SET NX are not (a
+# resent INCRBY counts twice, a resent SET NX answers "not set" for a value this call
+# set), so their own lost reply is a CacheError the caller must treat as "maybe ran";
+# extend's own lost reply is a CacheError too (the caller retries while valid_for() lasts).
+
+HANDSHAKE_DB = 1
+
+
+@pytest.fixture
+def hproxy(redis_server: RedisServer, redis_url: str) -> Iterator[FaultProxy]:
+    """A proxy whose url selects HANDSHAKE_DB, so every backend's fresh connection has a handshake."""
+    with FaultProxy(redis_server.port, db=HANDSHAKE_DB) as p:
+        yield p
+
+
+@pytest.fixture
+def side(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A plain client on HANDSHAKE_DB, to look at what the server holds."""
+    client = redis.Redis(port=redis_server.port, db=HANDSHAKE_DB, socket_timeout=5)
+    yield client
+    client.close()
+
+
+ONCE = b"hotlock:once:"
+COUNT = b"hotlock:count:"
+
+
+def fresh_thread(proxy: FaultProxy, call: Callable[[], T]) -> T:
+    """Run ``call`` on a connection opened for it, with that connection's first reply lost.
+
+    A new thread has no native connection yet; the reset kills the pooled redis-py ones, so
+    redis-py opens a new one too. Returns what ``call`` returned (or raises what it raised)."""
+    proxy.reset()
+    connections, dropped = proxy.connections, proxy.dropped_replies
+    proxy.drop_replies(1)
+    out, elapsed = in_new_thread(call)
+    assert proxy.dropped_replies - dropped == 1, "the handshake's reply was not the one dropped"
+    assert proxy.connections > connections
+    if isinstance(out, BaseException):
+        raise out
+    # One reply timeout for the lost handshake, then the retry: never more than the budget.
+    assert elapsed < 2 * REPLY_TIMEOUT + 0.3, elapsed
+    return out
+
+
+def in_new_thread(call: Callable[[], T]) -> tuple[T | BaseException, float]:
+    """What ``call`` returned or raised in a thread of its own, and how long it took."""
+    out: list[T | BaseException] = []
+
+    def body() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:
+            out.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(30)
+    assert out, "the call did not return within 30 s"
+    return out[0], time.monotonic() - started
+
+
+@pytest.fixture
+def hcache(redis_backend: str, hproxy: FaultProxy) -> Iterator[hotlock.Cache]:
+    c = open_cache(redis_backend, hproxy.url, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT)
+    yield c
+    hproxy.clear()
+    c.close()
+
+
+def test_lost_handshake_reply_acquire(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = fresh_thread(hproxy, lambda: hcache.lock("hs-acquire", ttl=10))
+    assert side.exists(lock_name(b"hs-acquire")) == 1
+    assert lock.unlock() is True
+    assert side.exists(lock_name(b"hs-acquire")) == 0
+
+
+def test_lost_handshake_reply_lock_wait_free(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = fresh_thread(hproxy, lambda: hcache.lock_wait("hs-wait", ttl=10, wait=1.0))
+    assert side.exists(lock_name(b"hs-wait")) == 1
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_lock_wait_then_polls_until_the_holder_expires(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    # The first attempt's handshake is lost and retried; the attempt finds the key held, and
+    # the wait goes on polling on the new connection until the holder's TTL runs out.
+    hcache.lock("hs-wait-held", ttl=0.3)
+    lock = fresh_thread(hproxy, lambda: hcache.lock_wait("hs-wait-held", ttl=10, wait=1.0))
+    assert side.exists(lock_name(b"hs-wait-held")) == 1
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_release(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = hcache.lock("hs-release", ttl=10)
+    assert fresh_thread(hproxy, lock.unlock) is True
+    assert side.exists(lock_name(b"hs-release")) == 0
+
+
+def test_lost_handshake_reply_extend(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    lock = hcache.lock("hs-extend", ttl=10)
+    fresh_thread(hproxy, lambda: lock.extend(60))
+    assert 59_000 < side.pttl(lock_name(b"hs-extend")) <= 60_000
+    assert lock.unlock() is True
+
+
+def test_lost_handshake_reply_lock_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    hcache.lock("hs-many-b", ttl=10)  # held elsewhere: that slot is None
+    locks = fresh_thread(hproxy, lambda: hcache.lock_many(["hs-many-a", "hs-many-b", "hs-many-c"], ttl=10))
+    assert [lock is not None for lock in locks] == [True, False, True]
+    assert side.exists(lock_name(b"hs-many-a"), lock_name(b"hs-many-c")) == 2
+    assert hcache.unlock_many([lock for lock in locks if lock is not None]) == [True, True]
+
+
+def test_lost_handshake_reply_extend_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    locks = [hcache.lock(f"hs-xmany-{i}", ttl=10) for i in range(2)]
+    assert fresh_thread(hproxy, lambda: hcache.extend_many(locks, 60)) == [True, True]
+    assert all(59_000 < side.pttl(lock_name(f"hs-xmany-{i}".encode())) <= 60_000 for i in range(2))
+
+
+def test_lost_handshake_reply_unlock_many(hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis) -> None:
+    locks = [hcache.lock(f"hs-umany-{i}", ttl=10) for i in range(2)]
+    assert fresh_thread(hproxy, lambda: hcache.unlock_many(locks)) == [True, True]
+    assert side.exists(*(lock_name(f"hs-umany-{i}".encode()) for i in range(2))) == 0
+
+
+def test_lost_handshake_reply_set_nx_sets_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    before = commandstat(redis_server, "set")
+    assert fresh_thread(hproxy, lambda: hcache.set_nx("hs-once", "v1", ttl=60)) is True
+    assert commandstat(redis_server, "set") - before == 1  # sent once: the handshake was what was retried
+    assert hcache.set_nx("hs-once", "v2", ttl=60) is False
+    assert side.get(stored_key(ONCE, b"hs-once")) == b"v1"
+
+
+def test_lost_handshake_reply_incr_counts_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    before = commandstat(redis_server, "incrby")
+    assert fresh_thread(hproxy, lambda: hcache.incr("hs-count", 5)) == 5
+    assert commandstat(redis_server, "incrby") - before == 1
+    assert side.get(stored_key(COUNT, b"hs-count")) == b"5"
+
+
+def test_lost_incr_reply_is_a_cache_error_that_counted_once(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    """INCRBY's own reply lost: never resent (that would count twice); the caller hears CacheError."""
+    assert hcache.incr("hs-lost-incr") == 1  # the connection is open and warm
+    before = commandstat(redis_server, "incrby")
+    hproxy.drop_replies(1)
+    with pytest.raises(CacheError, match="incr"):
+        hcache.incr("hs-lost-incr")
+    assert commandstat(redis_server, "incrby") - before == 1
+    assert side.get(stored_key(COUNT, b"hs-lost-incr")) == b"2"
+    assert hcache.incr("hs-lost-incr") == 3
+
+
+def test_lost_set_nx_reply_is_a_cache_error_not_a_false(
+    hcache: hotlock.Cache, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    """SET NX's own reply lost: a resend would answer False for the value this call set."""
+    assert hcache.set_nx("hs-warm", "1", ttl=60) is True
+    before = commandstat(redis_server, "set")
+    hproxy.drop_replies(1)
+    with pytest.raises(CacheError, match="set_nx"):
+        hcache.set_nx("hs-lost-once", "mine", ttl=60)
+    assert commandstat(redis_server, "set") - before == 1
+    assert side.get(stored_key(ONCE, b"hs-lost-once")) == b"mine"
+
+
+def test_blackholed_handshake_costs_the_call_budget(hcache: hotlock.Cache, hproxy: FaultProxy) -> None:
+    """A server that accepts but never answers: a fresh connection's call ends in CacheError
+    within two reply timeouts (the handshake and its one retry), lock_wait within
+    max(wait, one reply timeout) plus one reply timeout."""
+    hproxy.reset()
+    hproxy.blackhole(True)
+    calls: list[tuple[Callable[[], object], float]] = [
+        (lambda: hcache.lock("hs-bh", ttl=5), 2 * REPLY_TIMEOUT),
+        (lambda: hcache.incr("hs-bh"), 2 * REPLY_TIMEOUT),
+        (lambda: hcache.lock_wait("hs-bh", ttl=5, wait=1.5), 1.5 + REPLY_TIMEOUT),
+    ]
+    for call, budget in calls:
+        out, elapsed = in_new_thread(call)
+        assert isinstance(out, CacheError) and not isinstance(out, LockNotAcquired), out
+        assert elapsed < budget + 0.3, elapsed
+
+
+# -- a lost handshake reply, async (issue 9) ------------------------------------------
+#
+# The same rule on hotlock.aio: a connection opened for a call (here: after a reset broke
+# the previous one) loses its handshake's reply; the call retries within its budget.
+
+AIO_LOOPS = ["asyncio", "uvloop"]
+
+Fresh = Callable[[Callable[[], Awaitable[T]]], Awaitable[T]]
+
+
+@pytest.fixture(params=AIO_LOOPS)
+def aio_loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def run_on(loop: str, coro: Coroutine[Any, Any, T]) -> T:
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def run_handshake_case(
+    backend: str,
+    loop: str,
+    proxy: FaultProxy,
+    body: Callable[[hotlock.aio.AsyncCache, Fresh[Any]], Awaitable[None]],
+) -> None:
+    """Run ``body(cache, fresh)``: ``await fresh(call)`` runs ``call`` on a new connection
+    whose first reply (its handshake's) is lost, and returns what it returned."""
+
+    async def fresh(call: Callable[[], Awaitable[T]]) -> T:
+        proxy.reset()
+        await asyncio.sleep(0.1)  # the loop sees the connections reset before the call
+        connections, dropped = proxy.connections, proxy.dropped_replies
+        proxy.drop_replies(1)
+        started = time.monotonic()
+        result = await call()
+        elapsed = time.monotonic() - started
+        assert proxy.dropped_replies - dropped == 1, "the handshake's reply was not the one dropped"
+        assert proxy.connections > connections
+        assert elapsed < 2 * REPLY_TIMEOUT + 0.3, elapsed
+        return result
+
+    async def main() -> None:
+        cache = await hotlock.aio.connect(
+            proxy.url, backend=backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            await body(cache, fresh)
+        finally:
+            proxy.clear()
+            await cache.close()
+
+    run_on(loop, main())
+
+
+def test_async_lost_handshake_reply_acquire(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await fresh(lambda: cache.lock("ahs-acquire", ttl=10))
+        assert side.exists(lock_name(b"ahs-acquire")) == 1
+        assert await lock.unlock() is True
+        assert side.exists(lock_name(b"ahs-acquire")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_lock_wait(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await fresh(lambda: cache.lock_wait("ahs-wait", ttl=10, wait=1.0))
+        assert side.exists(lock_name(b"ahs-wait")) == 1
+        assert await lock.unlock() is True
+        # Held by another with a short TTL: the retried first attempt finds it held, and
+        # the wait goes on polling until the holder expires.
+        await cache.lock("ahs-wait-held", ttl=0.3)
+        lock = await fresh(lambda: cache.lock_wait("ahs-wait-held", ttl=10, wait=1.0))
+        assert side.exists(lock_name(b"ahs-wait-held")) == 1
+        assert await lock.unlock() is True
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_release_and_extend(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        lock = await cache.lock("ahs-lock", ttl=10)
+        await fresh(lambda: lock.extend(60))
+        assert 59_000 < side.pttl(lock_name(b"ahs-lock")) <= 60_000
+        assert await fresh(lock.unlock) is True
+        assert side.exists(lock_name(b"ahs-lock")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_batches(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        await cache.lock("ahs-many-b", ttl=10)  # held elsewhere: that slot is None
+        names = ["ahs-many-a", "ahs-many-b", "ahs-many-c"]
+        got = await fresh(lambda: cache.lock_many(names, ttl=10))
+        assert [lock is not None for lock in got] == [True, False, True]
+        locks = [lock for lock in got if lock is not None]
+        assert await fresh(lambda: cache.extend_many(locks, 60)) == [True, True]
+        assert all(59_000 < side.pttl(lock_name(n.encode())) <= 60_000 for n in ("ahs-many-a", "ahs-many-c"))
+        assert await fresh(lambda: cache.unlock_many(locks)) == [True, True]
+        assert side.exists(lock_name(b"ahs-many-a"), lock_name(b"ahs-many-c")) == 0
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_handshake_reply_set_nx_and_incr_run_once(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    async def body(cache: hotlock.aio.AsyncCache, fresh: Fresh[Any]) -> None:
+        sets, incrs = commandstat(redis_server, "set"), commandstat(redis_server, "incrby")
+        assert await fresh(lambda: cache.set_nx("ahs-once", "v1", ttl=60)) is True
+        assert await fresh(lambda: cache.incr("ahs-count", 5)) == 5
+        assert commandstat(redis_server, "set") - sets == 1
+        assert commandstat(redis_server, "incrby") - incrs == 1
+        assert await cache.set_nx("ahs-once", "v2", ttl=60) is False
+        assert side.get(stored_key(ONCE, b"ahs-once")) == b"v1"
+        assert side.get(stored_key(COUNT, b"ahs-count")) == b"5"
+
+    run_handshake_case(aio_backend, aio_loop, hproxy, body)
+
+
+def test_async_lost_incr_and_set_nx_replies_are_cache_errors_that_ran_once(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis, redis_server: RedisServer
+) -> None:
+    async def main() -> None:
+        cache = await hotlock.aio.connect(hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT)
+        try:
+            assert await cache.incr("ahs-lost-incr") == 1
+            incrs = commandstat(redis_server, "incrby")
+            hproxy.drop_replies(1)
+            with pytest.raises(CacheError, match="incr"):
+                await cache.incr("ahs-lost-incr")
+            # The lost reply cost that connection: open the next one before losing a reply again.
+            await (await cache.lock("ahs-rewarm", ttl=5)).unlock()
+            sets = commandstat(redis_server, "set")  # after the acquire script's own SET
+            hproxy.drop_replies(1)
+            with pytest.raises(CacheError, match="set_nx"):
+                await cache.set_nx("ahs-lost-once", "mine", ttl=60)
+            assert commandstat(redis_server, "incrby") - incrs == 1
+            assert commandstat(redis_server, "set") - sets == 1
+            assert side.get(stored_key(COUNT, b"ahs-lost-incr")) == b"2"
+            assert side.get(stored_key(ONCE, b"ahs-lost-once")) == b"mine"
+            assert await cache.incr("ahs-lost-incr") == 3
+        finally:
+            hproxy.clear()
+            await cache.close()
+
+    run_on(aio_loop, main())
+
+
+def test_async_connect_retries_a_lost_handshake_reply(
+    aio_backend: str, aio_loop: str, hproxy: FaultProxy, side: redis.Redis
+) -> None:
+    """connect()'s own first round trip follows the rule too."""
+
+    async def main() -> None:
+        hproxy.drop_replies(1)
+        started = time.monotonic()
+        cache = await hotlock.aio.connect(
+            hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            assert hproxy.dropped_replies == 1
+            assert time.monotonic() - started < 2 * REPLY_TIMEOUT + 0.3
+            lock = await cache.lock("ahs-connect", ttl=10)
+            assert side.exists(lock_name(b"ahs-connect")) == 1
+            assert await lock.unlock() is True
+        finally:
+            await cache.close()
+
+    run_on(aio_loop, main())
+
+
+def test_connect_retries_a_lost_handshake_reply(redis_backend: str, hproxy: FaultProxy, side: redis.Redis) -> None:
+    hproxy.drop_replies(1)
+    started = time.monotonic()
+    cache = open_cache(redis_backend, hproxy.url, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT)
+    try:
+        assert hproxy.dropped_replies == 1
+        assert time.monotonic() - started < 2 * REPLY_TIMEOUT + 0.3
+        assert cache.lock("hs-connect", ttl=10).unlock() is True
+    finally:
+        cache.close()
+
+
+def test_async_blackholed_handshake_costs_the_call_budget(aio_backend: str, aio_loop: str, hproxy: FaultProxy) -> None:
+    async def main() -> None:
+        cache = await hotlock.aio.connect(
+            hproxy.url, backend=aio_backend, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT
+        )
+        try:
+            hproxy.reset()
+            await asyncio.sleep(0.1)
+            hproxy.blackhole(True)
+            calls: list[tuple[Callable[[], Awaitable[object]], float]] = [
+                (lambda: cache.lock("ahs-bh", ttl=5), 2 * REPLY_TIMEOUT),
+                (lambda: cache.incr("ahs-bh"), 2 * REPLY_TIMEOUT),
+                (lambda: cache.lock_wait("ahs-bh", ttl=5, wait=1.5), 1.5 + REPLY_TIMEOUT),
+            ]
+            for call, budget in calls:
+                started = time.monotonic()
+                with pytest.raises(CacheError) as info:
+                    await call()
+                assert not isinstance(info.value, LockNotAcquired)
+                elapsed = time.monotonic() - started
+                assert elapsed < budget + 0.3, elapsed
+        finally:
+            hproxy.clear()
+            await cache.close()
+
+    run_on(aio_loop, main())

@@ -35,10 +35,12 @@ USER = "hotlock_sec"
 REFUSED = r"(?i)noperm|no permissions|can't run this command"
 PASSWORD = "pw-s3cr3t-Qx7"  # scanned for in every log line, repr and exception text
 
-# The README's list: what hotlock sends, and what its scripts call (Redis 7 checks the
-# commands a script runs against the user too). +select only for a db other than 0, +wait
-# only with wait_replicas, +info only so connect() can check maxmemory-policy.
-COMMANDS = [
+# The README's lists: what hotlock sends, and what its scripts call (Redis 7 and Valkey
+# check the commands a script runs against the user too). +select only for a db other
+# than 0, +wait only with wait_replicas, +info only so connect() can check the server and
+# its maxmemory-policy, +command|info only so connect() can ask for DELIFEQ/DELEX (refused,
+# the version decides).
+SCRIPT_PATH = [
     "+evalsha",
     "+script|load",
     "+get",
@@ -52,17 +54,52 @@ COMMANDS = [
     "+select",
     "+wait",
 ]
+# Valkey 9 with connect()'s default scripts="auto": extend is SET IFEQ, release DELIFEQ; only
+# the acquire is a script (GET, SET, PTTL, TIME inside). No +pexpire, no +del.
+VALKEY_LUA_FREE = [
+    "+evalsha",
+    "+script|load",
+    "+get",
+    "+set",
+    "+pttl",
+    "+time",
+    "+delifeq",
+    "+incrby",
+    "+info",
+    "+command|info",
+    "+select",
+    "+wait",
+]
+# The script path's list under its old name (tests/test_cli.py checks `hotlock doctor` with it).
+COMMANDS = SCRIPT_PATH
+OPTIONAL = ("+info", "+wait", "+command|info")
+# Every entry some list has, on each server (an ACL naming a command the server lacks is refused).
+KNOWN = {"redis": SCRIPT_PATH, "valkey": [*SCRIPT_PATH, "+delifeq", "+command|info"]}
+# The path under test: connect(scripts=...). On Redis 7.0 both are the script path.
+PATHS = ["auto", "always"]
+
+
+def listed(kind: str, scripts: str) -> list[str]:
+    """The README's list for this server kind and path."""
+    return VALKEY_LUA_FREE if kind == "valkey" and scripts == "auto" else SCRIPT_PATH
 
 
 def acl_line(commands: list[str], keys: str = "~hotlock:*") -> list[str]:
     return ["on", f">{PASSWORD}", "resetkeys", keys, "resetchannels", "-@all", *commands]
 
 
+@pytest.fixture(params=PATHS)
+def scripts(request: pytest.FixtureRequest) -> str:
+    path: str = request.param
+    return path
+
+
 @pytest.fixture
-def acl_user(redis_server: RedisServer, redis_url: str) -> Iterator[str]:
-    """The restricted user's URL on db 1 (so SELECT is exercised too)."""
+def acl_user(redis_server: RedisServer, redis_url: str, scripts: str) -> Iterator[str]:
+    """The restricted user's URL on db 1 (so SELECT is exercised too), with the list of
+    this server kind and path."""
     client = redis_server.client()
-    client.execute_command("ACL", "SETUSER", USER, "reset", *acl_line(COMMANDS))
+    client.execute_command("ACL", "SETUSER", USER, "reset", *acl_line(listed(redis_server.kind, scripts)))
     yield f"redis://{USER}:{PASSWORD}@127.0.0.1:{redis_server.port}/1"
     client.execute_command("ACL", "DELUSER", USER)
 
@@ -84,18 +121,20 @@ def exercise(cache: hotlock.Cache) -> None:
 
 
 def test_the_readme_acl_list_is_enough(
-    redis_backend: str, acl_user: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis_backend: str, acl_user: str, scripts: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="hotlock")
-    with hotlock.connect(acl_user, backend=redis_backend) as cache:
+    with hotlock.connect(acl_user, backend=redis_backend, scripts=scripts) as cache:
+        # The path whose list this is: Lua-free on Valkey 9 by default, else the scripts.
+        assert cache.server_info["lua_free"] is (redis_server.lua_free and scripts == "auto")
         exercise(cache)
     # INFO was allowed: the version and the policy were checked, nothing said about an ACL.
-    assert "Redis 7" in caplog.text and "refused" not in caplog.text
+    assert redis_server.named in caplog.text and "refused" not in caplog.text
     assert redis_server.client().execute_command("ACL", "WHOAMI") == b"default"
 
 
-def test_keys_outside_the_prefix_are_refused(redis_backend: str, acl_user: str) -> None:
-    with hotlock.connect(acl_user, backend=redis_backend, prefix="elsewhere:") as cache:
+def test_keys_outside_the_prefix_are_refused(redis_backend: str, acl_user: str, scripts: str) -> None:
+    with hotlock.connect(acl_user, backend=redis_backend, prefix="elsewhere:", scripts=scripts) as cache:
         for call in (
             lambda: cache.lock("a", ttl=5),
             lambda: cache.lock_many(["a", "b"], ttl=5),
@@ -106,14 +145,44 @@ def test_keys_outside_the_prefix_are_refused(redis_backend: str, acl_user: str) 
                 call()
 
 
-@pytest.mark.parametrize("missing", [c for c in COMMANDS if c not in ("+info", "+wait")])
-def test_each_listed_command_is_needed(
-    redis_backend: str, acl_user: str, redis_server: RedisServer, missing: str
+@pytest.mark.parametrize("missing", [c for c in KNOWN["valkey"] if c not in OPTIONAL])
+def test_each_listed_command_is_needed_and_no_other(
+    redis_backend: str, acl_user: str, scripts: str, redis_server: RedisServer, missing: str
 ) -> None:
+    """Each entry of the list for this server and path is needed (without it the API fails
+    NOPERM); each entry that only another path's list has is not (the user may have every
+    command the server knows but that one, and the API works: this path never sends it)."""
+    if missing not in KNOWN[redis_server.kind]:
+        # Redis 7.0 has no DELIFEQ and a COMMAND INFO hotlock never sends there: no ACL to test.
+        assert redis_server.kind == "redis" and missing in ("+delifeq", "+command|info")
+        return
+    needed = listed(redis_server.kind, scripts)
+    allowed = needed if missing in needed else KNOWN[redis_server.kind]
     redis_server.client().execute_command(
-        "ACL", "SETUSER", USER, "reset", *acl_line([c for c in COMMANDS if c != missing])
+        "ACL", "SETUSER", USER, "reset", *acl_line([c for c in allowed if c != missing])
     )
-    with pytest.raises(CacheError, match=REFUSED), hotlock.connect(acl_user, backend=redis_backend) as cache:
+    if missing in needed:
+        with (
+            pytest.raises(CacheError, match=REFUSED),
+            hotlock.connect(acl_user, backend=redis_backend, scripts=scripts) as cache,
+        ):
+            exercise(cache)
+    else:
+        with hotlock.connect(acl_user, backend=redis_backend, scripts=scripts) as cache:
+            exercise(cache)
+
+
+def test_command_is_optional_the_version_decides(
+    redis_backend: str, acl_user: str, scripts: str, redis_server: RedisServer
+) -> None:
+    """An ACL that refuses COMMAND: connect() falls back to the version, so Valkey 9 still
+    gets the Lua-free path, and the list without +command|info is enough."""
+    commands = [c for c in listed(redis_server.kind, scripts) if c != "+command|info"]
+    redis_server.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
+    with hotlock.connect(acl_user, backend=redis_backend, scripts=scripts) as cache:
+        assert cache.server_info["lua_free"] is (redis_server.lua_free and scripts == "auto")
+        if cache.server_info["lua_free"]:
+            assert "the version (COMMAND refused)" in str(cache.server_info["reason"])
         exercise(cache)
 
 
@@ -122,7 +191,7 @@ def test_info_is_optional_and_wait_is_needed_for_wait_replicas(
 ) -> None:
     caplog.set_level("INFO", logger="hotlock")
     redis_server.client().execute_command(
-        "ACL", "SETUSER", USER, "reset", *acl_line([c for c in COMMANDS if c not in ("+info", "+wait")])
+        "ACL", "SETUSER", USER, "reset", *acl_line([c for c in SCRIPT_PATH if c not in ("+info", "+wait")])
     )
     with hotlock.connect(acl_user, backend=redis_backend) as cache:
         exercise(cache)
@@ -237,7 +306,7 @@ def _forms(secret: bytes) -> list[str]:
 
 
 def test_tokens_and_passwords_never_reach_logs_reprs_or_errors(
-    redis_backend: str, acl_user: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis_backend: str, acl_user: str, scripts: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, redis-py's included
     texts: list[str] = []
@@ -250,7 +319,7 @@ def test_tokens_and_passwords_never_reach_logs_reprs_or_errors(
 
     with FaultProxy(redis_server.port, db=1) as proxy:
         url = proxy.url.replace("redis://", f"redis://{USER}:{PASSWORD}@")
-        cache = hotlock.connect(url, backend=redis_backend, timeout=0.3)
+        cache = hotlock.connect(url, backend=redis_backend, timeout=0.3, scripts=scripts)
         try:
             texts.append(repr(cache))
             lock = cache.lock("secret", ttl=5)
@@ -305,11 +374,11 @@ def test_tokens_and_passwords_never_reach_logs_reprs_or_errors(
             assert form not in haystack, f"a secret leaked as {form!r}"
 
 
-def test_config_and_cache_reprs_hide_the_password(redis_backend: str, acl_user: str) -> None:
+def test_config_and_cache_reprs_hide_the_password(redis_backend: str, acl_user: str, scripts: str) -> None:
     from hotlock._config import parse_url
 
     config = parse_url(acl_user, connect_timeout=1, timeout=1)
-    with hotlock.connect(acl_user, backend=redis_backend) as cache:
+    with hotlock.connect(acl_user, backend=redis_backend, scripts=scripts) as cache:
         for text in (repr(config), config.display, repr(cache), cache.server, str(hotlock.backend_info())):
             assert PASSWORD not in text
 
@@ -318,9 +387,9 @@ AIO_BACKENDS = ["redis-py"] + (["native"] if native_aio()[0] is not None or REQU
 
 
 @pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
-def test_the_readme_acl_list_is_enough_for_the_async_api(aio_backend: str, acl_user: str) -> None:
+def test_the_readme_acl_list_is_enough_for_the_async_api(aio_backend: str, acl_user: str, scripts: str) -> None:
     async def main() -> None:
-        async with await hotlock.aio.connect(acl_user, backend=aio_backend) as cache:
+        async with await hotlock.aio.connect(acl_user, backend=aio_backend, scripts=scripts) as cache:
             lock = await cache.lock("a", ttl=5)
             with pytest.raises(LockNotAcquired):
                 await cache.lock("a", ttl=5)
@@ -332,7 +401,9 @@ def test_the_readme_acl_list_is_enough_for_the_async_api(aio_backend: str, acl_u
             assert await cache.unlock_many(locks) == [True, True]
             assert await cache.set_nx("once", "1", ttl=5) is True
             assert await cache.incr("n") == 1
-        async with await hotlock.aio.connect(acl_user, backend=aio_backend, prefix="elsewhere:") as cache:
+        async with await hotlock.aio.connect(
+            acl_user, backend=aio_backend, prefix="elsewhere:", scripts=scripts
+        ) as cache:
             with pytest.raises(CacheError, match=REFUSED):
                 await cache.lock("a", ttl=5)
 

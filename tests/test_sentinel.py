@@ -27,14 +27,12 @@ from hotlock import CacheError, LockNotAcquired
 from hotlock._config import parse_url
 from hotlock.aio._backend import native_aio
 
-from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, start_redis
+from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy
 
 SERVICE = "mymaster"
 # Short timeouts: the gap a failover leaves is made of them.
 TIMEOUT = 0.3
-
-pytestmark = pytest.mark.skipif(shutil.which("redis-sentinel") is None, reason="redis-sentinel is not installed")
 
 
 @dataclass
@@ -92,14 +90,16 @@ def _wait(what: str, ok: object, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def start_topology(replica_via_proxy: bool = False) -> Topology:
+def start_topology(kind: str, replica_via_proxy: bool = False) -> Topology:
+    """A primary, a replica and three sentinels, all of ``kind``: Valkey's sentinels are its
+    own sentinel mode (valkey-server --sentinel), Redis's are redis-sentinel."""
     # No 5 s pause before a full sync (the diskless default), on either side: the replica
     # syncs at start, and the old primary from the new one after a failover.
     fast_sync = ("--repl-diskless-sync-delay", "0")
-    primary = start_redis(*fast_sync)
+    primary = start_redis(*fast_sync, kind=kind)
     proxy = FaultProxy(primary.port).start() if replica_via_proxy else None
     upstream = proxy.port if proxy is not None else primary.port
-    replica = start_redis(*fast_sync, "--replicaof", "127.0.0.1", str(upstream))
+    replica = start_redis(*fast_sync, "--replicaof", "127.0.0.1", str(upstream), kind=kind)
     workdir = tempfile.mkdtemp(prefix="hotlock-sentinel-")
     # Sentinel "fixes" a replica whose master address is not the primary's (ours points at
     # the proxy) once failover-timeout has passed; a long one keeps the proxy in the path.
@@ -118,9 +118,10 @@ def start_topology(replica_via_proxy: bool = False) -> Topology:
                     f"sentinel down-after-milliseconds {SERVICE} 400\n"
                     f"sentinel failover-timeout {SERVICE} {failover_timeout_ms}\n"
                 )
-            exe = shutil.which("redis-sentinel")
-            assert exe is not None
-            topo.sentinels.append(subprocess.Popen([exe, conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            exe = server_exe(kind, sentinel=True)
+            topo.sentinels.append(
+                subprocess.Popen([exe[0], conf, *exe[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
 
         def ready() -> bool:
             for i in range(3):
@@ -139,15 +140,15 @@ def start_topology(replica_via_proxy: bool = False) -> Topology:
 
 
 @pytest.fixture
-def topology() -> Iterator[Topology]:
-    topo = start_topology()
+def topology(server_kind: str) -> Iterator[Topology]:
+    topo = start_topology(server_kind)
     yield topo
     topo.stop()
 
 
 @pytest.fixture
-def proxied_topology() -> Iterator[Topology]:
-    topo = start_topology(replica_via_proxy=True)
+def proxied_topology(server_kind: str) -> Iterator[Topology]:
+    topo = start_topology(server_kind, replica_via_proxy=True)
     yield topo
     topo.stop()
 

@@ -28,6 +28,7 @@ import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
 from hotlock.aio._backend import native_aio
 
+from .cluster import Cluster
 from .conftest import REQUIRE_NATIVE, RedisServer
 from .faultproxy import FaultProxy
 
@@ -239,6 +240,21 @@ def test_soak_no_overlaps(redis_backend: str, redis_url: str, tmp_path: Path) ->
     result = soak(redis_url, redis_backend, SECONDS, tmp_path)
     print(f"\nsoak [{redis_backend}] {SECONDS:.0f} s: {result}")
     assert result.sections > 500, "the soak did too little to prove anything"
+    assert result.overlaps == 0 and result.overran == 0
+    assert result.cache_errors == 0
+
+
+def test_soak_no_overlaps_on_the_cluster(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, tmp_path: Path
+) -> None:
+    """The same soak on the 3-primary cluster (tests/cluster.py), its keys on every shard."""
+    from hotlock._keys import stored
+
+    shards = {redis_cluster.owner_of(stored(b"hotlock:lock:", b"soak-%d" % k)) for k in range(KEYS)}
+    assert len(shards) == 3, "the soak's keys should cover every shard"
+    result = soak(cluster_url, redis_backend, SECONDS, tmp_path)
+    print(f"\ncluster soak [{redis_backend}] {SECONDS:.0f} s: {result}")
+    assert result.sections > 200, "the soak did too little to prove anything"
     assert result.overlaps == 0 and result.overran == 0
     assert result.cache_errors == 0
 

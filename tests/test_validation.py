@@ -145,11 +145,49 @@ def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) ->
         ({"connect_timeout": math.inf}, ValueError, "connect_timeout must be"),
         ({"timeout": "1"}, TypeError, "timeout must be"),
         ({"backend": "fast"}, ValueError, "backend must be"),
+        ({"url": "redis+cluster://"}, ValueError, "at least one node"),
+        ({"url": "redis+cluster://app:s3cret@"}, ValueError, "at least one node"),
+        ({"url": "rediss+cluster://:7000"}, ValueError, "needs a host"),
+        ({"url": "redis+cluster://h1:7000,h2:x"}, ValueError, "port must be a number"),
+        ({"url": "redis+cluster://h1:70000"}, ValueError, "port from 1 to 65535"),
+        ({"url": "redis+cluster://h1:7000/1"}, ValueError, "database 0 only"),
+        ({"url": "redis+cluster://h1:7000/db"}, ValueError, "database number"),
+        ({"url": "redis+cluster://h1:7000?db=2"}, ValueError, "takes no"),
     ],
 )
 def test_bad_connect_arguments(kwargs: dict[str, Any], exc: type[Exception], text: str) -> None:
     with pytest.raises(exc, match=text):
         hotlock.connect(**{"url": "redis://127.0.0.1:1/0", **kwargs})
+
+
+@pytest.mark.parametrize("url", ["redis+cluster://", "redis+cluster://h:1/2", "redis+cluster://h:x"])
+def test_bad_cluster_url_sends_nothing(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad cluster URL is refused before any socket is opened (from connect and from CACHE_URL)."""
+    import socket
+
+    def no_io(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bad url must be refused before any I/O")
+
+    monkeypatch.setattr(socket, "create_connection", no_io)
+    monkeypatch.setattr(socket.socket, "connect", no_io)
+    with pytest.raises(ValueError):
+        hotlock.connect(url)
+    monkeypatch.setenv("CACHE_URL", url)
+    with pytest.raises(ValueError):
+        hotlock.connect()
+
+
+def test_cluster_url_form() -> None:
+    from hotlock._config import parse_url
+
+    config = parse_url("rediss+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2,[::1]:7001/", connect_timeout=1, timeout=1)
+    assert config.seeds == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7001))
+    assert (config.username, config.password, config.tls, config.db) == ("app", "s3cret", True, 0)
+    assert config.display == "rediss+cluster://10.0.0.1:7000,10.0.0.2:6379,[::1]:7001"
+    assert "s3cret" not in repr(config)
+    node = config.node("10.0.0.3", 7002)
+    assert (node.host, node.port, node.seeds, node.password, node.tls) == ("10.0.0.3", 7002, (), "s3cret", True)
+    assert parse_url("redis+cluster://h:7000/0", connect_timeout=1, timeout=1).seeds == (("h", 7000),)
 
 
 def test_no_url_refuses_options_that_need_a_server(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from ._backend import BACKEND_NAMES, Backend, native_module, open_backend
 from ._cache import Cache
 from ._config import ServerConfig, parse_url
+from ._dialect import Dialect, check_scripts, commands_from, detect, probe_needed
 from ._keys import check_prefix
 from ._lock import Lock
 from ._memory import MemoryBackend
@@ -39,7 +40,25 @@ __all__ = [
     "with_lock",
 ]
 
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    __version__: str
+else:
+
+    def __getattr__(name: str) -> str:
+        # The version is written once, in pyproject.toml, and read back from the installed
+        # metadata on first use: importlib.metadata would cost `import hotlock` about as much
+        # as hotlock itself. (Hidden from type checkers, which would otherwise take every
+        # misspelt hotlock.name for a str.)
+        if name == "__version__":
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                return version("hotlock")
+            except PackageNotFoundError:
+                raise AttributeError("hotlock.__version__: hotlock is not installed (pip install -e .)") from None
+        raise AttributeError(f"module 'hotlock' has no attribute {name!r}")
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -60,6 +79,7 @@ def connect(
     backend: str | None = None,
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
+    scripts: str = "auto",
     metrics: Listener | None = None,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
@@ -76,16 +96,27 @@ def connect(
     if fewer confirm, the acquire is undone and raises CacheError. It narrows, not closes,
     the two-holder window of a failover.
 
+    ``scripts="auto"`` sends extend and release without Lua where the server compares and
+    sets itself (Valkey 9: ``SET … IFEQ``, ``DELIFEQ``; Redis 8.4+: ``SET … IFEQ``,
+    ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them on the scripts.
+    ``cache.server_info`` tells which server was found and which path is in use.
+
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
     told of every acquisition, release, extension, loss and error; without one, nothing is paid.
     """
+    check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
         return _cache(MemoryBackend(), raw_prefix, listener)
     opened, why = open_backend(config, backend)
     try:
-        _log_server(opened.info(), opened.name, opened.server, why)
+        info = opened.info()
+        # The server's dialect, once: what extend and release send from now on (_dialect).
+        commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
+        dialect = detect(info, commands, scripts)
+        opened.use_dialect(dialect)
+        _log_server(info, dialect, opened.name, opened.server, why)
     except BaseException:
         opened.close()
         raise
@@ -156,23 +187,25 @@ def _prefix_bytes(prefix: object) -> bytes:
     return check_prefix(prefix)
 
 
-def _log_server(info: dict[str, str] | None, backend: str, server: str, why: str | None) -> None:
+def _log_server(info: dict[str, str] | None, dialect: Dialect, backend: str, server: str, why: str | None) -> None:
     reason = f" ({why})" if why else ""
+    shards = info.get("cluster_primaries") if info else None
+    topology = f"Redis Cluster of {shards} shards, " if shards else ""
+    log.info("connected to %s (%s%s) with the %s backend%s", server, topology, dialect.describe(), backend, reason)
     if info is None:
-        log.info("connected to %s with the %s backend%s", server, backend, reason)
-        log.info("INFO is refused by the server's ACL: the Redis version and maxmemory-policy go unchecked")
+        log.info("INFO is refused by the server's ACL: the server's version and maxmemory-policy go unchecked")
         return
-    log.info(
-        "connected to %s (Redis %s) with the %s backend%s", server, info.get("redis_version", "?"), backend, reason
-    )
-    policy = info.get("maxmemory_policy", _SAFE_POLICY)
-    if policy != _SAFE_POLICY:
-        log.warning(
-            "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
-            "set maxmemory-policy noeviction",
-            server,
-            policy,
-        )
+    # On a cluster the backend names each primary with an evicting policy (maxmemory_policy@host:port).
+    policies = [(server, info.get("maxmemory_policy", _SAFE_POLICY))]
+    policies += [(k.partition("@")[2], v) for k, v in info.items() if k.startswith("maxmemory_policy@")]
+    for where, policy in policies:
+        if policy != _SAFE_POLICY:
+            log.warning(
+                "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
+                "set maxmemory-policy noeviction",
+                where,
+                policy,
+            )
 
 
 def backend_info() -> dict[str, str | None]:
@@ -193,6 +226,14 @@ def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], 
     return cache.with_lock(key, ttl, fn, *args, **kwargs)
 
 
-def lock_wait(cache: Cache, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
-    """``cache.lock_wait(key, ttl, wait)``."""
-    return cache.lock_wait(key, ttl, wait)
+def lock_wait(
+    cache: Cache,
+    key: str | bytes,
+    ttl: Seconds = DEFAULT_TTL,
+    wait: Seconds = 10.0,
+    *,
+    auto_extend: bool = False,
+    max_hold: Seconds | None = None,
+) -> Lock:
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)

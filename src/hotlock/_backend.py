@@ -11,8 +11,10 @@ import os
 from typing import TYPE_CHECKING, Protocol
 
 from ._config import ServerConfig
+from ._dialect import Dialect
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
 __all__ = ["BACKEND_NAMES", "Backend", "Named", "choose", "native_module", "open_backend"]
@@ -23,6 +25,11 @@ class Named(Protocol):
 
     name: str  # "native", "redis-py" or "memory"
     server: str  # the server as shown in logs and errors, without credentials
+
+    # The server's dialect (_dialect), set by connect() through use_dialect: what extend
+    # and release send. Read-only here: cache.server_info shows it.
+    @property
+    def dialect(self) -> Dialect: ...
 
 
 class Backend(Named, Protocol):
@@ -47,6 +54,11 @@ class Backend(Named, Protocol):
 
     # The server's INFO fields, or None when an ACL refuses INFO.
     def info(self) -> dict[str, str] | None: ...
+
+    # COMMAND INFO DELIFEQ DELEX (_dialect.COMMAND_PROBE): the raw reply, or None when the
+    # server or its ACL refuses COMMAND. Then use_dialect(the detected dialect), once.
+    def command_info(self) -> list[object] | None: ...
+    def use_dialect(self, dialect: Dialect) -> None: ...
     def close(self) -> None: ...
 
 
@@ -95,6 +107,19 @@ def choose(config: ServerConfig, requested: str | None) -> tuple[str, str | None
 
 def open_backend(config: ServerConfig, requested: str | None) -> tuple[Backend, str | None]:
     name, why = choose(config, requested)
+    if config.seeds:
+        # A cluster: the same transports, one link per primary, routed by hotlock._cluster.
+        from ._cluster import ClusterBackend, Link
+
+        if name == "native":
+            native, _ = native_module()
+            assert native is not None
+            opener: Callable[[ServerConfig], Link] = native.NativeBackend
+        else:
+            from ._redispy import RedisPyLink
+
+            opener = RedisPyLink
+        return ClusterBackend(config, name, opener), why
     if name == "native":
         native, _ = native_module()
         assert native is not None

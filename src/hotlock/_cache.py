@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
 from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
-from ._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
+from ._renewer import Renewer
+from ._validate import (
+    DEFAULT_TTL,
+    Seconds,
+    amount_int,
+    auto_extend_ms,
+    key_bytes,
+    key_list,
+    ttl_ms,
+    value_bytes,
+    wait_ms,
+)
 from .errors import LockNotAcquired
 
 if TYPE_CHECKING:
@@ -52,6 +63,13 @@ class CacheBase(Generic[L]):
         """The server, without credentials."""
         return self._backend.server
 
+    @property
+    def server_info(self) -> Mapping[str, object]:
+        """What connect() found, read-only: ``kind`` ("redis", "valkey", "unknown" when INFO
+        is refused, "memory"), ``version``, ``lua_free`` (extend/release sent without
+        scripts), ``extend`` and ``release`` (what each sends) and ``reason``."""
+        return self._backend.dialect.mapping()
+
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
 
@@ -86,13 +104,15 @@ class CacheBase(Generic[L]):
 class Cache(CacheBase[Lock]):
     """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
 
-    __slots__ = ("_take",)
+    __slots__ = ("_renewer", "_take")
     _lock_type = Lock
     _shown_as = "hotlock.Cache"
     _backend: Backend
 
     def __init__(self, backend: Backend, prefix: bytes) -> None:
         super().__init__(backend, prefix)
+        # The one renewer of this cache's auto-extended leases, made on first use.
+        self._renewer: Renewer | None = None
         # The native backend does lock()'s common case in one call (ext/_lease.pxi): the
         # key and TTL as the validators would take them (anything else it hands to them),
         # the token, the acquire and the Lock, copied from this template. None elsewhere.
@@ -101,38 +121,72 @@ class Cache(CacheBase[Lock]):
             None if taker is None else taker(self._lock_prefix, Lock(backend, "", b"", b"", 1, 1, 0.0))
         )
 
+    def _renew(self) -> Renewer:
+        if self._renewer is None:
+            self._renewer = Renewer(self._backend)
+        return self._renewer
+
     # -- locks ------------------------------------------------------------------------
 
-    def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Lock:
-        """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key."""
-        if self._take is not None:
+    def lock(
+        self,
+        key: str | bytes,
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Lock:
+        """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key.
+
+        ``auto_extend=True`` hands the lease to the cache's renewer, which extends it about
+        every ttl/3 until it is released, lost, ``max_hold`` seconds have passed, or the
+        cache is closed; ``lock.lost``, ``lock.check()`` and ``lock.on_lost()`` tell the
+        work when it is lost, and leaving a ``with`` block then raises LockLost.
+        """
+        if self._take is not None and auto_extend is False and max_hold is None:
             lock = self._take(key, ttl)
             if type(lock) is int:
                 raise self._not_acquired(key, lock, None)
             return lock  # type: ignore[return-value]
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
         token = new_token()
         sent = time.monotonic()
         result = self._backend.acquire(name, token, ms)
         if result <= 0:
             raise self._not_acquired(key, result, None)
-        return Lock(self._backend, key, name, token, result, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
+        if auto_extend:
+            self._renew().watch(lock, hold)
+        return lock
 
-    def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Lock:
+    def lock_wait(
+        self,
+        key: str | bytes,
+        ttl: Seconds = DEFAULT_TTL,
+        wait: Seconds = 10.0,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Lock:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
 
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
-        exactly one attempt.
+        exactly one attempt. ``auto_extend`` and ``max_hold`` as for lock().
         """
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
         token = new_token()
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
         if result <= 0:
             raise self._not_acquired(key, result, wait_for)
-        return Lock(self._backend, key, name, token, result, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
+        if auto_extend:
+            self._renew().watch(lock, hold)
+        return lock
 
     def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Acquire once, run ``fn(*args, **kwargs)``, release however it ends; return its result."""
@@ -141,20 +195,34 @@ class Cache(CacheBase[Lock]):
         with self.lock(key, ttl):
             return fn(*args, **kwargs)
 
-    def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[Lock | None]:
-        """Try each key once, in one round trip: a Lock per key, or None where held elsewhere."""
+    def lock_many(
+        self,
+        keys: Iterable[str | bytes],
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> list[Lock | None]:
+        """Try each key once, in one round trip: a Lock per key, or None where held elsewhere.
+
+        ``auto_extend`` and ``max_hold`` as for lock(), for every lock taken.
+        """
         given, raw = key_list(keys)
         names = [stored(self._lock_prefix, k) for k in raw]
         ms = ttl_ms(ttl)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
         if not names:
             return []
         tokens = new_tokens(len(names))
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
-        return [
+        locks = [
             Lock(self._backend, key, name, token, result, ms, sent) if result > 0 else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
+        if auto_extend:
+            self._renew().watch_many([lk for lk in locks if lk is not None], hold)
+        return locks
 
     def extend_many(self, locks: Iterable[Lock | None], ttl: Seconds) -> list[bool]:
         """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
@@ -170,6 +238,8 @@ class Cache(CacheBase[Lock]):
             results = self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
             for (i, lock), ok in zip(live, results, strict=True):
                 lock._extended(ok, ms, sent)
+                if lock._auto is not None:
+                    lock._auto.touch()
                 out[i] = ok
         return out
 
@@ -178,6 +248,9 @@ class Cache(CacheBase[Lock]):
         items, live = self._live(locks)
         out = [False] * len(items)
         if live:
+            for _, lock in live:
+                if lock._auto is not None:
+                    lock._auto.forget()  # before the release, as in Lock.unlock
             results = self._backend.release_many([lk._name for _, lk in live], [lk._token for _, lk in live])
             for (i, lock), ok in zip(live, results, strict=True):
                 lock._token = b""
@@ -199,6 +272,9 @@ class Cache(CacheBase[Lock]):
     # -- lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop the renewer (auto-extended leases then expire by their TTL) and disconnect."""
+        if self._renewer is not None:
+            self._renewer.close()
         self._backend.close()
 
     def __enter__(self) -> Cache:

@@ -6,14 +6,17 @@ the chooser in _backend and every backend, sync and async, import it, never each
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._sentinel import SCHEME as SENTINEL_SCHEME
 from ._sentinel import parse_sentinel_netloc, primary_address
 from .errors import CacheError
 
-__all__ = ["ServerConfig", "cache_error", "parse_url"]
+__all__ = ["CLUSTER_SCHEMES", "ServerConfig", "cache_error", "parse_url"]
+
+# redis+cluster://seed[,seed...] and its TLS twin: the seeds are any nodes of the cluster.
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class ServerConfig:
     # redis+sentinel://: the sentinels to ask and the name they know the primary by.
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str | None = None
+    # redis+cluster://: the seed nodes asked for the slot map (any subset of the cluster).
+    seeds: tuple[tuple[str, int], ...] = ()
     # connect(wait_replicas=N): WAIT for N replicas after each acquire, up to wait_timeout s.
     wait_replicas: int = 0
     wait_timeout: float = 0.5
@@ -46,9 +51,16 @@ class ServerConfig:
         assert self.service is not None
         return primary_address(self.sentinels, self.service, self.connect_timeout, self.display)
 
+    def node(self, host: str, port: int) -> ServerConfig:
+        """This cluster's settings (credentials, TLS, timeouts) for one of its nodes."""
+        return replace(self, url=f"{'rediss' if self.tls else 'redis'}://{host}:{port}", host=host, port=port, seeds=())
+
     @property
     def display(self) -> str:
         """The server without credentials: safe for logs, errors and repr."""
+        if self.seeds:
+            hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.seeds)
+            return f"{CLUSTER_SCHEMES[self.tls]}://{hosts}"
         if self.sentinels:
             hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
             return f"redis+sentinel://{hosts}/{self.service}/{self.db}"
@@ -66,16 +78,37 @@ def parse_url(
     url: str, *, connect_timeout: float, timeout: float, wait_replicas: int = 0, wait_timeout: float = 0.5
 ) -> ServerConfig:
     """``redis://[user:pass@]host[:port][/db]``, ``rediss://…``, ``unix:///path[?db=N]``,
-    ``redis+sentinel://[user:pass@]host[:port][,host[:port]…]/service[/db]``."""
+    ``redis+sentinel://[user:pass@]host[:port][,host[:port]…]/service[/db]``,
+    ``redis+cluster://[user:pass@]host[:port][,host[:port]…][/]`` and ``rediss+cluster://…``."""
     if not isinstance(url, str):
         raise TypeError(f"url must be str, not {type(url).__name__}")
     parts = urlsplit(url)
     # Never echo the URL itself: it may carry a password.
-    if parts.scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME):
+    if parts.scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, *CLUSTER_SCHEMES):
         raise ValueError(
-            f"url scheme must be redis://, rediss://, unix:// or {SENTINEL_SCHEME}://, not {parts.scheme or '(none)'}://"
+            f"url scheme must be redis://, rediss://, unix://, {SENTINEL_SCHEME}:// or "
+            f"{'://, '.join(CLUSTER_SCHEMES)}://, not {parts.scheme or '(none)'}://"
         )
     waiting = {"wait_replicas": wait_replicas, "wait_timeout": wait_timeout}
+    if parts.scheme in CLUSTER_SCHEMES:
+        if parts.query or parts.fragment:
+            raise ValueError(f"{parts.scheme}:// url takes no ?query or #fragment")
+        username, password, seeds = parse_sentinel_netloc(parts.netloc, parts.scheme, 6379)
+        # A cluster has database 0 only; "/" and "/0" are accepted as the plain URL's habit.
+        if _db_number(parts.path.strip("/")) != 0:
+            raise ValueError(f"{parts.scheme}:// url: a cluster has database 0 only")
+        return ServerConfig(
+            url=url,
+            host=seeds[0][0],
+            port=seeds[0][1],
+            tls=parts.scheme == CLUSTER_SCHEMES[1],
+            username=username,
+            password=password,
+            connect_timeout=connect_timeout,
+            timeout=timeout,
+            seeds=seeds,
+            **waiting,  # type: ignore[arg-type]
+        )
     if parts.scheme == SENTINEL_SCHEME:
         username, password, sentinels = parse_sentinel_netloc(parts.netloc)
         service, _, db_text = parts.path.strip("/").partition("/")

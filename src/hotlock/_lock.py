@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -16,7 +17,7 @@ from .errors import CacheError, LockLost
 if TYPE_CHECKING:
     from ._backend import Backend, Named
 
-__all__ = ["Lease", "LeaseHooks", "Lock", "shown"]
+__all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "shown"]
 
 log = logging.getLogger("hotlock")
 
@@ -24,6 +25,18 @@ log = logging.getLogger("hotlock")
 # (the same bytes, a quarter of the instructions), else by the Python definition.
 _native, _ = native_module()
 _held_value = held_value if _native is None else _native.held_value
+
+# Why a lease is lost, as LockLost and the log say it.
+TAKEN = "is no longer held: it expired or was taken over"
+UNCONFIRMED = "was not confirmed by an extend before its TTL ran out (Redis unreachable or too slow)"
+
+
+class Watch(Protocol):
+    """What an auto-extended lease asks of the renewer holding it (hotlock._renewer.Held)."""
+
+    def forget(self) -> None: ...  # released: never extend it again
+    def touch(self) -> None: ...  # extended or lost by hand: look at it again now
+    def on_lost(self, callback: Callable[[Lease], object]) -> None: ...
 
 
 def shown(key: str | bytes) -> str:
@@ -51,7 +64,19 @@ class Lease:
     bearer secret: it is in no repr, log line or message.
     """
 
-    __slots__ = ("_backend", "_deadline", "_meter", "_name", "_pid", "_token", "_ttl_ms", "fence", "key")
+    __slots__ = (
+        "_auto",
+        "_backend",
+        "_deadline",
+        "_loss",
+        "_meter",
+        "_name",
+        "_pid",
+        "_token",
+        "_ttl_ms",
+        "fence",
+        "key",
+    )
     _shown_as = "hotlock.Lease"
 
     def __init__(
@@ -70,6 +95,10 @@ class Lease:
         self._deadline = sent_at + ttl / 1000.0
         # connect(metrics=...): set by the metered cache that took it; None costs one test.
         self._meter: LeaseHooks | None = None
+        # Why it is known lost (an extend found another token or none, ...), or None.
+        self._loss: str | None = None
+        # The renewer's record when taken with auto_extend=True (hotlock._renewer).
+        self._auto: Watch | None = None
 
     def _now(self) -> float:
         """The clock the deadline is on."""
@@ -93,7 +122,63 @@ class Lease:
             raise self._lost(f"was taken by process {self._pid}; a forked child cannot extend it")
         if not self._token:
             raise self._lost("was already released")
+        why = self._loss_at(self._now())
+        if why is not None and (self._auto is not None or why == TAKEN):
+            # Lost for good: the work has been told (or the key is gone), so an extend
+            # that happened to find the key still ours must not make it held again.
+            raise self._lost(why)
         return ms
+
+    def _loss_at(self, now: float) -> str | None:
+        """Why this lease is lost at ``now`` (on its own clock), or None while it is held.
+
+        An auto-extended lease past its deadline is recorded lost for good: a late extend
+        reply never makes it held again. A plain lease past its deadline is lost until an
+        extend() succeeds (its TTL may have run out; nobody was told).
+        """
+        if self._loss is None and self._token and now >= self._deadline:
+            if self._auto is None:
+                return UNCONFIRMED
+            self._loss = UNCONFIRMED
+        return self._loss
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known lost: an extend found another token or none, its
+        TTL ran out before an extend was confirmed, or (auto_extend) max_hold passed.
+
+        False for a released lock (released is not lost) and in the process that took it
+        until one of those happens; a forked child does not hold its parent's lock.
+        """
+        if self._pid != _ident.pid:
+            return bool(self._token)
+        return self._loss_at(self._now()) is not None
+
+    def check(self) -> None:
+        """Raise LockLost unless the lock is still known to be ours: not lost, not
+        released, not inherited by a forked child. Cheap: no round trip."""
+        if self._pid != _ident.pid:
+            raise self._lost(f"was taken by process {self._pid}; a forked child does not hold it")
+        if not self._token:
+            raise self._lost("was already released")
+        why = self._loss_at(self._now())
+        if why is not None:
+            raise self._lost(why)
+
+    def on_lost(self, callback: Callable[[Lease], object]) -> None:
+        """Call ``callback(lock)`` once, from the renewer, when the lease is lost.
+
+        Only for locks taken with auto_extend=True (the renewer is what notices). A
+        callback given after the loss was told is called at once, here. It runs on the
+        renewer's thread (sync) or loop (async) with no hotlock lock held, so it may call
+        unlock() or take other locks; keep it short, since the renewer waits for it. An
+        exception from it is logged and ignored.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+        if self._auto is None:
+            raise ValueError("on_lost needs a lock taken with auto_extend=True: only the renewer notices a loss")
+        self._auto.on_lost(callback)
 
     def _lost(self, why: str) -> LockLost:
         key = shown(self.key)
@@ -106,6 +191,7 @@ class Lease:
             self._deadline = sent + ms / 1000.0
         else:
             self._deadline = sent
+            self._loss = TAKEN
         return ok
 
     def _sendable(self) -> bool:
@@ -140,8 +226,11 @@ class Lock(Lease):
             raise
         if self._meter is not None:  # metrics hook
             self._meter.extended(self, ok)
-        if not self._extended(ok, ms, sent):
-            raise self._lost("is no longer held: it expired or was taken over")
+        self._extended(ok, ms, sent)
+        if self._auto is not None:
+            self._auto.touch()  # a new deadline to renew by, or a loss to tell
+        if not ok:
+            raise self._lost(TAKEN)
 
     def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.
@@ -151,6 +240,10 @@ class Lock(Lease):
         """
         if not self._token or self._pid != _ident.pid:  # self._sendable(), inline: the hot path
             return False
+        if self._auto is not None:
+            # Before the release is sent: a renewal racing it then finds no key (extends
+            # never create one) and its reply is ignored, so no loss is told for it.
+            self._auto.forget()
         try:
             released = self._backend.release(self._name, self._token)
         except CacheError as error:
@@ -168,9 +261,15 @@ class Lock(Lease):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        # Looked at before the release empties the token. Only an auto-extended lease
+        # promises the block that it stayed held; a plain one leaves that to valid_for().
+        why = None if self._auto is None else self._loss_at(self._now())
         try:
             self.unlock()
         except Exception as error:
             # Never let the release hide the body's own exception or fail a body that
             # succeeded: the key expires by its TTL.
             log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
+        if why is not None and exc_type is None:
+            # The work was not protected all along, and the caller must know.
+            raise self._lost(why)

@@ -11,6 +11,7 @@ import time
 
 from ._backoff import poll
 from ._config import cache_error
+from ._dialect import MEMORY, Dialect
 from ._ident import TOKEN_BYTES
 from ._scripts import held_value
 
@@ -44,6 +45,7 @@ def _releases(value: bytes, token: bytes) -> bool:
 
 class MemoryBackend:
     name = "memory"
+    dialect = MEMORY
     server = "in-process"
 
     def __init__(self) -> None:
@@ -149,6 +151,12 @@ class MemoryBackend:
 
     def info(self) -> dict[str, str] | None:
         return {}
+
+    def command_info(self) -> list[object] | None:
+        return None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        pass  # in-process: there is no server to speak to
 
     def close(self) -> None:
         with self._mutex:

@@ -17,22 +17,45 @@ import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ._backoff import poll
+from ._cluster import LinkLost, ReplyError
 from ._config import ServerConfig, cache_error
+from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from .errors import CacheError
 
-__all__ = ["RedisPyBackend"]
+__all__ = ["RedisPyBackend", "RedisPyLink"]
 
 T = TypeVar("T")
 
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class HandshakeLost(RedisConnectionError):
+    """A new connection's handshake (AUTH, SELECT) lost its reply: nothing of the call was
+    sent, so one more try is safe for any command. Shared with aio/_redispy."""
+
+
+def _handshake(conn: Any) -> None:
+    """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
+    reply to the call's command."""
+    try:
+        conn.on_connect()
+    except _AMBIGUOUS as exc:
+        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
 
 
 class _PrimaryConnection(redis.Connection):
@@ -65,33 +88,43 @@ class _TLSConnection(redis.SSLConnection):
         return bool(super().can_read(timeout))
 
 
+def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
+    kwargs: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "db": config.db,
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "socket_keepalive": True,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
+        # (and an ACL permission) that would also eat into a lost-reply retry's budget.
+        "protocol": 2,
+        # The handshake's lost reply told apart from the call's (HandshakeLost): any call may retry it.
+        "redis_connect_func": _handshake,
+    }
+    # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
+    # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
+        kwargs["driver_info"] = None
+    else:
+        kwargs["lib_name"] = kwargs["lib_version"] = None
+    return kwargs
+
+
 class RedisPyBackend:
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
-        kwargs: dict[str, Any] = {
-            "username": config.username,
-            "password": config.password,
-            "db": config.db,
-            "socket_timeout": config.timeout,
-            "socket_connect_timeout": config.connect_timeout,
-            "socket_keepalive": True,
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-            # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
-            # (and an ACL permission) that would also eat into a lost-reply retry's budget.
-            "protocol": 2,
-        }
-        # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
-        # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
-        if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
-            kwargs["driver_info"] = None
-        else:
-            kwargs["lib_name"] = kwargs["lib_version"] = None
+        kwargs = _connection_kwargs(config)
         self._watch: PrimaryWatch | None = None
         self._redis: Any  # redis.Redis; Any, since the connection-level API it reaches is untyped
         if config.sentinels:
@@ -168,20 +201,38 @@ class RedisPyBackend:
                 raise reply
         return replies
 
+    def _commands(self, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
+        """Plain commands in one round trip (the Lua-free extend and release); error replies raised."""
+        replies = self._send(commands, timeout)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     def _call(
-        self, what: str, key: bytes | None, fn: Callable[[float | None], T], retry_until: float | None = None
+        self,
+        what: str,
+        key: bytes | None,
+        fn: Callable[[float | None], T],
+        resend: bool = False,
+        retry_until: float | None = None,
     ) -> T:
         """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
 
-        With ``retry_until`` (a time.monotonic()), a lost reply is followed by one more try
-        as it was (same token: the scripts count "already my token" as success, and a
-        release that ran finds nothing to do), sharing whatever time is left until then.
+        The lost-reply rule (DESIGN §4, §6), as in the native client: one more try, sharing
+        whatever time is left until ``retry_until`` (a time.monotonic(); by default the
+        budget of a call that does not wait), after a lost handshake reply (nothing of the
+        call was sent: any call), or after a lost reply to the call itself when ``resend``
+        (same token: the scripts count "already my token" as success, and a release that
+        ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
+        resent SET NX answers "not set" for the value this call set).
         """
         try:
             return fn(None)
         except _AMBIGUOUS as exc:
-            left = 0.0 if retry_until is None else min(self._timeout, retry_until - time.monotonic())
-            if left < 0.001:
+            until = self._retry_until() if retry_until is None else retry_until
+            left = min(self._timeout, until - time.monotonic())
+            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)):
                 raise self._error(what, key, exc) from exc
             try:
                 return fn(left)
@@ -228,7 +279,8 @@ class RedisPyBackend:
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+            # Loading twice changes nothing: a lost reply is resent.
+            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -237,7 +289,7 @@ class RedisPyBackend:
 
     def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float) -> int:
         replies = self._call(
-            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), retry_until
+            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
         )
         return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
@@ -247,29 +299,44 @@ class RedisPyBackend:
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), self._retry_until())
+        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
         return self._confirmed(
             "acquire_many", keys, tokens, [int(r) for r in replies[: len(keys)]], replies[len(keys) :]
         )
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
-        return bool(self._call("extend", key, lambda t: self._scripts(EXTEND, [(key, token, b"%d" % ttl_ms)], t))[0])
+        # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        return self.extend_many([key], [token], ttl_ms, "extend", key)[0]
 
-    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+    def extend_many(
+        self, keys: list[bytes], tokens: list[bytes], ttl_ms: int, what: str = "extend_many", key: bytes | None = None
+    ) -> list[bool]:
+        if self.dialect.lua_free:
+            # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
+            sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+            try:
+                return [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call("extend_many", None, lambda t: self._scripts(EXTEND, calls, t))]
+        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
 
     def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
-        return bool(
-            self._call("release", key, lambda t: self._scripts(RELEASE, [(key, token)], t), self._retry_until())[0]
-        )
+        return self.release_many([key], [token], "release", key)[0]
 
-    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("release_many", None, lambda t: self._scripts(RELEASE, calls, t), self._retry_until())
+    def release_many(
+        self, keys: list[bytes], tokens: list[bytes], what: str = "release_many", key: bytes | None = None
+    ) -> list[bool]:
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            replies = self._call(what, key, lambda t: self._commands(dels, t), True)
+        else:
+            calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
+            replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)
         return [bool(r) for r in replies]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -289,8 +356,88 @@ class RedisPyBackend:
             return {str(k): str(v) for k, v in raw.items()}
         return {}
 
+    def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's raw reply, or None when the server or its ACL refuses it."""
+        try:
+            reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], t))[0]
+        except CacheError as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return None  # NOPERM, or a proxy without COMMAND: the version decides
+            raise
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+
     def close(self) -> None:
         self._redis.close()
+
+
+class RedisPyLink:
+    """One Redis Cluster node over a redis-py connection pool (hotlock._cluster.Link).
+
+    Why per-node pools routed by hotlock._cluster rather than redis.cluster.RedisCluster:
+    the redirection and lost-reply rules are then written once for every backend, and
+    RedisCluster's own ones (it resends a command after a connection error, so a lost
+    acquire reply comes back to us as a second, unannounced try; its map refresh and
+    retries run on their own clock) cannot break the one-retry, one-budget rule. Its
+    pipelines also run node by node, where a batch here writes to every node first.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = config.display
+        kind = _TLSConnection if config.tls else redis.Connection
+        self._pool: Any = redis.ConnectionPool(
+            connection_class=kind, host=config.host, port=config.port, **_connection_kwargs(config)
+        )
+        # Connect now and load the scripts: a primary's first EVALSHA seldom pays a NOSCRIPT.
+        for reply in self.link_recv(
+            self.link_send([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]), len(SCRIPTS), None
+        ):
+            if isinstance(reply, ReplyError):
+                raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", self.server)
+
+    def link_send(self, commands: list[tuple[bytes, ...]]) -> Any:
+        try:
+            conn: Any = self._pool.get_connection()
+        except (RedisError, OSError) as exc:  # could not connect: nothing was sent
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except _AMBIGUOUS as exc:
+            conn.disconnect()
+            self._pool.release(conn)
+            raise LinkLost(_describe(exc)) from exc
+        except RedisError as exc:  # AUTH refused, say: nothing ran
+            conn.disconnect()
+            self._pool.release(conn)
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        return conn
+
+    def link_recv(self, handle: Any, n: int, timeout: float | None) -> list[Any]:
+        conn = handle
+        complete = False
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            replies: list[Any] = []
+            for _ in range(n):
+                kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
+                try:
+                    replies.append(conn.read_response(**kw))
+                except ResponseError as exc:
+                    code = _ERROR_CODES.get(type(exc))
+                    replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
+            complete = True
+            return replies
+        except _AMBIGUOUS as exc:
+            raise LinkLost(_describe(exc)) from exc
+        finally:
+            if not complete:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def link_close(self) -> None:
+        self._pool.disconnect()
 
 
 _ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}

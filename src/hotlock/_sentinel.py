@@ -20,11 +20,14 @@ __all__ = ["SCHEME", "PrimaryWatch", "parse_sentinel_netloc", "primary_address"]
 SCHEME = "redis+sentinel"
 
 
-def parse_sentinel_netloc(netloc: str) -> tuple[str | None, str | None, tuple[tuple[str, int], ...]]:
-    """``[user[:password]@]host[:port][,host[:port]...]`` -> (user, password, sentinels).
+def parse_sentinel_netloc(
+    netloc: str, scheme: str = SCHEME, default_port: int = 26379
+) -> tuple[str | None, str | None, tuple[tuple[str, int], ...]]:
+    """``[user[:password]@]host[:port][,host[:port]...]`` -> (user, password, hosts).
 
     The credentials are the data nodes' (the primary and its replicas); sentinels are
-    asked without them. A port defaults to 26379, Sentinel's own.
+    asked without them. A port defaults to 26379, Sentinel's own. redis+cluster:// URLs
+    list their seed nodes the same way (``scheme`` and ``default_port`` say so).
     """
     userinfo, _, hosts = netloc.rpartition("@")
     username = password = None
@@ -32,6 +35,7 @@ def parse_sentinel_netloc(netloc: str) -> tuple[str | None, str | None, tuple[tu
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon else None
+    what = "sentinel" if scheme == SCHEME else "node"
     sentinels = []
     for item in hosts.split(","):
         item = item.strip()
@@ -43,16 +47,15 @@ def parse_sentinel_netloc(netloc: str) -> tuple[str | None, str | None, tuple[tu
         else:
             host, _, port_text = item.partition(":")
         try:
-            port = int(port_text) if port_text else 26379
+            port = int(port_text) if port_text else default_port
         except ValueError:
-            raise ValueError("redis+sentinel:// url: each sentinel port must be a number") from None
+            raise ValueError(f"{scheme}:// url: each {what} port must be a number") from None
         if not host or not 0 < port < 65536:
-            raise ValueError("redis+sentinel:// url: each sentinel needs a host and a port from 1 to 65535")
+            raise ValueError(f"{scheme}:// url: each {what} needs a host and a port from 1 to 65535")
         sentinels.append((host, port))
     if not sentinels:
-        raise ValueError(
-            "redis+sentinel:// url needs at least one sentinel, as in redis+sentinel://h1:26379,h2:26379/mymaster"
-        )
+        example = "h1:26379,h2:26379/mymaster" if scheme == SCHEME else "h1:7000,h2:7000"
+        raise ValueError(f"{scheme}:// url needs at least one {what}, as in {scheme}://{example}")
     return username, password, tuple(sentinels)
 
 

@@ -15,8 +15,10 @@ __all__ = [
     "DEFAULT_TTL",
     "MAX_KEY_BYTES",
     "MAX_TTL_MS",
+    "MIN_AUTO_TTL_MS",
     "Seconds",
     "amount_int",
+    "auto_extend_ms",
     "key_bytes",
     "key_list",
     "ttl_ms",
@@ -92,6 +94,35 @@ def wait_ms(wait: object, name: str = "wait") -> int:
     ms = round(seconds * 1000)
     if ms > MAX_TTL_MS:
         raise ValueError(f"{name} of {seconds!r} s exceeds the 7-day maximum")
+    return ms
+
+
+# auto_extend renews every ttl/3: below this the renewer would do little else.
+MIN_AUTO_TTL_MS = 100
+
+
+def auto_extend_ms(auto_extend: object, max_hold: object, ttl: int) -> int | None:
+    """Check ``auto_extend`` and ``max_hold`` (given ``ttl`` in ms); max_hold in ms, or None.
+
+    The common case, no auto_extend and no max_hold, costs two identity checks.
+    """
+    if auto_extend is False and max_hold is None:
+        return None
+    if not isinstance(auto_extend, bool):
+        raise TypeError(f"auto_extend must be True or False, not {type(auto_extend).__name__}")
+    if not auto_extend:
+        raise ValueError("max_hold needs auto_extend=True: a lock without it is never extended for you")
+    if ttl < MIN_AUTO_TTL_MS:
+        raise ValueError(
+            f"auto_extend needs a ttl of at least {MIN_AUTO_TTL_MS / 1000:g} s (it renews every ttl/3), "
+            f"not {ttl / 1000:g} s"
+        )
+    if max_hold is None:
+        return None
+    seconds = _seconds(max_hold, "max_hold")
+    ms = round(seconds * 1000)
+    if ms <= 0:
+        raise ValueError(f"max_hold must be at least 1 ms, not {seconds!r} s")
     return ms
 
 

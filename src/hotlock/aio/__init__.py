@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .. import _connect_config, _log_server
+from .._dialect import check_scripts, commands_from, detect, probe_needed
 from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
 from ._backend import native_aio, open_backend
@@ -42,21 +43,28 @@ async def connect(
     backend: str | None = None,
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
+    scripts: str = "auto",
     metrics: Listener | None = None,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
-    forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio).
+    forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
+    chooses between the Lua-free extend/release, where the server has them, and the scripts.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     """
+    check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     if config is None:
         return _cache(AsyncMemoryBackend(), raw_prefix, listener)
     opened, why = await open_backend(config, backend)
     try:
-        _log_server(await opened.info(), opened.name, opened.server, why)
+        info = await opened.info()
+        commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
+        dialect = detect(info, commands, scripts)
+        opened.use_dialect(dialect)
+        _log_server(info, dialect, opened.name, opened.server, why)
     except BaseException:
         await opened.close()
         raise
@@ -87,6 +95,14 @@ async def with_lock(
     return await cache.with_lock(key, ttl, fn, *args, **kwargs)
 
 
-def lock_wait(cache: AsyncCache, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Acquiring:
-    """``cache.lock_wait(key, ttl, wait)``: await it, or use it with ``async with``."""
-    return cache.lock_wait(key, ttl, wait)
+def lock_wait(
+    cache: AsyncCache,
+    key: str | bytes,
+    ttl: Seconds = DEFAULT_TTL,
+    wait: Seconds = 10.0,
+    *,
+    auto_extend: bool = False,
+    max_hold: Seconds | None = None,
+) -> Acquiring:
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``: await it, or use it with ``async with``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)

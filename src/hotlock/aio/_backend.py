@@ -7,11 +7,13 @@ tokens, integer milliseconds, CacheError for every Redis failure. There is no
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Protocol
 
 from .._backend import native_module
 from .._config import ServerConfig
+from .._dialect import Dialect
 
 __all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
 
@@ -19,6 +21,10 @@ __all__ = ["AsyncBackend", "choose", "native_aio", "open_backend"]
 class AsyncBackend(Protocol):
     name: str  # "native", "redis-py" or "memory", as in sync
     server: str  # the server as shown in logs and errors, without credentials
+
+    # As in sync: the server's dialect, set once by connect() through use_dialect.
+    @property
+    def dialect(self) -> Dialect: ...
 
     # The ordering promise that makes cancellation safe: a release of a token takes
     # effect after every acquire of that token already called on this backend, even one
@@ -43,6 +49,8 @@ class AsyncBackend(Protocol):
 
     # The server's INFO fields, or None when an ACL refuses INFO.
     async def info(self) -> dict[str, str] | None: ...
+    async def command_info(self) -> list[object] | None: ...
+    def use_dialect(self, dialect: Dialect) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -75,6 +83,25 @@ def choose(config: ServerConfig, requested: str | None) -> tuple[str, str | None
 async def open_backend(config: ServerConfig, requested: str | None) -> tuple[AsyncBackend, str | None]:
     name, why = choose(config, requested)
     backend: AsyncBackend
+    if config.seeds:
+        # A cluster: the same transports, one link per primary, routed by hotlock._cluster.
+        from ._cluster import AsyncClusterBackend, AsyncLink
+
+        opener: Callable[[ServerConfig], Awaitable[AsyncLink]]
+        if name == "native":
+            from ._native import NativeAsyncBackend
+
+            native, _ = native_aio()
+            assert native is not None
+            protocol = native.AioProtocol
+
+            async def opener(node: ServerConfig) -> AsyncLink:
+                return await NativeAsyncBackend.open(node, protocol)
+        else:
+            from ._redispy import RedisAsyncLink
+
+            opener = RedisAsyncLink.open
+        return await AsyncClusterBackend.open(config, name, opener), why
     if name == "native":
         from ._native import NativeAsyncBackend
 

@@ -13,8 +13,19 @@ from .._cache import CacheBase
 from .._ident import new_token, new_tokens
 from .._keys import stored
 from .._lock import shown
-from .._validate import DEFAULT_TTL, Seconds, amount_int, key_bytes, key_list, ttl_ms, value_bytes, wait_ms
+from .._validate import (
+    DEFAULT_TTL,
+    Seconds,
+    amount_int,
+    auto_extend_ms,
+    key_bytes,
+    key_list,
+    ttl_ms,
+    value_bytes,
+    wait_ms,
+)
 from ._lock import AsyncLock
+from ._renewer import AsyncRenewer
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
@@ -31,7 +42,7 @@ class AsyncCache(CacheBase[AsyncLock]):
     """Locks, idempotency keys and counters on one async backend. Make one with
     ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
 
-    __slots__ = ("_background",)
+    __slots__ = ("_background", "_renewer")
     _lock_type = AsyncLock
     _shown_as = "hotlock.aio.AsyncCache"
     _backend: AsyncBackend
@@ -40,18 +51,46 @@ class AsyncCache(CacheBase[AsyncLock]):
         super().__init__(backend, prefix)
         # Releases of interrupted acquisitions still running; close() waits for them.
         self._background: set[asyncio.Task[None]] = set()
+        # The one renewer of this cache's auto-extended leases, made on first use.
+        self._renewer: AsyncRenewer | None = None
+
+    def _renew(self, locks: list[AsyncLock], hold: int | None) -> None:
+        if self._renewer is None:
+            self._renewer = AsyncRenewer(self._backend, asyncio.get_running_loop())
+        self._renewer.watch(locks, hold)
 
     # -- locks ------------------------------------------------------------------------
 
-    def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL) -> Acquiring:
+    def lock(
+        self,
+        key: str | bytes,
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Acquiring:
         """Try once: ``await cache.lock(key)`` gives an AsyncLock or raises LockNotAcquired;
         ``async with cache.lock(key):`` also releases it however the block ends.
 
         The arguments are checked here, before anything is awaited or sent.
+        ``auto_extend=True`` hands the lease to the cache's renewer (a task on this loop),
+        as in hotlock.Cache.lock(); at a loss the task running the ``async with`` block is
+        cancelled and the block raises LockLost.
         """
-        return Acquiring(self, key, stored(self._lock_prefix, key_bytes(key)), ttl_ms(ttl), None)
+        name = stored(self._lock_prefix, key_bytes(key))
+        ms = ttl_ms(ttl)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
+        return Acquiring(self, key, name, ms, None, auto_extend, hold)
 
-    def lock_wait(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, wait: Seconds = 10.0) -> Acquiring:
+    def lock_wait(
+        self,
+        key: str | bytes,
+        ttl: Seconds = DEFAULT_TTL,
+        wait: Seconds = 10.0,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Acquiring:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
 
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
@@ -59,9 +98,13 @@ class AsyncCache(CacheBase[AsyncLock]):
         """
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
-        return Acquiring(self, key, name, ms, wait_ms(wait))
+        wait_for = wait_ms(wait)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
+        return Acquiring(self, key, name, ms, wait_for, auto_extend, hold)
 
-    async def _acquire(self, key: str | bytes, name: bytes, ms: int, wait_for: int | None) -> AsyncLock:
+    async def _acquire(
+        self, key: str | bytes, name: bytes, ms: int, wait_for: int | None, auto: bool = False, hold: int | None = None
+    ) -> AsyncLock:
         loop = asyncio.get_running_loop()
         token = new_token()
         backoff = None if wait_for is None else Backoff(wait_for)
@@ -75,9 +118,12 @@ class AsyncCache(CacheBase[AsyncLock]):
                 maybe_held = True
                 result = await self._backend.acquire(name, token, ms, since, wait_for or 0)
                 if result > 0:
-                    return AsyncLock(
+                    lock = AsyncLock(
                         self._backend, self._release_in_background, loop, key, name, token, result, ms, sent
                     )
+                    if auto:
+                        self._renew([lock], hold)
+                    return lock
                 maybe_held = False
                 sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
@@ -104,11 +150,22 @@ class AsyncCache(CacheBase[AsyncLock]):
         async with self.lock(key, ttl):
             return await fn(*args, **kwargs)
 
-    async def lock_many(self, keys: Iterable[str | bytes], ttl: Seconds = DEFAULT_TTL) -> list[AsyncLock | None]:
-        """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere."""
+    async def lock_many(
+        self,
+        keys: Iterable[str | bytes],
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> list[AsyncLock | None]:
+        """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere.
+
+        ``auto_extend`` and ``max_hold`` as for lock(), for every lock taken.
+        """
         given, raw = key_list(keys)
         names = [stored(self._lock_prefix, k) for k in raw]
         ms = ttl_ms(ttl)
+        hold = auto_extend_ms(auto_extend, max_hold, ms)
         if not names:
             return []
         loop = asyncio.get_running_loop()
@@ -119,12 +176,15 @@ class AsyncCache(CacheBase[AsyncLock]):
         except BaseException:
             self._release_in_background(names, tokens)
             raise
-        return [
+        locks = [
             AsyncLock(self._backend, self._release_in_background, loop, key, name, token, result, ms, sent)
             if result > 0
             else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
+        if auto_extend:
+            self._renew([lk for lk in locks if lk is not None], hold)
+        return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], ttl: Seconds) -> list[bool]:
         """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
@@ -148,6 +208,8 @@ class AsyncCache(CacheBase[AsyncLock]):
                 raise
             for (i, lock), ok in zip(live, results, strict=True):
                 lock._extended(ok, ms, sent)
+                if lock._auto is not None:
+                    lock._auto.touch()
                 out[i] = ok
         return out
 
@@ -156,6 +218,9 @@ class AsyncCache(CacheBase[AsyncLock]):
         items, live = self._live(locks)
         out = [False] * len(items)
         if live:
+            for _, lock in live:
+                if lock._auto is not None:
+                    lock._auto.forget()  # before the release, as in AsyncLock.unlock
             names, tokens = [lk._name for _, lk in live], [lk._token for _, lk in live]
             try:
                 results = await self._backend.release_many(names, tokens)
@@ -205,6 +270,10 @@ class AsyncCache(CacheBase[AsyncLock]):
     # -- lifetime ---------------------------------------------------------------------
 
     async def close(self) -> None:
+        """Stop the renewer (auto-extended leases then expire by their TTL), let interrupted
+        releases land, and disconnect."""
+        if self._renewer is not None:
+            await self._renewer.close()
         if self._background:
             # Let the releases of interrupted acquisitions land before the connection goes
             # (each is bounded by the reply and connect timeouts, so this wait is too).
@@ -226,22 +295,35 @@ class Acquiring:
     Each await is one acquisition with its own token.
     """
 
-    __slots__ = ("_cache", "_held", "_key", "_name", "_ttl_ms", "_wait_ms")
+    __slots__ = ("_auto", "_cache", "_held", "_hold_ms", "_key", "_name", "_ttl_ms", "_wait_ms")
 
-    def __init__(self, cache: AsyncCache, key: str | bytes, name: bytes, ttl: int, wait: int | None) -> None:
+    def __init__(
+        self,
+        cache: AsyncCache,
+        key: str | bytes,
+        name: bytes,
+        ttl: int,
+        wait: int | None,
+        auto: bool = False,
+        hold: int | None = None,
+    ) -> None:
         self._cache = cache
         self._key = key
         self._name = name
         self._ttl_ms = ttl
         self._wait_ms = wait
+        self._auto = auto
+        self._hold_ms = hold
         self._held: AsyncLock | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncLock]:
-        return self._cache._acquire(self._key, self._name, self._ttl_ms, self._wait_ms).__await__()
+        return self._cache._acquire(
+            self._key, self._name, self._ttl_ms, self._wait_ms, self._auto, self._hold_ms
+        ).__await__()
 
     async def __aenter__(self) -> AsyncLock:
         self._held = await self
-        return self._held
+        return await self._held.__aenter__()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

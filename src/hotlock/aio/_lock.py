@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .._lock import Lease, shown
+from .._lock import TAKEN, Lease, shown
 from .._validate import Seconds
 from ..errors import CacheError
 
@@ -19,12 +20,17 @@ __all__ = ["AsyncLock"]
 
 log = logging.getLogger("hotlock")
 
+# Python 3.11+ counts cancellation requests (Task.cancelling/uncancel), which tells our
+# cancellation of a block from one that came from outside, as asyncio.timeout does. On
+# 3.10 the cancellation's message tells them apart instead (see AsyncLock._cancel_block).
+HAS_UNCANCEL = sys.version_info >= (3, 11)
+
 
 class AsyncLock(Lease):
     """A held lock (see hotlock.Lease): the twin of hotlock.Lock, with the deadline on the
     event loop's clock and ``async with`` releasing it however the block ends."""
 
-    __slots__ = ("_loop", "_release_later")
+    __slots__ = ("_block", "_cancelled", "_cancelling", "_loop", "_release_later", "_via_waiter")
     _shown_as = "hotlock.aio.AsyncLock"
     _backend: AsyncBackend
 
@@ -44,6 +50,12 @@ class AsyncLock(Lease):
         # The cache's background release, for an unlock cancelled mid-flight.
         self._release_later = release_later
         self._loop = loop
+        # auto_extend: the task running the ``async with`` block, which the renewer cancels
+        # at a loss; its cancellation count on entry; whether the renewer cancelled it.
+        self._block: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self._cancelled = False
+        self._via_waiter = False
 
     def _now(self) -> float:
         return self._loop.time()
@@ -67,8 +79,11 @@ class AsyncLock(Lease):
             raise
         if self._meter is not None:  # metrics hook
             self._meter.extended(self, ok)
-        if not self._extended(ok, ms, sent):
-            raise self._lost("is no longer held: it expired or was taken over")
+        self._extended(ok, ms, sent)
+        if self._auto is not None:
+            self._auto.touch()  # a new deadline to renew by, or a loss to tell
+        if not ok:
+            raise self._lost(TAKEN)
 
     async def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.
@@ -79,6 +94,9 @@ class AsyncLock(Lease):
         """
         if not self._sendable():
             return False
+        if self._auto is not None:
+            # Before the release is sent, as in hotlock.Lock.unlock.
+            self._auto.forget()
         token = self._token
         try:
             released = await self._backend.release(self._name, token)
@@ -98,11 +116,84 @@ class AsyncLock(Lease):
         return released
 
     async def __aenter__(self) -> AsyncLock:
+        if self._auto is not None:
+            task = asyncio.current_task()
+            if task is not None:
+                self._block = task
+                self._cancelling = task.cancelling() if HAS_UNCANCEL else 0
         return self
+
+    def _cancel_message(self) -> str:
+        return f"hotlock: lease {shown(self.key)!r} lost (id {id(self):x})"
+
+    def _cancel_block(self) -> None:
+        """Called by the renewer at the loss: cancel the task running the ``async with`` block."""
+        task = self._block
+        if task is None or task.done() or self._cancelled:
+            return
+        waiter = getattr(task, "_fut_waiter", None)
+        if not HAS_UNCANCEL and (getattr(task, "_must_cancel", False) or (waiter is not None and waiter.cancelled())):
+            # 3.10: a cancellation from outside is already on its way, and ours would be
+            # merged into it: let it end the block as what it is.
+            return
+        self._cancelled = True
+        if HAS_UNCANCEL:
+            task.cancel()
+        else:
+            task.cancel(self._cancel_message())
+            # Through the future it awaited (the usual case), or flagged for its next step.
+            self._via_waiter = not getattr(task, "_must_cancel", False)
+
+    def _after_told(self) -> None:
+        """Called by the renewer right after the on_lost callbacks ran (3.10 only matters).
+
+        On 3.10 a cancel() made after ours but before the task runs (a callback cancelling
+        it, say) is merged into our CancelledError, message and all; the task then still
+        has _must_cancel set. Seen here, the block is left to end as cancelled from outside.
+        """
+        task = self._block
+        if HAS_UNCANCEL or not self._cancelled or not self._via_waiter or task is None:
+            return  # (flagged for its next step, a later cancel() overwrites our message: _ours sees it)
+        if getattr(task, "_must_cancel", False):
+            self._cancelled = False
+
+    def _ours(self, task: asyncio.Task[object] | None, error: BaseException | None) -> bool:
+        """Whether the renewer's cancellation (and no other) is what ended the block."""
+        if HAS_UNCANCEL:
+            # As asyncio.timeout: take our request back; any left are from outside.
+            return task is not None and task.uncancel() <= self._cancelling
+        # 3.10: a later cancel() overwrites the message, so ours survives only alone.
+        return isinstance(error, asyncio.CancelledError) and error.args == (self._cancel_message(),)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._auto is None:
+            await self._release_on_exit()
+            return
+        task, self._block = self._block, None  # the renewer cancels nothing from here on
+        why = self._loss_at(self._now())  # before the release empties the token
+        error = exc
+        try:
+            await self._release_on_exit()
+        except asyncio.CancelledError as cancelled:
+            error = cancelled  # a cancellation arriving during the release
+        if self._cancelled:
+            self._cancelled = False
+            ours = self._ours(task, error)
+            if isinstance(error, asyncio.CancelledError):
+                if ours:
+                    raise self._lost(why or TAKEN) from error
+                if error is not exc:
+                    raise error
+                return  # cancelled from outside: that CancelledError goes on
+        elif error is not exc:
+            raise error  # type: ignore[misc]  # a CancelledError from the release
+        if why is not None and exc_type is None:
+            # The work was not protected all along, and the caller must know.
+            raise self._lost(why)
+
+    async def _release_on_exit(self) -> None:
         try:
             await self.unlock()
         except Exception as error:

@@ -8,6 +8,7 @@ ordering promise of AsyncBackend holds trivially.
 
 from __future__ import annotations
 
+from .._dialect import MEMORY, Dialect
 from .._memory import MemoryBackend
 
 __all__ = ["AsyncMemoryBackend"]
@@ -15,6 +16,7 @@ __all__ = ["AsyncMemoryBackend"]
 
 class AsyncMemoryBackend:
     name = "memory"
+    dialect = MEMORY
     server = "in-process"
 
     def __init__(self) -> None:
@@ -46,6 +48,12 @@ class AsyncMemoryBackend:
 
     async def info(self) -> dict[str, str] | None:
         return self._data.info()
+
+    async def command_info(self) -> list[object] | None:
+        return None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        pass  # in-process: there is no server to speak to
 
     async def close(self) -> None:
         self._data.close()

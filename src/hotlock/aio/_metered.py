@@ -28,14 +28,16 @@ class MeteredAsyncCache(AsyncCache):
         super().__init__(backend, prefix)
         self._meter = Meter(listener)
 
-    async def _acquire(self, key: str | bytes, name: bytes, ms: int, wait_for: int | None) -> AsyncLock:
+    async def _acquire(
+        self, key: str | bytes, name: bytes, ms: int, wait_for: int | None, auto: bool = False, hold: int | None = None
+    ) -> AsyncLock:
         # lock() and lock_wait() both end here; wait_for is None for a try-once acquire.
         # The signature is the parent's own, so mypy flags this override if that one changes.
         meter = self._meter
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            lock = await super()._acquire(key, name, ms, wait_for)
+            lock = await super()._acquire(key, name, ms, wait_for, auto, hold)
         except LockNotAcquired:
             meter.not_acquired(key, "held" if wait_for is None else "timeout", started, loop.time())
             raise

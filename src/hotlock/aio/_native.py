@@ -3,8 +3,8 @@
 The protocol moves bytes: it formats commands, pipelines every task's commands on one
 connection and answers futures in order. This module owns what the sync native client
 owns in C: connecting (AUTH, SELECT, script loads), reconnecting after a broken
-connection, the retry of a lost acquire reply with the same token, NOSCRIPT recovery,
-READONLY, and turning every failure into a CacheError naming the key and the server.
+connection, the lost-reply rule (_roundtrip), NOSCRIPT recovery, READONLY, and turning
+every failure into a CacheError naming the key and the server.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from .._cluster import LinkLost, ReplyError
 from .._config import ServerConfig, cache_error
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import retry_until, unconfirmed
+from ._retry import info_fields, retry_until, unconfirmed
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
 
-class ReplyError(Exception):
-    """An error reply, as the protocol hands it over: returned as a value, never raised by it."""
+# An error reply, as the protocol hands it over: returned as a value, never raised by it
+# (hotlock._cluster's, so a cluster link's replies need no translation).
 
 
 class NotSent(ConnectionError):
-    """The command never reached the transport, so sending it again cannot run it twice."""
+    """Nothing of the call ran: the command never reached the transport, or the connection
+    it needed lost its handshake's reply. Trying again cannot run anything twice."""
 
 
 class AioConnection(Protocol):
@@ -52,6 +55,8 @@ class NativeAsyncBackend:
 
     def __init__(self, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._config = config
         self._protocol_class = protocol_class
         self._proto: AioConnection | None = None
@@ -64,7 +69,8 @@ class NativeAsyncBackend:
     @classmethod
     async def open(cls, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> NativeAsyncBackend:
         backend = cls(config, protocol_class)
-        backend._proto = await backend._open()
+        # The first connection is a round trip like any other: its lost handshake reply is retried.
+        await backend._roundtrip("connect", None, _connected)
         return backend
 
     # -- connections ------------------------------------------------------------------
@@ -110,7 +116,9 @@ class NativeAsyncBackend:
         except BaseException as exc:
             proto.abort()
             if isinstance(exc, _LOST):
-                raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+                # Nothing of any call went out on this connection: each call waiting for
+                # it may connect again under its lost-reply rule (_roundtrip).
+                raise NotSent(f"handshake: {_describe(exc)}") from exc
             raise
         for reply in replies:
             if isinstance(reply, ReplyError):
@@ -138,51 +146,55 @@ class NativeAsyncBackend:
 
     # -- round trips ------------------------------------------------------------------
 
+    async def _live(self) -> AioConnection:
+        """The connection to send on: the live one, or a new one if it broke or the primary moved."""
+        proto = self._proto
+        if proto is not None and self._watch is not None and await self._primary_moved():
+            # The old primary may take writes until it is demoted: not one more here.
+            proto.abort()
+        if proto is None or not proto.usable():
+            proto = await self._connection()
+        return proto
+
     async def _roundtrip(
         self, what: str, key: bytes | None, send: Send, retry_lost_reply: bool = False, until: float | None = None
     ) -> Any:
-        """Send on the live connection (reconnecting first if it broke); with
-        ``retry_lost_reply``, a lost reply is followed by one more try, which ends by
-        ``until`` (loop time) when given, else within one more reply timeout."""
-        retried = False
-        while True:
-            proto = self._proto
-            if proto is not None and self._watch is not None and await self._primary_moved():
-                # The old primary may take writes until it is demoted: not one more here.
-                proto.abort()
-            if proto is None or not proto.usable():
-                proto = await self._connection()
-            try:
-                return await send(proto)
-            except NotSent as exc:
-                if retried:
-                    raise self._error(what, key, exc) from exc
-                # The connection broke before the command was written: nothing ran, so
-                # sending it on a new connection is safe for any command.
-                retried = True
-            except _LOST as exc:
-                if retried or not retry_lost_reply:
-                    again = " (retried after a lost reply)" if retried else ""
-                    raise self._error(f"{what}{again}", key, exc) from exc
-                # The reply was lost and the command may have run: send it once more as it
-                # was (an acquire with the same token: the script counts "already my
-                # token" as success), so the outcome is neither a stranded key nor a false
-                # conflict.
-                retried = True
-                if until is not None:
-                    return await self._retry_by(what, key, send, until, exc)
+        """Send on the live connection (reconnecting first if it broke), under the
+        lost-reply rule (DESIGN §4, §6), in this one place for every round trip of this
+        backend, the connect handshake included: after a lost reply, one more try, which
+        ends by ``until`` (loop time) when given, else within one more reply timeout.
 
-    async def _retry_by(self, what: str, key: bytes | None, send: Send, until: float, lost: BaseException) -> Any:
-        """The one retry after a lost reply, reconnect included, cut off at ``until``."""
-        left = min(self._config.timeout, until - asyncio.get_running_loop().time())
+        What is tried again: anything after NotSent (the command never reached the
+        transport, or its connection's handshake lost its reply: nothing of the call ran);
+        a command whose own reply was lost only with ``retry_lost_reply`` (an acquire with
+        the same token, whose script counts "already my token" as success; a release,
+        which finds nothing to do the second time). Never INCRBY or SET NX: a resent
+        INCRBY counts twice, a resent SET NX answers "not set" for the value this call set."""
+        proto = self._proto
+        try:
+            if proto is None or self._watch is not None or not proto.usable():
+                proto = await self._live()
+            return await send(proto)
+        except NotSent as exc:
+            lost: BaseException = exc
+        except _LOST as exc:
+            if not retry_lost_reply:
+                raise self._error(what, key, exc) from exc
+            lost = exc
+        return await self._retry_by(what, key, send, until, lost)
+
+    async def _retry_by(
+        self, what: str, key: bytes | None, send: Send, until: float | None, lost: BaseException
+    ) -> Any:
+        """The one retry after a lost reply, reconnect included, cut off at ``until``
+        (else after one reply timeout)."""
+        timeout = self._config.timeout
+        left = timeout if until is None else min(timeout, until - asyncio.get_running_loop().time())
         if left < 0.001:
             raise self._error(what, key, lost) from lost
 
         async def once() -> Any:
-            proto = self._proto
-            if proto is None or not proto.usable():
-                proto = await self._connection()
-            return await send(proto)
+            return await send(await self._live())
 
         try:
             # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
@@ -263,11 +275,19 @@ class NativeAsyncBackend:
                 raise self._refused(what, None, reply)
         return replies
 
-    async def _command(self, what: str, key: bytes, *command: bytes | int) -> Any:
-        reply = await self._roundtrip(what, key, lambda p: p.execute(*command))
+    async def _command(self, what: str, key: bytes, *command: bytes | int, retry: bool = False) -> Any:
+        reply = await self._roundtrip(what, key, lambda p: p.execute(*command), retry)
         if isinstance(reply, ReplyError):
             raise self._refused(what, key, reply)
         return reply
+
+    async def _commands(self, what: str, commands: list[tuple[bytes, ...]], retry: bool = False) -> list[Any]:
+        """Plain commands (the Lua-free extend and release) in one write; error replies raised."""
+        replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(list(commands)), retry)
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise self._refused(what, None, reply)
+        return replies
 
     # -- the AsyncBackend interface ---------------------------------------------------
     # Ordering promise: every command of this backend goes through one connection in
@@ -301,17 +321,39 @@ class NativeAsyncBackend:
         raise unconfirmed(what, int(confirmed), config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self.dialect.lua_free:
+            # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
+            reply = await self._roundtrip("extend", key, lambda p: p.execute(*extend_command(key, token, ttl_ms)))
+            if not _oom(reply):  # refused at maxmemory: the script is not (see _dialect)
+                if isinstance(reply, ReplyError):
+                    raise self._refused("extend", key, reply)
+                return reply is not None
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self.dialect.lua_free:
+            sets: list[tuple[bytes | int, ...]] = [
+                extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
+            ]
+            replies: list[Any] = await self._roundtrip("extend_many", None, lambda p: p.pipeline(sets))
+            if not any(_oom(r) for r in replies):  # refused at maxmemory: the script is not (see _dialect)
+                for reply in replies:
+                    if isinstance(reply, ReplyError):
+                        raise self._refused("extend_many", None, reply)
+                return [r is not None for r in replies]
         return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
+        if self.dialect.lua_free and not bare_tokens([token]):
+            return bool(await self._command("release", key, *release_command(self.dialect, key, token), retry=True))
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            return [bool(r) for r in await self._commands("release_many", dels, retry=True)]
         return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -326,12 +368,34 @@ class NativeAsyncBackend:
             if str(reply).startswith("NOPERM"):
                 return None
             raise self._refused("INFO", None, reply)
-        fields: dict[str, str] = {}
-        for line in bytes(reply).decode("utf-8", "replace").splitlines():
-            name, sep, value = line.partition(":")
-            if sep and not line.startswith("#"):
-                fields[name] = value
-        return fields
+        return info_fields(bytes(reply))
+
+    async def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
+        reply = await self._roundtrip("COMMAND INFO", None, lambda p: p.execute(*COMMAND_PROBE))
+        if isinstance(reply, ReplyError):
+            return None  # NOPERM, or a proxy without COMMAND: the version decides
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+
+    # -- a cluster node's link (hotlock.aio._cluster.AsyncLink) -------------------------
+
+    async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
+        """``commands`` pipelined on this node's protocol, their replies (errors in place);
+        CacheError if it cannot connect, LinkLost when the reply may have been lost."""
+        proto = self._proto
+        if proto is None or not proto.usable():
+            proto = await self._connection()
+        try:
+            pending = proto.pipeline(list(commands))
+            return await (pending if timeout is None else asyncio.wait_for(pending, timeout))
+        except _LOST as exc:  # NotSent included: one resend is safe either way
+            raise LinkLost(_describe(exc)) from exc
+
+    async def link_close(self) -> None:
+        await self.close()
 
     async def close(self) -> None:
         if self._connecting is not None:
@@ -339,6 +403,14 @@ class NativeAsyncBackend:
         if self._proto is not None:
             self._proto.close()
             self._proto = None
+
+
+async def _connected(proto: AioConnection) -> None:
+    """What connect() sends once connected: nothing (the handshake was the round trip)."""
+
+
+def _oom(reply: object) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("OOM")
 
 
 def _noscript(reply: object) -> bool:

@@ -10,40 +10,134 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from .._cluster import LinkLost
+from .._cluster import ReplyError as ClusterReplyError
 from .._config import ServerConfig, cache_error
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._ident import TOKEN_BYTES
-from .._redispy import _describe
+from .._redispy import _ERROR_CODES, HandshakeLost, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import retry_until, unconfirmed
+from ._retry import info_fields, retry_until, unconfirmed
 
-__all__ = ["RedisAsyncBackend"]
+__all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
 T = TypeVar("T")
 
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
-# redis.asyncio opens a connection per concurrent command unless the pool is bounded;
-# thousands of tasks would otherwise mean thousands of sockets (and Redis's maxclients).
-# Tasks beyond this queue for a free connection with no time limit of their own: the
-# queue moves as fast as the commands ahead of it, each bounded by the reply timeout, and
-# a long local queue is not a server failure to report as CacheError.
-# 128 keeps a hundred concurrent tasks out of the queue (its wake-ups cost more than the
-# commands) while bounding what one process asks of Redis.
+
+async def _handshake(conn: Connection) -> None:
+    """redis.asyncio's own handshake (redis_connect_func), its lost reply told apart from a
+    lost reply to the call's command, as in the sync backend."""
+    try:
+        await conn.on_connect()
+    except _AMBIGUOUS as exc:
+        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
+
+
+# A connection per concurrent command, up to a bound: thousands of tasks would otherwise
+# mean thousands of sockets (and Redis's maxclients). 128 keeps a hundred concurrent
+# tasks out of the queue while bounding what one process asks of Redis.
 MAX_CONNECTIONS = 128
+
+
+def _reset_by_peer(conn: AbstractConnection) -> bool:
+    """Whether the peer reset this pooled connection while it sat idle.
+
+    redis.asyncio checks a pooled connection only for EOF and unread data, and a reset is
+    neither (the stream holds the error instead): the next write fails (on uvloop as a
+    RuntimeError, not even a ConnectionError) and costs the call its one retry. Reported
+    as "not ready", the pool reconnects before sending, as the native client does."""
+    reader, writer = conn._reader, conn._writer
+    if reader is not None and reader.exception() is not None:
+        return True
+    return writer is not None and writer.transport.is_closing()
+
+
+class _Pool:
+    """The backend's connections: idle ones reused last in, first out; callers beyond the
+    limit queued first in, first out, a released connection handed straight to the next.
+
+    Not redis.asyncio's BlockingConnectionPool: it takes a Condition, a timeout context and
+    metric hooks on every get and every release, which at 1000 tasks cost more client CPU
+    than the commands themselves (bench/profile_notes.md). Callers queue with no time limit
+    of their own: the queue moves as fast as the commands ahead, each bounded by the reply
+    timeout, and a long local queue is not a server failure to report as CacheError."""
+
+    def __init__(self, make: Callable[[], Any], limit: int) -> None:
+        self._make = make
+        self._limit = limit
+        self._all: list[Any] = []
+        self._idle: list[Any] = []
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+
+    async def get(self) -> Any:
+        """A connection, connected (a new one has sent its handshake) and in step."""
+        if self._idle:
+            conn = self._idle.pop()
+        elif len(self._all) < self._limit:
+            conn = self._make()
+            self._all.append(conn)
+        else:
+            waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                conn = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.put(waiter.result())  # handed over as we were cancelled: pass it on
+                raise
+        try:
+            if conn.is_connected and await self._stale(conn):
+                await conn.disconnect(nowait=True)
+            await conn.connect()  # nothing to do when connected
+        except BaseException:
+            self.put(conn)
+            raise
+        return conn
+
+    @staticmethod
+    async def _stale(conn: Any) -> bool:
+        # Closed or reset by the server while idle, or holding data nobody asked for: not
+        # reused as it is (redis.asyncio's own pool misses the reset).
+        try:
+            return _reset_by_peer(conn) or bool(await conn.can_read())
+        except (RedisConnectionError, OSError):
+            return True
+
+    def put(self, conn: Any) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    async def disconnect(self) -> None:
+        """Close every connection, in use or idle; each reconnects when next used."""
+        await asyncio.gather(*(conn.disconnect(nowait=True) for conn in self._all), return_exceptions=True)
 
 
 class _PrimaryConnection(Connection):
@@ -59,29 +153,103 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
+def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """redis.asyncio connection settings: our timeouts, its retries off, RESP2."""
+    kwargs: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "db": config.db,
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+        # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
+        "protocol": 2,
+        # As in sync: the handshake's lost reply told apart from the call's (HandshakeLost).
+        "redis_connect_func": _handshake,
+    }
+    # As in the sync backend: no CLIENT SETINFO round trip on every connect.
+    if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
+        kwargs["driver_info"] = None
+    else:
+        kwargs["lib_name"] = kwargs["lib_version"] = None
+    return kwargs
+
+
+class RedisAsyncLink:
+    """One Redis Cluster node over a redis.asyncio pool (hotlock.aio._cluster.AsyncLink);
+    per-node pools routed by hotlock._cluster, not redis.asyncio.cluster, for the reasons
+    given at hotlock._redispy.RedisPyLink."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = config.display
+        kind = SSLConnection if config.tls else Connection
+        self._pool: Any = aioredis.BlockingConnectionPool(
+            max_connections=MAX_CONNECTIONS,
+            timeout=None,
+            connection_class=kind,
+            host=config.host,
+            port=config.port,
+            socket_keepalive=True,
+            **_connection_kwargs(config),
+        )
+
+    @classmethod
+    async def open(cls, config: ServerConfig) -> RedisAsyncLink:
+        link = cls(config)
+        try:
+            replies = await link.link_call([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS], None)
+        except LinkLost as exc:
+            await link.link_close()
+            raise cache_error(f"connect failed: {exc}", link.server) from exc
+        for reply in replies:
+            if isinstance(reply, ClusterReplyError):
+                await link.link_close()
+                raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", link.server)
+        return link
+
+    async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
+        try:
+            conn = await self._pool.get_connection()
+        except _AMBIGUOUS as exc:
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        complete = False
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands))
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            replies: list[Any] = []
+            for _ in commands:
+                kw = {} if deadline is None else {"timeout": max(deadline - loop.time(), 0.001)}
+                try:
+                    replies.append(await conn.read_response(**kw))
+                except ResponseError as exc:
+                    code = _ERROR_CODES.get(type(exc))
+                    replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+            complete = True
+            return replies
+        except _AMBIGUOUS as exc:
+            raise LinkLost(_describe(exc)) from exc
+        except RedisError as exc:  # AUTH refused on connect, say: nothing ran
+            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+        finally:
+            if not complete:
+                await conn.disconnect()
+            await self._pool.release(conn)
+
+    async def link_close(self) -> None:
+        await self._pool.disconnect()
+
+
 class RedisAsyncBackend:
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        # What extend and release send: the scripts until connect() detects the server.
+        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
-        kwargs: dict[str, Any] = {
-            "username": config.username,
-            "password": config.password,
-            "db": config.db,
-            "socket_timeout": config.timeout,
-            "socket_connect_timeout": config.connect_timeout,
-            "retry": Retry(NoBackoff(), 0),
-            # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
-            "protocol": 2,
-        }
-        # As in the sync backend: no CLIENT SETINFO round trip on every connect.
-        if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
-            kwargs["driver_info"] = None
-        else:
-            kwargs["lib_name"] = kwargs["lib_version"] = None
+        kwargs = _connection_kwargs(config)
         self._config = config
-        self._redis: aioredis.Redis
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
         # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
         self._watch: PrimaryWatch | None = None
@@ -99,10 +267,7 @@ class RedisAsyncBackend:
         else:
             connection_class = SSLConnection if config.tls else Connection
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
-        pool = aioredis.BlockingConnectionPool(
-            max_connections=MAX_CONNECTIONS, timeout=None, connection_class=connection_class, **kwargs
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
+        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them (see _settled).
         self._inflight: dict[bytes, asyncio.Future[Any]] = {}
 
@@ -126,23 +291,24 @@ class RedisAsyncBackend:
         retry_lost_reply: bool = False,
         until: float | None = None,
     ) -> T:
-        """Run ``fn`` and turn every failure into CacheError. With ``retry_lost_reply``, a
-        lost reply is followed by one more try, which ends by ``until`` (loop time) when
-        given, else within one more reply timeout."""
+        """Run ``fn`` and turn every failure into CacheError, under the lost-reply rule
+        (DESIGN §4, §6), as in the sync backend: one more try, which ends by ``until`` (loop
+        time) when given, else within one more reply timeout, after a lost handshake reply
+        (nothing of the call was sent: any call), or after a lost reply to the call itself
+        with ``retry_lost_reply`` (same token: the acquire script counts "already my token"
+        as success; never INCRBY or SET NX, which would count twice or answer "not set")."""
         if self._watch is not None:
             await self._follow_primary()
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not retry_lost_reply:
+            if not (retry_lost_reply or isinstance(exc, HandshakeLost)):
                 raise await self._error(what, key, exc) from exc
-            # The reply was lost and the command may have run: send it once more as it was
-            # (same token; the acquire script counts "already my token" as success).
-            left = None if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
-            if left is not None and left < 0.001:
+            left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
+            if left < 0.001:
                 raise await self._error(what, key, exc) from exc
             try:
-                return await (fn() if left is None else asyncio.wait_for(fn(), left))
+                return await asyncio.wait_for(fn(), left)
             except TimeoutError as again:  # the retry's own time ran out (wait_for)
                 raise await self._error(f"{what} (retried after a lost reply)", key, RedisTimeoutError()) from again
             except (RedisError, OSError) as again:
@@ -159,25 +325,65 @@ class RedisAsyncBackend:
             await asyncio.get_running_loop().run_in_executor(None, watch.refresh)
         if watch.epoch != self._epoch:
             self._epoch = watch.epoch
-            await self._redis.connection_pool.disconnect()
+            await self._pool.disconnect()
 
     async def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
-            await self._redis.connection_pool.disconnect()
+            await self._pool.disconnect()
         return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
         for script in SCRIPTS:
-            await self._call("SCRIPT LOAD", None, lambda s=script: self._redis.script_load(s.source))  # type: ignore[misc]
+            # Loading twice changes nothing: a lost reply is resent.
+            await self._call("SCRIPT LOAD", None, lambda s=script: self._execute(b"SCRIPT", b"LOAD", s.source), True)  # type: ignore[misc]
 
     async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
         try:
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
+            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
         except NoScriptError:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
             await self._load_scripts()
-            return await self._redis.execute_command("EVALSHA", script.sha, 1, key, *args)  # type: ignore[no-untyped-call]
+            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
+
+    async def _execute(self, *args: bytes | int) -> Any:
+        """One command on a pooled connection: its raw reply, or its error reply raised.
+
+        Straight on the connection, not through Redis.execute_command, which adds per
+        command a retry wrapper (ours is off), response callbacks and observability hooks:
+        together more client CPU than the command itself, on the path every lock takes
+        twice (bench/profile_notes.md). A connection that a failure or a cancellation
+        leaves with a reply in flight is closed, never reused out of step."""
+        conn = await self._pool.get()
+        try:
+            await conn.send_packed_command(conn.pack_command(*args), False)
+            return await conn.read_response()
+        except ResponseError:
+            raise  # a whole reply was read: the connection is in step
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            self._pool.put(conn)
+
+    async def _execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Commands written at once on one connection and every reply read, error replies
+        in place (as exceptions), as _execute does for one."""
+        conn = await self._pool.get()
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            self._pool.put(conn)
 
     async def _pipeline(
         self, script: Script, keys: list[bytes], tokens: list[bytes], *args: int, trailer: tuple[Any, ...] = ()
@@ -186,12 +392,8 @@ class RedisAsyncBackend:
         on the same connection and its reply comes last."""
 
         async def run(indices: Iterable[int]) -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for i in indices:
-                pipe.execute_command("EVALSHA", script.sha, 1, keys[i], tokens[i], *args)
-            if trailer:
-                pipe.execute_command(*trailer)
-            return await pipe.execute(raise_on_error=False)
+            commands: list[tuple[Any, ...]] = [(b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices]
+            return await self._execute_many(commands + ([trailer] if trailer else []))
 
         replies = await run(range(len(keys)))
         missing = [i for i, r in enumerate(replies[: len(keys)]) if isinstance(r, NoScriptError)]
@@ -203,6 +405,17 @@ class RedisAsyncBackend:
             for i, reply in zip(missing, redone, strict=False):
                 replies[i] = reply
             replies[len(keys) :] = redone[len(missing) :]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def _commands(self, commands: list[tuple[bytes, ...]]) -> list[Any]:
+        """Plain commands (the Lua-free extend and release) in one round trip, error replies
+        raised; one command alone goes by _execute. Raw replies (SET IFEQ: OK or nil)."""
+        if len(commands) == 1:
+            return [await self._execute(*commands[0])]
+        replies = await self._execute_many(list(commands))
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -282,9 +495,26 @@ class RedisAsyncBackend:
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self.dialect.lua_free:
+            # SET IFEQ replies OK or nil: the key held this value or not.
+            command = extend_command(key, token, ttl_ms)
+            try:
+                return bool((await self._call("extend", key, lambda: self._commands([command])))[0])
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self.dialect.lua_free:
+            sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+            try:
+                return [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
+            except CacheError as exc:
+                if not isinstance(exc.__cause__, OutOfMemoryError):
+                    raise
+                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
         replies = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
         return [bool(r) for r in replies]
 
@@ -292,32 +522,51 @@ class RedisAsyncBackend:
         await self._settled([token])
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
+        if self.dialect.lua_free and not bare_tokens([token]):
+            command = release_command(self.dialect, key, token)
+            work = self._call("release", key, lambda: self._commands([command]), True)
+            return bool((await self._shielded([token], work))[0])
         work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
         return bool(await self._shielded([token], work))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._settled(tokens)
-        work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
+        if self.dialect.lua_free and not bare_tokens(tokens):
+            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
+            work = self._call("release_many", None, lambda: self._commands(dels), True)
+        else:
+            work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
         replies = await self._shielded(tokens, work)
         return [bool(r) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return bool(await self._call("set_nx", key, lambda: self._redis.set(key, value, nx=True, px=ttl_ms)))
+        reply = await self._call("set_nx", key, lambda: self._execute(b"SET", key, value, b"NX", b"PX", ttl_ms))
+        return reply is not None
 
     async def incr(self, key: bytes, amount: int) -> int:
-        return int(await self._call("incr", key, lambda: self._redis.incrby(key, amount)))
+        return int(await self._call("incr", key, lambda: self._execute(b"INCRBY", key, amount)))
 
     async def info(self) -> dict[str, str] | None:
         try:
-            raw = await self._redis.execute_command("INFO")  # type: ignore[no-untyped-call]
+            raw = await self._execute(b"INFO")
         except NoPermissionError:
             return None
         except (RedisError, OSError) as exc:
             raise cache_error(f"INFO failed: {_describe(exc)}", self.server) from exc
-        if isinstance(raw, dict):
-            return {str(k): str(v) for k, v in raw.items()}
-        return {}
+        return info_fields(bytes(raw))
+
+    async def command_info(self) -> list[Any] | None:
+        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
+        try:
+            reply = await self._call("COMMAND INFO", None, lambda: self._execute(*COMMAND_PROBE))
+        except CacheError as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return None  # NOPERM, or a proxy without COMMAND: the version decides
+            raise
+        return reply if isinstance(reply, list) else None
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
 
     async def close(self) -> None:
-        await self._redis.aclose()
-        await self._redis.connection_pool.disconnect()
+        await self._pool.disconnect()

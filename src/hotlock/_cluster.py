@@ -1,0 +1,702 @@
+"""Redis Cluster below the backend line: hash slots, the slot map, the redirection rules,
+and the one sync backend that routes through them over any transport.
+
+Written once, in pure Python (the native path never imports redis): a transport gives
+one :class:`Link` per primary (the native one: a hiredis context per node per thread;
+the redis-py one: a connection pool per node), and :class:`ClusterBackend` decides what
+goes where:
+
+- every key goes to the primary of its slot (CRC16-XMODEM of the key's hash tag, mod
+  16384); the slot map comes from ``CLUSTER SHARDS`` (``CLUSTER SLOTS`` where SHARDS is
+  missing), primaries only;
+- ``MOVED slot host:port``: the slot now belongs there; note it, resend there, and refresh
+  the whole map before the next call (a MOVED usually means a reshard moved many slots);
+- ``ASK slot host:port`` (the slot is being migrated and this key is already gone):
+  ``ASKING`` plus the command on that node, once, without touching the map;
+- ``TRYAGAIN`` (a multi-key operation during a migration) and ``CLUSTERDOWN`` (the cluster
+  lost a shard, or is electing a primary): sent again after a short sleep while the call's
+  time budget lasts, then CacheError;
+- ``NOSCRIPT`` from a node: load the scripts there and resend what did not run;
+- a lost reply (I/O error, timeout): the node's commands are sent once more with the same
+  tokens, within the call's retry budget (the scripts count "already my token" as
+  success); the map is refreshed from another node first, so a dead primary's slots are
+  looked up again (a failover may have moved them to its replica).
+
+None of MOVED, ASK, TRYAGAIN, CLUSTERDOWN or NOSCRIPT means the command ran, so resending
+after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
+
+A batch (``acquire_many`` over keys on three shards) is grouped by node; every node's
+commands are written before any reply is read, so its wall time is one round trip (the
+slowest node's), not one per node. Results come back in the caller's order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ._backoff import poll
+from ._config import ServerConfig, cache_error
+from ._dialect import UNDETECTED, Dialect
+from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .errors import CacheError
+
+__all__ = [
+    "MAP_ERRORS",
+    "SLOTS",
+    "ClusterBackend",
+    "ClusterCore",
+    "Link",
+    "LinkLost",
+    "ReplyError",
+    "Route",
+    "SlotMap",
+    "acquired",
+    "crc16",
+    "key_slot",
+    "parse_shards",
+    "parse_slots",
+]
+
+SLOTS = 16384
+Address = tuple[str, int]
+
+
+# -- hash slots ------------------------------------------------------------------------
+
+
+def _crc16_table() -> tuple[int, ...]:
+    # CRC16-XMODEM (polynomial 0x1021, initial 0): the one Redis Cluster uses.
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+        table.append(crc & 0xFFFF)
+    return tuple(table)
+
+
+_CRC16 = _crc16_table()
+
+
+def crc16(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
+    return crc
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster slot of ``key``: only the part between the first ``{`` and the first
+    ``}`` after it is hashed, when that part is not empty (the hash tag rule)."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return crc16(key) % SLOTS
+
+
+# -- replies and links ----------------------------------------------------------------
+
+
+class ReplyError(Exception):
+    """An error reply, with the server's own text ("MOVED 3999 127.0.0.1:7002")."""
+
+    @property
+    def code(self) -> str:
+        return str(self).split(" ", 1)[0]
+
+
+class LinkLost(Exception):
+    """The request may or may not have reached the node: an I/O error or a timeout."""
+
+
+class Link(Protocol):
+    """One primary, as a transport reaches it. ``link_send`` writes the commands (connecting,
+    authenticating and loading the scripts first if needed) and returns a handle;
+    ``link_recv`` reads that many replies from it, errors in place as ReplyError, all of them
+    within ``timeout`` seconds when given. Both raise LinkLost on an I/O failure, after
+    which the link reconnects on its next ``link_send``."""
+
+    def link_send(self, commands: list[tuple[bytes, ...]]) -> object: ...
+    def link_recv(self, handle: object, n: int, timeout: float | None) -> list[Any]: ...
+    def link_close(self) -> None: ...
+
+
+# -- the slot map ---------------------------------------------------------------------
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_shards(reply: list[Any]) -> list[tuple[int, int, Address]]:
+    """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges, primaries that are up only."""
+    ranges = []
+    for shard in reply:
+        fields = dict(zip(map(_text, shard[::2]), shard[1::2], strict=True))
+        slots = [int(s) for s in fields.get("slots", [])]
+        for node in fields.get("nodes", []):
+            info = dict(zip(map(_text, node[::2]), node[1::2], strict=True))
+            if _text(info.get("role")) != "master" or _text(info.get("health")) == "fail":
+                continue
+            host = _text(info.get("endpoint") or info.get("ip"))
+            port = int(info.get("port") or info.get("tls-port") or 0)
+            for first, last in zip(slots[::2], slots[1::2], strict=True):
+                ranges.append((first, last, (host, port)))
+    return ranges
+
+
+def parse_slots(reply: list[Any]) -> list[tuple[int, int, Address]]:
+    """``CLUSTER SLOTS`` -> (first slot, last slot, primary) ranges (the first node is the primary)."""
+    return [(int(r[0]), int(r[1]), (_text(r[2][0]), int(r[2][1]))) for r in reply]
+
+
+class SlotMap:
+    """Which primary serves each of the 16384 slots; shared by every thread of a backend.
+
+    Reads are a list index (no lock: a slot's entry is replaced whole). Writers take the
+    mutex; ``stale`` asks the next call to refresh the whole map first.
+    """
+
+    def __init__(self) -> None:
+        self._owner: list[Address | None] = [None] * SLOTS
+        self.mutex = threading.Lock()
+        self.stale = True
+        self.refreshed = 0.0  # time.monotonic() of the last replace()
+        self.complete = False
+        self.primaries: tuple[Address, ...] = ()
+
+    def owner(self, slot: int) -> Address | None:
+        return self._owner[slot]
+
+    def moved(self, slot: int, address: Address) -> None:
+        self._owner[slot] = address
+        self.stale = True
+
+    def replace(self, ranges: list[tuple[int, int, Address]]) -> None:
+        owner: list[Address | None] = [None] * SLOTS
+        for first, last, address in ranges:
+            owner[first : last + 1] = [address] * (last - first + 1)
+        self._owner = owner
+        self.primaries = tuple(sorted({a for _, _, a in ranges}))
+        self.complete = None not in owner  # every slot has a primary: no call need look for holes
+        self.stale = False
+        self.refreshed = time.monotonic()
+
+
+# -- one call's routing, without I/O ---------------------------------------------------
+
+_REDIRECTS = 8  # MOVED/ASK hops per key one call follows before it calls the map broken
+_UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
+_PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
+
+
+def acquired(result: int) -> bool:
+    # The ACQUIRE script's result convention (hotlock._scripts.ACQUIRE): the fence, > 0.
+    return result > 0
+
+
+class Route:
+    """The redirection rules for one call, as a state machine with no I/O, so the sync
+    and the async cluster backends share every rule and differ only in how they wait.
+
+    A round: ``batches()`` gives each node's commands (``ASKING`` before a key that was
+    sent ASK, a WAIT after the acquires under wait_replicas); the caller writes them all,
+    then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()`` then
+    says what is next: None (done: ``results``), or how long to sleep before the next
+    round. It raises CacheError when the call has failed, after which the caller undoes
+    the acquires in ``acquired_values()``. Between rounds the caller loads the scripts on
+    ``reload`` nodes and, when ``refresh_avoiding`` is set, asks for the slot map.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterCore,
+        what: str,
+        keys: Sequence[bytes],
+        commands: Sequence[tuple[bytes, ...]],
+        retry_until: float | None,
+        wait: bool,
+    ) -> None:
+        self._cluster = cluster
+        self.what = what
+        self.keys = keys
+        self.commands = commands
+        self._slots = [key_slot(k) for k in keys]  # hashed once per call
+        self.results: list[Any] = [None] * len(keys)
+        self._pending = list(range(len(keys)))
+        self._asking: dict[int, Address] = {}
+        self._retry_until = retry_until
+        self._budget_end = retry_until if retry_until is not None else time.monotonic() + cluster.timeout
+        self.override: float | None = None  # reply timeout of the one retry after a lost reply
+        self._retried = False
+        self._resent = False  # the one resend after a node could not be connected to
+        self._redirects = 0
+        self._pause = _PAUSE_S
+        self._wait = wait
+        self.replicas: list[tuple[Address, int]] = []
+        self._groups: dict[Address, list[int]] = {}
+        self._again: list[int] = []
+        self._later: list[int] = []
+        self._lost: list[tuple[Address, list[int], BaseException]] = []
+        self._error: tuple[str, bytes | None] | None = None
+        self.reload: set[Address] = set()
+        self._reloaded: set[Address] = set()
+        self.refresh_avoiding: Address | None = None
+
+    def unserved(self) -> bytes | None:
+        """A pending key whose slot has no primary in the map (the caller refreshes once)."""
+        owner = self._cluster.map.owner
+        if self._cluster.map.complete:
+            return None
+        for i in self._pending:
+            if i not in self._asking and owner(self._slots[i]) is None:
+                return self.keys[i]
+        return None
+
+    def batches(self) -> list[tuple[Address, list[tuple[bytes, ...]]]]:
+        groups: dict[Address, list[int]] = {}
+        for i in self._pending:
+            address = self._asking.get(i) or self._cluster.map.owner(self._slots[i])
+            if address is None:
+                raise cache_error(
+                    "no primary serves the slot of the key (the cluster is incomplete)",
+                    self._cluster.server,
+                    self.keys[i],
+                )
+            groups.setdefault(address, []).append(i)
+        self._groups = groups
+        self._pending = []
+        out = []
+        for address, idxs in groups.items():
+            batch: list[tuple[bytes, ...]] = []
+            for i in idxs:
+                if i in self._asking:
+                    batch.append((b"ASKING",))
+                batch.append(self.commands[i])
+            if self._wait:
+                batch.append(self._cluster.wait_command)
+            out.append((address, batch))
+        return out
+
+    def lost(self, address: Address, exc: BaseException) -> None:
+        self._lost.append((address, self._groups[address], exc))
+
+    def replies(self, address: Address, replies: list[Any]) -> None:
+        if self._wait:
+            reply = replies.pop()
+            if isinstance(reply, ReplyError):
+                self._fail(f"WAIT on {address[0]}:{address[1]}: the server replied {reply}", None)
+            else:
+                self.replicas.append((address, int(reply)))
+        j = 0
+        for i in self._groups[address]:
+            asked = i in self._asking
+            if asked:
+                j += 1  # ASKING's +OK
+                del self._asking[i]
+            reply = replies[j]
+            j += 1
+            if not isinstance(reply, ReplyError):
+                self.results[i] = reply
+                continue
+            code = reply.code
+            if code in ("MOVED", "ASK"):
+                self._redirects += 1
+                _, slot, target = str(reply).split(" ")
+                host, _, port = target.rpartition(":")
+                to = (host or address[0], int(port))
+                if code == "MOVED":
+                    self._cluster.map.moved(int(slot), to)
+                elif asked:
+                    # An ASK answered with ASK: the migration is confused; do not loop.
+                    self._fail(f"{self.what} failed: the server replied {reply} after ASKING", self.keys[i])
+                    continue
+                else:
+                    self._asking[i] = to
+                if self._redirects > _REDIRECTS * len(self.keys):
+                    self._fail(f"{self.what} failed: redirected {self._redirects} times ({reply})", self.keys[i])
+                self._again.append(i)
+            elif code in ("TRYAGAIN", "CLUSTERDOWN"):
+                self._later.append(i)
+                if code == "CLUSTERDOWN":
+                    self._cluster.map.stale = True
+            elif code == "NOSCRIPT" and address not in self._reloaded:
+                # Restart, SCRIPT FLUSH, failover: load them there (once per call) and
+                # resend only what did not run.
+                self.reload.add(address)
+                self._again.append(i)
+            else:
+                if code == "READONLY":
+                    self._cluster.map.stale = True  # a demoted primary: look again
+                self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
+
+    def _fail(self, text: str, key: bytes | None) -> None:
+        if self._error is None:
+            self._error = (text, key)
+
+    def advance(self) -> float | None:
+        """None when every command has its reply; else the pause before the next round.
+        Raises CacheError when the call has failed."""
+        server = self._cluster.server
+        if self._error is not None:
+            raise cache_error(self._error[0], server, self._error[1])
+        again, self._again = self._again, []
+        self._reloaded |= self.reload
+        pause = 0.0
+        if self._lost:
+            where, first, cause = self._lost[0]
+            # Whatever happens next, the next call asks for the map first: the node may be
+            # gone for good (a killed primary whose replica takes over).
+            self._cluster.map.stale = True
+            left = (
+                0.0 if self._retry_until is None else min(self._cluster.timeout, self._retry_until - time.monotonic())
+            )
+            unsent = all(isinstance(exc, CacheError) for _, _, exc in self._lost)
+            if unsent and not self._resent:
+                # The node could not even be connected to: nothing ran, so any command (an
+                # extend, a set_nx) may go once more, after the map is asked again.
+                self._resent = True
+                self.refresh_avoiding = where
+                for _, idxs, _ in self._lost:
+                    again.extend(idxs)
+                self._lost = []
+            elif self._retried or left < 0.001:
+                suffix = " (retried after a lost reply)" if self._retried else ""
+                raise cache_error(
+                    f"{self.what}{suffix} failed on {where[0]}:{where[1]}: {cause}",
+                    server,
+                    self.keys[first[0]] if len(self.keys) == 1 else None,
+                ) from cause
+            else:
+                # The one resend after a lost reply, same tokens, after the caller has
+                # asked another node for the map.
+                self._retried = True
+                self.override = left
+                self.refresh_avoiding = where
+                for _, idxs, _ in self._lost:
+                    again.extend(idxs)
+                self._lost = []
+        if self._later:
+            if time.monotonic() + self._pause > self._budget_end:
+                raise cache_error(
+                    f"{self.what} failed: the cluster kept replying TRYAGAIN/CLUSTERDOWN",
+                    server,
+                    self.keys[self._later[0]],
+                )
+            pause = self._pause
+            self._pause = min(self._pause * 2, 0.2)
+            again.extend(self._later)
+            self._later = []
+        self._pending = sorted(again)
+        if not self._pending:
+            if self._wait:
+                short = [(a, r) for a, r in self.replicas if r < self._cluster.wait_replicas]
+                if short:
+                    (host, port), got = short[0]
+                    raise cache_error(
+                        f"{self.what} undone: {got} of {self._cluster.wait_replicas} replicas of {host}:{port} "
+                        f"confirmed it within {self._cluster.wait_ms} ms (wait_replicas)",
+                        server,
+                        self.keys[0] if len(self.keys) == 1 else None,
+                    )
+            return None
+        return pause
+
+    def acquired_values(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys this call acquired and their held values (token + fence), to undo."""
+        held = [
+            (k, held_value(c[4], r))
+            for k, c, r in zip(self.keys, self.commands, self.results, strict=True)
+            if c[1] == ACQUIRE.sha and isinstance(r, int) and acquired(r)
+        ]
+        return [k for k, _ in held], [v for _, v in held]
+
+
+class ClusterCore:
+    """What the sync and async cluster backends share: the settings, the slot map, the
+    commands each Backend method sends, and the INFO summary."""
+
+    def __init__(self, config: ServerConfig, name: str) -> None:
+        self.name = name
+        self.server = config.display
+        self.config = config
+        self.timeout = config.timeout
+        self.wait_replicas = config.wait_replicas
+        self.wait_ms = round(config.wait_timeout * 1000)
+        self.wait_command = (b"WAIT", b"%d" % self.wait_replicas, b"%d" % self.wait_ms)
+        self.map = SlotMap()
+        self.dialect = UNDETECTED
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        """The Lua-free extend/release is not routed on a cluster yet: here they stay on
+        the scripts (which every server runs), and server_info says so."""
+        if dialect.lua_free:
+            dialect = Dialect(dialect.kind, dialect.version, "script", "on a cluster extend/release run as scripts")
+        self.dialect = dialect
+
+    def primaries(self) -> tuple[Address, ...]:
+        """Every primary in the slot map now (for a caller that must visit each one)."""
+        return self.map.primaries
+
+    def slot_owner(self, key: bytes) -> Address | None:
+        return self.map.owner(key_slot(key))
+
+    def map_candidates(self, avoid: Address | None) -> list[Address]:
+        """The nodes to ask for the slot map, in order: the known primaries (shuffled, to
+        spread many clients' queries), then the seeds; ``avoid`` last."""
+        candidates = list(self.map.primaries)
+        random.shuffle(candidates)
+        candidates += [s for s in self.config.seeds if s not in candidates]
+        if avoid in candidates:
+            candidates.remove(avoid)
+            candidates.append(avoid)
+        return candidates
+
+    def no_map(self, errors: list[str]) -> CacheError:
+        return cache_error(f"no cluster node gave the slot map ({'; '.join(errors)})", self.server)
+
+    def retry_until(self, wait_ms: int = 0) -> float:
+        """As in every backend: a call that may wait ``wait_ms`` returns within
+        max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
+        return time.monotonic() + max(wait_ms / 1000.0, self.timeout) + self.timeout
+
+    def route(
+        self,
+        what: str,
+        script: Script,
+        keys: Sequence[bytes],
+        args: Sequence[tuple[bytes, ...]],
+        retry_until: float | None,
+    ) -> Route:
+        commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
+        return Route(self, what, keys, commands, retry_until, script is ACQUIRE and self.wait_replicas > 0)
+
+    def info_summary(self, replies: list[tuple[Address, Any]]) -> dict[str, str] | None:
+        """The first primary's INFO, plus ``cluster_primaries`` and, per primary with an
+        evicting policy, ``maxmemory_policy@host:port`` (connect() warns about each)."""
+        merged: dict[str, str] | None = None
+        for address, reply in replies:
+            if isinstance(reply, ReplyError):
+                if reply.code == "NOPERM":
+                    return None
+                raise cache_error(f"INFO failed: the server replied {reply}", self.server)
+            fields = _info_fields(reply)
+            if merged is None:
+                merged = dict(fields)
+                merged["maxmemory_policy"] = "noeviction"
+            policy = fields.get("maxmemory_policy", "noeviction")
+            if policy != "noeviction":
+                merged[f"maxmemory_policy@{address[0]}:{address[1]}"] = policy
+        merged = merged or {}
+        merged["cluster_primaries"] = str(len(self.map.primaries))
+        return merged
+
+
+def _map_ranges(reply: Any, fallback: Callable[[], Any]) -> list[tuple[int, int, Address]]:
+    """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
+    SHARDS is an unknown command (Redis 6 and older)."""
+    if isinstance(reply, ReplyError):
+        slots = fallback()
+        if isinstance(slots, ReplyError):
+            raise slots
+        return parse_slots(slots)
+    return parse_shards(reply)
+
+
+MAP_ERRORS = (LinkLost, ReplyError, CacheError, ValueError, IndexError, TypeError, KeyError)
+
+
+class ClusterBackend(ClusterCore):
+    """The Backend protocol on a Redis Cluster, over any transport's links.
+
+    ``open_link(config)`` makes the link of one node (``config`` is the cluster's own,
+    pointed at that node by ServerConfig.node). The transport's name ("native",
+    "redis-py") is the backend's; ``server`` shows the cluster's seeds.
+    """
+
+    def __init__(self, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Link]) -> None:
+        super().__init__(config, name)
+        self._open_link = open_link
+        self._links: dict[Address, Link] = {}
+        self._links_mutex = threading.Lock()
+        # Connect now: a cluster none of whose seeds answers is a CacheError at connect().
+        self.refresh()
+        for address in self.map.primaries:
+            self._link(address)
+
+    # -- topology ---------------------------------------------------------------------
+
+    def refresh(self, avoid: Address | None = None) -> None:
+        """Ask one node after another for the slot map; CacheError when none answers."""
+        errors = []
+        for address in self.map_candidates(avoid):
+            try:
+                link = self._link(address)
+                ranges = _map_ranges(
+                    self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
+                    lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
+                )
+            except MAP_ERRORS as exc:
+                errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
+                continue
+            if not ranges:
+                errors.append(f"{address[0]}:{address[1]}: no slots assigned")
+                continue
+            with self.map.mutex:
+                self.map.replace(ranges)
+            return
+        raise self.no_map(errors)
+
+    @staticmethod
+    def _call(link: Link, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
+        return link.link_recv(link.link_send(commands), len(commands), timeout)
+
+    def _link(self, address: Address) -> Link:
+        link = self._links.get(address)
+        if link is None:
+            with self._links_mutex:
+                link = self._links.get(address)
+                if link is None:
+                    link = self._open_link(self.config.node(*address))
+                    self._links[address] = link
+        return link
+
+    # -- routing ------------------------------------------------------------------------
+
+    def _run(self, route: Route) -> list[Any]:
+        """Send every node's commands, all written before any is read, round after round
+        until ``route`` has every reply; on failure undo its acquires, raise CacheError."""
+        try:
+            while True:
+                if self.map.stale:
+                    # Keep the slots learnt from MOVED if no node answers for the whole map.
+                    with contextlib.suppress(CacheError):
+                        self.refresh()
+                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= _UNSERVED_REFRESH_S:
+                    # No primary for a slot when we last looked (its primary failed, its
+                    # replica not yet promoted): look again, not on every call of the gap.
+                    with contextlib.suppress(CacheError):
+                        self.refresh()
+                sent = []
+                for address, batch in route.batches():
+                    try:
+                        link = self._link(address)
+                        sent.append((address, link, link.link_send(batch), len(batch)))
+                    except (LinkLost, CacheError) as exc:
+                        route.lost(address, exc)
+                for address, link, handle, count in sent:
+                    try:
+                        route.replies(address, link.link_recv(handle, count, route.override))
+                    except LinkLost as exc:
+                        route.lost(address, exc)
+                pause = route.advance()
+                if pause is None:
+                    return route.results
+                for address in route.reload:
+                    self._load_scripts(address, route.what)
+                route.reload.clear()
+                if route.refresh_avoiding is not None:
+                    with contextlib.suppress(CacheError):
+                        self.refresh(avoid=route.refresh_avoiding)
+                    route.refresh_avoiding = None
+                if pause:
+                    time.sleep(pause)
+        except CacheError:
+            # No key stranded until its TTL: what this call did acquire is released.
+            keys, values = route.acquired_values()
+            if keys:
+                with contextlib.suppress(CacheError):
+                    self.release_many(keys, values)
+            raise
+
+    def _load_scripts(self, address: Address, what: str) -> None:
+        try:
+            replies = self._call(self._link(address), [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS])
+        except LinkLost as exc:
+            raise cache_error(f"{what} failed: SCRIPT LOAD on {address[0]}:{address[1]}: {exc}", self.server) from exc
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
+
+    def _scripts(
+        self,
+        what: str,
+        script: Script,
+        keys: Sequence[bytes],
+        args: Sequence[tuple[bytes, ...]],
+        retry_until: float | None,
+    ) -> list[Any]:
+        return self._run(self.route(what, script, keys, args, retry_until))
+
+    # -- the Backend interface --------------------------------------------------------
+
+    def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
+        return int(self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], self.retry_until())[0])
+
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+        until = self.retry_until(wait_ms)
+        ttl = b"%d" % ttl_ms
+        return poll(lambda: int(self._scripts("acquire", ACQUIRE, [key], [(token, ttl)], until)[0]), wait_ms)
+
+    def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        ttl = b"%d" % ttl_ms
+        replies = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], self.retry_until())
+        return [int(r) for r in replies]
+
+    def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        return bool(self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None)[0])
+
+    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        ttl = b"%d" % ttl_ms
+        return [bool(r) for r in self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
+
+    def release(self, key: bytes, token: bytes) -> bool:
+        return bool(self._scripts("release", RELEASE, [key], [(token,)], self.retry_until())[0])
+
+    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        replies = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self.retry_until())
+        return [bool(r) for r in replies]
+
+    def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
+        # Never resent after a lost reply (not safe twice), as on one server.
+        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
+        return self._run(Route(self, "set_nx", [key], [command], None, False))[0] is not None
+
+    def incr(self, key: bytes, amount: int) -> int:
+        return int(self._run(Route(self, "incr", [key], [(b"INCRBY", key, b"%d" % amount)], None, False))[0])
+
+    def command_info(self) -> list[object] | None:
+        return None  # the version decides (use_dialect keeps the scripts on a cluster anyway)
+
+    def info(self) -> dict[str, str] | None:
+        replies = []
+        for address in self.map.primaries:
+            try:
+                replies.append((address, self._call(self._link(address), [(b"INFO",)])[0]))
+            except LinkLost as exc:
+                raise cache_error(f"INFO on {address[0]}:{address[1]} failed: {exc}", self.server) from exc
+        return self.info_summary(replies)
+
+    def close(self) -> None:
+        with self._links_mutex:
+            links = list(self._links.values())
+        for link in links:
+            link.link_close()
+
+
+def _info_fields(reply: object) -> dict[str, str]:
+    fields = {}
+    for line in _text(reply).splitlines():
+        if line and not line.startswith("#"):
+            name, sep, value = line.partition(":")
+            if sep:
+                fields[name] = value
+    return fields

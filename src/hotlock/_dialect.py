@@ -1,0 +1,199 @@
+"""The server's dialect: which server it is, and what extend and release send to it.
+
+Detected once at connect, below the backend line (DESIGN.md §11): connect() asks the
+backend for INFO and ``COMMAND INFO DELIFEQ DELEX``, ``detect`` decides, and the backend
+keeps the answer and builds its extend/release commands from it. ``Cache`` never asks.
+
+Where the server compares and sets, or compares and deletes, without Lua, extend and
+release need no script (the acquire keeps its script: it returns the holder's PTTL and the
+fence, which no single command does):
+
+    extend   SET key value IFEQ value PX ms     Valkey >= 8.1, Redis >= 8.4   reply OK / nil
+    release  DELIFEQ key value                  Valkey >= 9.0                 reply 1 / 0
+             DELEX key IFEQ value               Redis >= 8.4 (Valkey >= 9.2)  reply 1 / 0
+
+``value`` is the lock's whole stored value (token + fence digits), the same bytes the
+EXTEND/RELEASE scripts compare, so both paths act on exactly the same locks. SET IFEQ
+rewrites the value with itself and sets the new TTL from now, as the script's PEXPIRE does;
+on a missing key it writes nothing (nil), as the script returns 0.
+
+One server difference the backends hide: at maxmemory under ``noeviction`` the server
+refuses SET (it may grow a key) with OOM but runs the EXTEND script (its PEXPIRE never
+grows memory). So a Lua-free extend refused OOM is sent again as the script, at once (an
+extend that runs twice only sets the same TTL from now again): a full server still lets
+holders keep their locks, on every path. DELIFEQ/DELEX free memory and are never refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ._ident import TOKEN_BYTES
+
+__all__ = [
+    "COMMAND_PROBE",
+    "MEMORY",
+    "SCRIPTS_POLICIES",
+    "UNDETECTED",
+    "Dialect",
+    "bare_tokens",
+    "check_scripts",
+    "commands_from",
+    "detect",
+    "extend_command",
+    "probe_needed",
+    "release_command",
+]
+
+# connect(scripts=...): "auto" sends the Lua-free commands where the server has them;
+# "always" keeps every call on the scripts (for comparison, and as an escape hatch).
+SCRIPTS_POLICIES = ("auto", "always")
+
+# Asked once at connect; the reply lists, in this order, each command's info or nil.
+COMMAND_PROBE: tuple[bytes, ...] = (b"COMMAND", b"INFO", b"DELIFEQ", b"DELEX")
+
+# The release commands a Dialect can name, and "script" for EVALSHA of _scripts.RELEASE.
+_RELEASES = ("script", "DELIFEQ", "DELEX")
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What connect() found: the server's kind and version, and what release sends
+    (extend sends SET IFEQ exactly when release is not the script)."""
+
+    kind: str  # "redis", "valkey", "unknown" (INFO refused), or "memory"
+    version: str | None
+    release: str  # "script", "DELIFEQ" or "DELEX"
+    reason: str  # why this path: shown in the connect log line and in server_info
+
+    def __post_init__(self) -> None:
+        assert self.release in _RELEASES, self.release
+
+    @property
+    def lua_free(self) -> bool:
+        return self.release != "script"
+
+    def mapping(self) -> Mapping[str, object]:
+        """cache.server_info: a read-only mapping."""
+        return MappingProxyType(
+            {
+                "kind": self.kind,
+                "version": self.version,
+                "lua_free": self.lua_free,
+                "extend": "SET IFEQ" if self.lua_free else "script",
+                "release": "DELEX IFEQ" if self.release == "DELEX" else self.release,
+                "reason": self.reason,
+            }
+        )
+
+    def describe(self) -> str:
+        """For the connect log line: 'Valkey 9.1.2, Lua-free extend/release (SET IFEQ, DELIFEQ)'."""
+        name = {"redis": "Redis", "valkey": "Valkey"}.get(self.kind, "server")
+        server = f"{name} {self.version}" if self.version else name
+        if self.lua_free:
+            release = "DELEX IFEQ" if self.release == "DELEX" else self.release
+            return f"{server}, Lua-free extend/release (SET IFEQ, {release})"
+        return f"{server}, extend/release by script ({self.reason})"
+
+
+MEMORY = Dialect("memory", None, "script", "in-process: no server")
+# A backend's dialect before connect() has detected the server: the scripts work anywhere.
+UNDETECTED = Dialect("unknown", None, "script", "not detected")
+
+
+def check_scripts(scripts: object) -> str:
+    """connect()'s ``scripts`` argument, checked before any I/O."""
+    if not isinstance(scripts, str):
+        raise TypeError(
+            f"scripts must be a str ({' or '.join(map(repr, SCRIPTS_POLICIES))}), not {type(scripts).__name__}"
+        )
+    if scripts not in SCRIPTS_POLICIES:
+        raise ValueError(f"scripts must be one of {', '.join(map(repr, SCRIPTS_POLICIES))}, not {scripts!r}")
+    return scripts
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    parts: list[int] = []
+    for part in (text or "").split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def kind_and_version(info: Mapping[str, str] | None) -> tuple[str, str | None]:
+    """From INFO: Valkey names itself (server_name:valkey, valkey_version:9.1.2) and reports
+    a frozen redis_version (7.2.4) for old clients; Redis has only redis_version."""
+    if info is None:
+        return "unknown", None
+    if "valkey_version" in info or info.get("server_name") == "valkey":
+        return "valkey", info.get("valkey_version") or info.get("redis_version")
+    if "redis_version" in info:
+        return "redis", info["redis_version"]
+    return "unknown", None
+
+
+def detect(info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, scripts: str) -> Dialect:
+    """The dialect of a server from its INFO (None: refused by the ACL) and which of
+    DELIFEQ and DELEX ``COMMAND INFO`` says it has (None: COMMAND refused, or not asked).
+
+    Lua-free only for a server known by INFO, so an unknown server that happens to have a
+    DELEX of its own is never sent SET IFEQ on a guess. With COMMAND refused, the version
+    decides: Valkey 9.0 brought DELIFEQ (SET IFEQ came in 8.1), Redis 8.4 DELEX and SET IFEQ.
+    """
+    kind, version = kind_and_version(info)
+    if scripts == "always":
+        return Dialect(kind, version, "script", "connect(scripts='always')")
+    if kind == "unknown":
+        return Dialect(kind, version, "script", "INFO refused: the server's kind is unknown")
+    v = _version(version)
+    if kind == "valkey":
+        has = commands["DELIFEQ"] if commands is not None else v >= (9, 0)
+        if has and v >= (8, 1):
+            how = "COMMAND INFO" if commands is not None else "the version (COMMAND refused)"
+            return Dialect(kind, version, "DELIFEQ", f"DELIFEQ and SET IFEQ, from {how}")
+        return Dialect(kind, version, "script", "no DELIFEQ before Valkey 9.0")
+    has = commands["DELEX"] if commands is not None else v >= (8, 4)
+    if has and v >= (8, 4):
+        how = "COMMAND INFO" if commands is not None else "the version (COMMAND refused)"
+        return Dialect(kind, version, "DELEX", f"DELEX IFEQ and SET IFEQ, from {how}")
+    return Dialect(kind, version, "script", "no DELEX or SET IFEQ before Redis 8.4")
+
+
+def probe_needed(info: Mapping[str, str] | None, scripts: str) -> bool:
+    """Whether COMMAND INFO can change the answer (saves the round trip where it cannot)."""
+    kind, version = kind_and_version(info)
+    v = _version(version)
+    return scripts == "auto" and ((kind == "valkey" and v >= (8, 1)) or (kind == "redis" and v >= (8, 4)))
+
+
+def commands_from(reply: object) -> dict[str, bool] | None:
+    """COMMAND INFO DELIFEQ DELEX's reply (a list: each command's info, or nil when the
+    server has no such command) as {"DELIFEQ": bool, "DELEX": bool}; None if malformed."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        return None
+    return {"DELIFEQ": bool(reply[0]), "DELEX": bool(reply[1])}
+
+
+def bare_tokens(values: Iterable[bytes]) -> bool:
+    """Whether a release names a bare token (exactly TOKEN_BYTES bytes): an async acquire
+    interrupted before its reply, whose fence is unknown. Only the RELEASE script matches
+    "this token followed by any fence"; DELIFEQ/DELEX compare whole values, so such a
+    release goes by script on every path."""
+    return any(len(v) == TOKEN_BYTES for v in values)
+
+
+def extend_command(key: bytes, value: bytes, ttl_ms: int) -> tuple[bytes, ...]:
+    """The Lua-free extend (see the module docstring); its reply is OK or nil."""
+    return (b"SET", key, value, b"IFEQ", value, b"PX", b"%d" % ttl_ms)
+
+
+def release_command(dialect: Dialect, key: bytes, value: bytes) -> tuple[bytes, ...]:
+    """The Lua-free release for ``dialect``; its reply is 1 (deleted) or 0."""
+    if dialect.release == "DELIFEQ":
+        return (b"DELIFEQ", key, value)
+    assert dialect.release == "DELEX", dialect
+    return (b"DELEX", key, b"IFEQ", value)

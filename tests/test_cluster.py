@@ -1,0 +1,678 @@
+"""Redis Cluster beyond the behaviour suite (which runs on the cluster too: test_behaviour's
+[backend-cluster] ids): routing, batches over every shard, MOVED, ASK, a lost reply, a
+killed primary and exclusion across shards, on every sync backend, against the real
+cluster of tests/cluster.py.
+
+The fault tests reach one node through tests/faultproxy.py: the slot map keeps the
+node's real address (what the cluster announces) and the test's link opener connects to
+the proxy in its place, so the routing under test is the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+import hotlock
+from hotlock import Cache, CacheError, LockNotAcquired
+from hotlock._backend import native_module
+from hotlock._cluster import ClusterBackend, Link, key_slot
+from hotlock._config import ServerConfig, parse_url
+from hotlock.aio import AsyncCache
+from hotlock.aio._backend import native_aio
+from hotlock.aio._cluster import AsyncClusterBackend, AsyncLink
+
+from .cluster import Cluster, start_cluster
+from .conftest import lock_name
+from .faultproxy import FaultProxy
+from .overlap import OverlapChecker
+
+# rcache here is always the cluster's (ids test_x[native-cluster]).
+pytestmark = pytest.mark.topologies("cluster")
+
+
+def opener(backend: str) -> Callable[[ServerConfig], Link]:
+    if backend == "native":
+        native, why = native_module()
+        if native is None:
+            pytest.fail(f"the native backend is not live: {why}")
+        return native.NativeBackend  # type: ignore[no-any-return]
+    from hotlock._redispy import RedisPyLink
+
+    return RedisPyLink
+
+
+def routed_cache(url: str, backend: str, proxies: dict[int, FaultProxy], timeout: float = 0.5) -> Cache:
+    """A cache on the cluster whose links to the nodes in ``proxies`` go through them."""
+    config = parse_url(url, connect_timeout=timeout, timeout=timeout)
+    base = opener(backend)
+
+    def open_link(node: ServerConfig) -> Link:
+        proxy = proxies.get(node.port)
+        return base(node if proxy is None else node.node("127.0.0.1", proxy.port))
+
+    return Cache(ClusterBackend(config, backend, open_link), b"hotlock:")
+
+
+def keys_on(cluster: Cluster, port: int, n: int, prefix: str = "k") -> list[str]:
+    """``n`` user keys whose locks live on the primary at ``port``."""
+    found = []
+    i = 0
+    while len(found) < n:
+        key = f"{prefix}{i}"
+        if cluster.owner_of(lock_name(key)) == port:
+            found.append(key)
+        i += 1
+    return found
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+# -- routing ---------------------------------------------------------------------------
+
+
+def test_key_slot_matches_the_server(redis_cluster: Cluster) -> None:
+    client = redis_cluster.client(redis_cluster.primary_ports()[0])
+    keys = [b"", b"a", b"foo", b"{user1000}.following", b"foo{}{bar}", b"foo{{bar}}zap", b"foo{bar}{zap}"]
+    keys += [b"{}", b"}{", b"x}{y}", bytes(range(256)), "ключ".encode(), lock_name("tenant-7}:job")]
+    keys += [b"hotlock:lock:{k%d}" % i for i in range(200)]
+    for key in keys:
+        assert key_slot(key) == client.execute_command("CLUSTER", "KEYSLOT", key), key
+
+
+def test_connect_names_the_cluster(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hotlock"), hotlock.connect(cluster_url, backend=redis_backend) as cache:
+        assert cache.backend == redis_backend
+        assert cache.server == cluster_url
+    line = next(r.getMessage() for r in caplog.records if "connected to" in r.getMessage())
+    assert cluster_url in line and "Redis Cluster of 3 shards" in line and "Redis 7" in line, line
+
+
+def test_connect_warns_of_each_evicting_primary(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = redis_cluster.primary_ports()[1]
+    redis_cluster.client(port).config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level(logging.WARNING, logger="hotlock"):
+            hotlock.connect(cluster_url, backend=redis_backend).close()
+    finally:
+        redis_cluster.client(port).config_set("maxmemory-policy", "noeviction")
+    warnings = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    assert len(warnings) == 1 and f"127.0.0.1:{port} has maxmemory-policy allkeys-lru" in warnings[0], warnings
+
+
+def test_locks_spread_over_every_shard(rcache: Cache, redis_cluster: Cluster) -> None:
+    locks = rcache.lock_many([f"spread-{i}" for i in range(90)], ttl=10)
+    sizes = {port: redis_cluster.client(port).dbsize() for port in redis_cluster.primary_ports()}
+    assert sum(sizes.values()) == 90 and all(n > 10 for n in sizes.values()), sizes
+    for lock in locks:
+        assert lock is not None
+        assert redis_cluster.client(redis_cluster.owner_of(lock_name(lock.key))).exists(lock_name(lock.key)) == 1
+    assert all(rcache.unlock_many(locks))  # type: ignore[arg-type]
+    assert sum(redis_cluster.client(p).dbsize() for p in redis_cluster.primary_ports()) == 0
+
+
+def test_set_nx_and_incr_route_like_locks(rcache: Cache, redis_cluster: Cluster) -> None:
+    for i in range(20):
+        assert rcache.set_nx(f"once-{i}", "v", ttl=10) is True
+        assert rcache.incr(f"count-{i}", i) == i
+    ports = {redis_cluster.owner_of(b"hotlock:once:{once-%d}" % i) for i in range(20)}
+    assert len(ports) == 3
+
+
+@pytest.fixture(params=[b for b in ("redis-py", "native")])
+def routed(
+    request: pytest.FixtureRequest, cluster_url: str, redis_cluster: Cluster
+) -> Iterator[tuple[str, dict[int, FaultProxy]]]:
+    """A fault proxy in front of every primary; the backend under test."""
+    if request.param == "native" and native_module()[0] is None:
+        pytest.fail(f"the native backend is not live: {native_module()[1]}")
+    proxies = {port: FaultProxy(port).start() for port in redis_cluster.primary_ports()}
+    yield request.param, proxies
+    for proxy in proxies.values():
+        proxy.stop()
+
+
+def test_batch_over_every_shard_is_one_round_trip(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """With 100 ms added each way on every primary's path, a round trip costs >= 200 ms: a
+    batch over 3 shards that went node by node would take >= 600 ms; one round trip
+    takes about 200. And each primary ran each of its keys' scripts exactly once."""
+    backend, proxies = routed
+    cache = routed_cache(cluster_url, backend, proxies, timeout=2.0)
+    keys = [k for port in redis_cluster.primary_ports() for k in keys_on(redis_cluster, port, 10, "b")]
+    before = {p: evalsha_calls(redis_cluster.client(p)) for p in proxies}
+    for proxy in proxies.values():
+        proxy.delay(0.1)
+    started = time.monotonic()
+    locks = cache.lock_many(keys, ttl=10)
+    took = time.monotonic() - started
+    assert all(lock is not None for lock in locks)
+    assert 0.2 <= took < 0.5, f"lock_many over 3 shards took {took:.3f} s: not one round trip"
+    started = time.monotonic()
+    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    took = time.monotonic() - started
+    assert took < 0.5, f"unlock_many over 3 shards took {took:.3f} s"
+    for port in proxies:
+        assert evalsha_calls(redis_cluster.client(port)) - before[port] == 20  # 10 acquires + 10 releases
+    cache.close()
+
+
+def test_lost_reply_on_one_node_is_retried_with_the_same_token(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """The acquire ran on the node but its reply was dropped: the one retry finds the key
+    already ours, so the caller gets the lock, not LockNotAcquired; the batch form too."""
+    backend, proxies = routed
+    port = redis_cluster.primary_ports()[0]
+    cache = routed_cache(cluster_url, backend, proxies)
+    key = keys_on(redis_cluster, port, 1, "lost")[0]
+    proxies[port].drop_replies(1)
+    with cache.lock(key, ttl=10) as lock:
+        assert proxies[port].dropped_replies == 1
+        assert redis_cluster.client(port).get(lock_name(key)) is not None
+        assert lock.valid_for() > 9
+    assert redis_cluster.client(port).exists(lock_name(key)) == 0
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 3, "lostb")]
+    proxies[port].drop_replies(1)
+    locks = cache.lock_many(keys, ttl=10)
+    assert proxies[port].dropped_replies == 2 and all(lock is not None for lock in locks)
+    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    cache.close()
+
+
+def test_blackholed_node_is_cache_error_for_its_keys_only(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    backend, proxies = routed
+    port = redis_cluster.primary_ports()[2]
+    cache = routed_cache(cluster_url, backend, proxies, timeout=0.3)
+    dead = keys_on(redis_cluster, port, 1, "bh")[0]
+    alive = [keys_on(redis_cluster, p, 1, "ok")[0] for p in redis_cluster.primary_ports() if p != port]
+    proxies[port].blackhole(True)
+    started = time.monotonic()
+    with pytest.raises(CacheError):
+        cache.lock(dead, ttl=5)
+    assert time.monotonic() - started < 3.0
+    for key in alive:
+        with cache.lock(key, ttl=5):
+            pass
+    proxies[port].blackhole(False)
+    with cache.lock(dead, ttl=5):
+        pass
+    cache.close()
+
+
+# -- resharding ---------------------------------------------------------------------------
+
+
+def _other_primary(cluster: Cluster, port: int) -> int:
+    return next(p for p in cluster.primary_ports() if p != port)
+
+
+def test_moved_after_a_slot_migration(rcache: Cache, redis_cluster: Cluster, redis_backend: str) -> None:
+    """A held lock's slot moves to another primary (MIGRATING/IMPORTING, MIGRATE, SETSLOT
+    NODE): the holder extends and releases it there, a rival still sees it held, and
+    the backend's map learns the new owner."""
+    key = "moving"
+    slot = key_slot(lock_name(key))
+    source = redis_cluster.owner(slot)
+    target = _other_primary(redis_cluster, source)
+    lock = rcache.lock(key, ttl=10)
+    try:
+        redis_cluster.move_slot(slot, target)
+        redis_cluster.wait_ok()
+        assert redis_cluster.client(target).exists(lock_name(key)) == 1
+        lock.extend(ttl=20)
+        assert redis_cluster.client(target).pttl(lock_name(key)) > 15000
+        assert rcache._backend.slot_owner(lock_name(key)) == ("127.0.0.1", target)  # type: ignore[attr-defined]
+        with hotlock.connect(redis_cluster.url, backend=redis_backend) as rival, pytest.raises(LockNotAcquired):
+            rival.lock(key, ttl=5)
+        assert lock.unlock() is True
+        assert redis_cluster.client(target).exists(lock_name(key)) == 0
+    finally:
+        redis_cluster.move_slot(slot, source)
+        redis_cluster.wait_ok()
+
+
+def test_ask_while_a_slot_is_migrating(rcache: Cache, redis_cluster: Cluster) -> None:
+    """Mid-migration the source answers ASK for keys it no longer has: a new lock goes to
+    the target with ASKING (and is held there), an old one is still served by the source,
+    and after its key has moved too it is extended and released through ASK."""
+    old, new = "mig}:old", "mig}:new"  # one slot: the hash tag is "mig"
+    slot = key_slot(lock_name(old))
+    assert key_slot(lock_name(new)) == slot
+    source = redis_cluster.owner(slot)
+    target = _other_primary(redis_cluster, source)
+    held = rcache.lock(old, ttl=10)
+    redis_cluster.begin_migration(slot, target)
+    try:
+        fresh = rcache.lock(new, ttl=10)
+        asking = redis_cluster.client(target).pipeline(transaction=False)  # one connection
+        asking.execute_command("ASKING")
+        asking.exists(lock_name(new))
+        assert asking.execute() == [True, 1]
+        # (EXISTS on the source would answer ASK itself: count the slot's keys instead.)
+        assert redis_cluster.client(source).execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+        with pytest.raises(LockNotAcquired):
+            rcache.lock(new, ttl=5)
+        held.extend(ttl=10)  # still on the source
+        assert redis_cluster.migrate_keys(slot, source, target) == 1
+        held.extend(ttl=12)  # now on the target, through ASK
+        assert held.unlock() is True
+        assert fresh.unlock() is True
+        # The slot still belongs to the source in every map: ASK never rewrites it.
+        assert rcache._backend.slot_owner(lock_name(old)) == ("127.0.0.1", source)  # type: ignore[attr-defined]
+    finally:
+        redis_cluster.migrate_keys(slot, source, target)
+        redis_cluster.end_migration(slot, target)
+        redis_cluster.wait_ok()
+        redis_cluster.move_slot(slot, source)
+        redis_cluster.wait_ok()
+    for port in redis_cluster.primary_ports():
+        assert redis_cluster.client(port).execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+def test_exclusion_across_shards_while_a_slot_moves(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """Threads contend for keys on every shard while one key's slot is moved away and back:
+    no two holders (the overlap checker), no error, no false LockNotAcquired for lock_wait."""
+    ports = redis_cluster.primary_ports()
+    keys = [k for p in ports for k in keys_on(redis_cluster, p, 2, "x")]
+    moving = key_slot(lock_name(keys[0]))
+    checker = OverlapChecker(len(keys))
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 3.0
+    cache = hotlock.connect(cluster_url, backend=redis_backend)
+
+    def worker(n: int) -> None:
+        i = n
+        try:
+            while time.monotonic() < deadline:
+                i += 1
+                k = i % len(keys)
+                with cache.lock_wait(keys[k], ttl=5, wait=5):
+                    checker.enter(k)
+                    time.sleep(0.0005)
+                    checker.exit(k)
+        except BaseException as exc:  # any error fails the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    source = redis_cluster.owner(moving)
+    time.sleep(0.5)
+    redis_cluster.move_slot(moving, _other_primary(redis_cluster, source))
+    time.sleep(0.5)
+    redis_cluster.move_slot(moving, source)
+    for t in threads:
+        t.join()
+    cache.close()
+    redis_cluster.wait_ok()
+    assert not errors, errors[:3]
+    assert checker.sections > 100 and checker.overlaps == 0
+
+
+def test_the_checker_catches_a_broken_lock_across_shards(cluster_url: str, redis_cluster: Cluster) -> None:
+    """The same workers with a prefix each (nobody excludes anybody): the checker must see it."""
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 1, "y")]
+    checker = OverlapChecker(len(keys))
+    deadline = time.monotonic() + 1.0
+
+    def worker(n: int) -> None:
+        with hotlock.connect(cluster_url, prefix=f"t{n}:", backend="redis-py") as cache:
+            i = 0
+            while time.monotonic() < deadline:
+                i += 1
+                with cache.lock_wait(keys[i % len(keys)], ttl=5, wait=2):
+                    checker.enter(i % len(keys))
+                    time.sleep(0.001)
+                    checker.exit(i % len(keys))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert checker.sections > 50 and checker.overlaps > 0
+
+
+# -- failover ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spare_cluster() -> Iterator[Cluster]:
+    """A cluster of its own for the tests that kill nodes."""
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
+    """SIGKILL one primary: locks on the other shards never stop, locks on its slots are
+    CacheError (never LockNotAcquired) until its replica is promoted, then work again
+    (the map is asked of another node). A lock taken with wait_replicas=1 before the kill
+    is still held, and still its holder's, on the promoted replica. (Without it, one
+    granted in the last moment before the kill, not yet copied, would be lost: the
+    two-holder window of any asynchronous failover; see the README.)"""
+    cluster = spare_cluster
+    cluster.flush()
+    victim = cluster.primary_ports()[0]
+    cache = hotlock.connect(cluster.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)
+    dead_keys = keys_on(cluster, victim, 3, "d")
+    alive = [keys_on(cluster, p, 1, "a")[0] for p in cluster.primary_ports() if p != victim]
+    # wait_replicas=1: the acquire returns once the replica has it, so the promoted
+    # replica must still know the lock (without it, replication lag decides).
+    confirmed = hotlock.connect(cluster.url, backend=redis_backend, wait_replicas=1, timeout=2)
+    old_holder = confirmed.lock(dead_keys[0], ttl=30)
+    node = next(n for n in cluster.nodes if n.port == victim)
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait()
+    try:
+        errors = 0
+        promoted = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for key in alive:
+                with cache.lock(key, ttl=5):
+                    pass
+            try:
+                with cache.lock(dead_keys[1], ttl=5):
+                    promoted = True
+            except CacheError:
+                errors += 1
+            if promoted:
+                break
+            time.sleep(0.1)
+        assert promoted, "locks on the failed shard did not resume after the replica's promotion"
+        assert errors > 0, "the gap before the promotion should have been seen as CacheError"
+        cluster.wait_ok()  # every live node agrees on the new map
+        assert victim not in cluster.primary_ports()
+        # The replica had the old holder's key: it is still held, and still his.
+        with pytest.raises(LockNotAcquired):
+            cache.lock(dead_keys[0], ttl=5)
+        old_holder.extend(ttl=10)
+        assert old_holder.unlock() is True
+        cache.close()
+        confirmed.close()
+    finally:
+        cluster.restart(victim)  # back as a replica, so the next backend's run has a failover too
+
+
+# -- wait_replicas and NOSCRIPT ------------------------------------------------------------
+
+
+def test_wait_replicas_waits_on_the_keys_own_shard(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """Each shard has one replica: wait_replicas=1 holds on every shard; wait_replicas=2
+    cannot be met, so the acquires are undone (no key stranded) and raise CacheError."""
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "w")]
+    with hotlock.connect(cluster_url, backend=redis_backend, wait_replicas=1, wait_timeout=0.5) as cache:
+        locks = cache.lock_many(keys, ttl=10)
+        assert all(lock is not None for lock in locks)
+        assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    with hotlock.connect(cluster_url, backend=redis_backend, wait_replicas=2, wait_timeout=0.2, timeout=1) as cache:
+        with pytest.raises(CacheError, match="1 of 2 replicas"):
+            cache.lock(keys[0], ttl=10)
+        with pytest.raises(CacheError, match="1 of 2 replicas"):
+            cache.lock_many(keys, ttl=10)
+    for key in keys:
+        assert redis_cluster.client(redis_cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 0
+
+
+def test_noscript_from_any_node_is_recovered(rcache: Cache, redis_cluster: Cluster) -> None:
+    keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "ns")]
+    for port in redis_cluster.primary_ports():
+        redis_cluster.client(port).script_flush()
+    locks = rcache.lock_many(keys, ttl=10)
+    assert all(lock is not None for lock in locks)
+    redis_cluster.client(redis_cluster.primary_ports()[1]).script_flush()
+    assert all(rcache.unlock_many(locks))  # type: ignore[arg-type]
+    for key in keys:
+        assert redis_cluster.client(redis_cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 0
+
+
+# -- hotlock.aio on the cluster (its lock suite runs there too: test_aio's [*-cluster] ids) --
+
+
+async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], timeout: float) -> AsyncCache:
+    config = parse_url(url, connect_timeout=timeout, timeout=timeout)
+
+    async def open_link(node: ServerConfig) -> AsyncLink:
+        proxy = proxies.get(node.port)
+        target = node if proxy is None else node.node("127.0.0.1", proxy.port)
+        if backend == "native":
+            from hotlock.aio._native import NativeAsyncBackend
+
+            native, why = native_aio()
+            if native is None:
+                pytest.fail(f"the native async backend is not live: {why}")
+            return await NativeAsyncBackend.open(target, native.AioProtocol)
+        from hotlock.aio._redispy import RedisAsyncLink
+
+        return await RedisAsyncLink.open(target)
+
+    return AsyncCache(await AsyncClusterBackend.open(config, backend, open_link), b"hotlock:")
+
+
+def test_async_batch_over_every_shard_is_one_round_trip(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    backend, proxies = routed
+    keys = [k for port in redis_cluster.primary_ports() for k in keys_on(redis_cluster, port, 10, "ab")]
+
+    async def main() -> float:
+        cache = await _async_routed(cluster_url, backend, proxies, 2.0)
+        for proxy in proxies.values():
+            proxy.delay(0.1)
+        started = time.monotonic()
+        locks = await cache.lock_many(keys, ttl=10)
+        took = time.monotonic() - started
+        assert all(lock is not None for lock in locks)
+        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+        await cache.close()
+        return took
+
+    took = asyncio.run(main())
+    assert 0.2 <= took < 0.5, f"async lock_many over 3 shards took {took:.3f} s: not one round trip"
+
+
+def test_async_lost_reply_and_moved(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """A dropped acquire reply is retried with the same token (the lock is ours, not
+    LockNotAcquired); then the key's slot moves, and the holder extends and releases it
+    on the new primary through MOVED."""
+    backend, proxies = routed
+    port = redis_cluster.primary_ports()[0]
+    key = keys_on(redis_cluster, port, 1, "alost")[0]
+    slot = key_slot(lock_name(key))
+    target = _other_primary(redis_cluster, port)
+
+    async def main() -> None:
+        cache = await _async_routed(cluster_url, backend, proxies, 0.5)
+        proxies[port].drop_replies(1)
+        lock = await cache.lock(key, ttl=10)
+        assert proxies[port].dropped_replies == 1
+        redis_cluster.move_slot(slot, target)
+        await lock.extend(ttl=20)
+        assert redis_cluster.client(target).pttl(lock_name(key)) > 15000
+        assert await lock.unlock() is True
+        await cache.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        redis_cluster.move_slot(slot, port)
+        redis_cluster.wait_ok()
+
+
+# -- least privilege ------------------------------------------------------------------------
+
+CLUSTER_COMMANDS = ["+cluster|shards", "+cluster|slots", "+asking"]
+
+
+@pytest.mark.parametrize("missing", [None, "+cluster|shards", "+asking"])
+def test_the_readme_acl_list_is_enough_on_a_cluster(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, missing: str | None
+) -> None:
+    """The README's ACL list plus its cluster additions lets a user lock on every shard,
+    ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at
+    connect; without ASKING a key mid-migration is a CacheError (never "held elsewhere")."""
+    from .test_security import COMMANDS, PASSWORD, USER, acl_line
+
+    # Without SHARDS the client falls back to SLOTS: both go for the "no map" case.
+    gone = {"+cluster|shards": {"+cluster|shards", "+cluster|slots"}}.get(missing or "", {missing})
+    commands = [c for c in COMMANDS + CLUSTER_COMMANDS if c not in gone]
+    for node in redis_cluster.nodes:
+        node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
+    url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
+    try:
+        if missing == "+cluster|shards":
+            with pytest.raises(CacheError, match="no cluster node gave the slot map"):
+                hotlock.connect(url, backend=redis_backend)
+            return
+        with hotlock.connect(url, backend=redis_backend) as cache:
+            keys = [k for p in redis_cluster.primary_ports() for k in keys_on(redis_cluster, p, 2, "acl")]
+            locks = cache.lock_many(keys, ttl=10)
+            assert all(lock is not None for lock in locks)
+            slot = key_slot(lock_name("acl-ask}:x"))
+            source = redis_cluster.owner(slot)
+            redis_cluster.begin_migration(slot, _other_primary(redis_cluster, source))
+            try:
+                if missing == "+asking":
+                    with pytest.raises(CacheError):
+                        cache.lock("acl-ask}:x", ttl=5)
+                else:
+                    with cache.lock("acl-ask}:x", ttl=5):  # ASK: the key is new, the target takes it
+                        pass
+            finally:
+                redis_cluster.end_migration(slot, source)
+            assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    finally:
+        for node in redis_cluster.nodes:
+            node.client().execute_command("ACL", "DELUSER", USER)
+
+
+def test_graceful_failover(redis_backend: str, spare_cluster: Cluster) -> None:
+    """CLUSTER FAILOVER on a replica: the held lock is kept (a manual failover waits for the
+    replica to catch up), its holder extends and releases it on the new primary (the old
+    one, now a replica, answers MOVED), a rival still sees it held."""
+    cluster = spare_cluster
+    cluster.flush()
+    primary = cluster.primary_ports()[1]
+    replica = int(cluster.client(primary).info("replication")["slave0"]["port"])
+    key = keys_on(cluster, primary, 1, "gf")[0]
+    with hotlock.connect(cluster.url, backend=redis_backend) as cache:
+        lock = cache.lock(key, ttl=30)
+        # A manual failover gives up after a while if the primary is slow to answer (a
+        # loaded machine): ask again, up to three times.
+        for _attempt in range(3):
+            assert cluster.client(replica).execute_command("CLUSTER", "FAILOVER") == b"OK"
+            deadline = time.monotonic() + 10
+            while cluster.owner_of(lock_name(key)) != replica and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if cluster.owner_of(lock_name(key)) == replica:
+                break
+        else:
+            pytest.fail("the manual failover did not happen")
+        cluster.wait_ok()
+        lock.extend(ttl=10)
+        assert cluster.client(replica).pttl(lock_name(key)) > 5000
+        with pytest.raises(LockNotAcquired):
+            cache.lock(key, ttl=5)
+        assert lock.unlock() is True
+        with cache.lock(key, ttl=5):
+            pass
+
+
+def test_lost_reply_after_a_moved(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """The slot moved since the map was read: the old owner answers MOVED, the new owner
+    runs the acquire but its reply is lost, and the one retry (same token, on the new
+    owner) finds it already ours: the caller holds the lock, with the fence it stored."""
+    backend, proxies = routed
+    source = redis_cluster.primary_ports()[0]
+    target = _other_primary(redis_cluster, source)
+    key = keys_on(redis_cluster, source, 1, "mv")[0]
+    slot = key_slot(lock_name(key))
+    cache = routed_cache(cluster_url, backend, proxies)
+    with cache.lock(keys_on(redis_cluster, target, 1, "warm")[0], ttl=5):
+        pass  # the link to the target is open before the move
+    redis_cluster.move_slot(slot, target)
+    try:
+        proxies[target].drop_replies(1)
+        lock = cache.lock(key, ttl=10)
+        assert proxies[target].dropped_replies == 1
+        stored = redis_cluster.client(target).get(lock_name(key))
+        assert stored is not None and stored.endswith(b"%d" % lock.fence)
+        assert lock.unlock() is True
+    finally:
+        redis_cluster.move_slot(slot, source)
+        redis_cluster.wait_ok()
+    cache.close()
+
+
+def test_clusterdown_is_waited_out_within_the_budget(redis_backend: str, spare_cluster: Cluster) -> None:
+    """One slot unassigned on every node, with full coverage required: every node answers
+    CLUSTERDOWN for every key. A try-once lock on another slot during the outage is a
+    CacheError after its budget (never LockNotAcquired); a lock_wait whose budget outlasts
+    the outage gets its lock once the slot is served again."""
+    cluster = spare_cluster
+    cluster.wait_ok()
+    key = "down"
+    slot = key_slot(lock_name("down-elsewhere"))  # the slot taken away; the lock's own stays
+    assert slot != key_slot(lock_name(key))
+    owner = cluster.owner(slot)
+    live = [n for n in cluster.nodes if n.proc is not None and n.proc.poll() is None]
+    cache = hotlock.connect(cluster.url, backend=redis_backend, timeout=1)
+    try:
+        for node in live:
+            node.client().config_set("cluster-require-full-coverage", "yes")
+        for node in live:
+            node.client().execute_command("CLUSTER", "DELSLOTS", slot)
+        deadline = time.monotonic() + 10
+        while b"cluster_state:fail" not in cluster.client(owner).execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the cluster did not go down"
+            time.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(CacheError, match="CLUSTERDOWN"):
+            cache.lock(key, ttl=5)
+        assert time.monotonic() - started < 4  # its budget: about two reply timeouts
+
+        def heal() -> None:
+            time.sleep(0.5)
+            cluster.client(owner).execute_command("CLUSTER", "ADDSLOTS", slot)
+
+        healer = threading.Thread(target=heal)
+        healer.start()
+        with cache.lock_wait(key, ttl=5, wait=5):
+            assert cluster.client(cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 1
+        healer.join()
+    finally:
+        with contextlib.suppress(redis.ResponseError):  # "already busy": healed, as it should be
+            cluster.client(owner).execute_command("CLUSTER", "ADDSLOTS", slot)
+        for node in live:
+            node.client().config_set("cluster-require-full-coverage", "no")
+        cluster.wait_ok()
+        cache.close()

