@@ -7,7 +7,8 @@ backoff constants from hotlock._backoff, the errors from hotlock._config.cache_e
 each defined once, in Python.
 
 Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
-NativeBackend), _aio.pxi (the asyncio protocol under hotlock.aio).
+NativeBackend), _aio.pxi (the asyncio protocol under hotlock.aio), _lease.pxi (Cache.lock's
+common case in one call).
 """
 
 import os
@@ -64,6 +65,10 @@ def held_value(bytes token not None, long long fence):
     The one formatting step on every acquisition's path, so done here: Python's general
     bytes formatting of a 16-digit int costs about 1,600 instructions, this about a
     quarter of that. tests/test_native.py checks it against the Python definition."""
+    return _held(token, fence)
+
+
+cdef bytes _held(bytes token, long long fence):
     cdef char digits[20]
     cdef int i = 20
     cdef unsigned long long v
@@ -96,3 +101,4 @@ def held_value(bytes token not None, long long fence):
 include "_clock.pxi"
 include "_sync.pxi"
 include "_aio.pxi"
+include "_lease.pxi"

@@ -17,6 +17,14 @@ cdef extern from "<poll.h>" nogil:
         POLLIN
 
 
+from cpython.pythread cimport PyThread_get_thread_ident
+from cpython.ref cimport PyObject
+from cpython.weakref cimport PyWeakref_GetObject
+
+# How recently a connection must have been used for a resent command to skip its
+# staleness poll() (see NativeBackend._ready).
+cdef double _FRESH_S = 0.002
+
 cdef const char *_S_EVALSHA = b"EVALSHA"
 cdef const char *_S_ONE = b"1"
 cdef const char *_S_SET = b"SET"
@@ -41,6 +49,7 @@ cdef class _Conn:
     cdef unsigned long epoch  # under Sentinel, the PrimaryWatch epoch it connected in
     cdef bint busy  # a round trip is in flight on ctx without the GIL
     cdef bint doomed  # close() ran during that round trip: drop ctx when it ends
+    cdef double used  # monotonic time its last round trip ended (see _ready)
     cdef object __weakref__
 
     def __dealloc__(self):
@@ -102,6 +111,7 @@ cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
                 rc = -1
                 break
     conn.busy = False
+    conn.used = _monotonic()
     if rc == 0 and conn.doomed:
         _drop(conn)
     return rc
@@ -239,6 +249,8 @@ cdef class NativeBackend:
     cdef const char *_wait_argv[3]
     cdef size_t _wait_lens[3]
     cdef object _local  # threading.local: .conn is this thread's _Conn
+    cdef object _last  # a weakref to the connection of the thread that called last (see _conn)
+    cdef unsigned long _last_thread
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
@@ -286,11 +298,25 @@ cdef class NativeBackend:
     # -- connections --------------------------------------------------------------------
 
     cdef inline _Conn _conn(self):
+        # The thread that calls is most often the one that called last: one compare
+        # instead of threading.local's attribute lookup. The slot is a weak reference, so
+        # a finished thread's connection still dies with its threading.local entry. A
+        # thread ident is reused once its thread has ended, so a hit could hand over a
+        # dead thread's connection not yet freed; that is still safe, since no live
+        # thread can be using it (the dead thread had no call in flight).
+        cdef unsigned long me = PyThread_get_thread_ident()
+        cdef PyObject *last
+        if me == self._last_thread and self._last is not None:
+            last = PyWeakref_GetObject(self._last)
+            if last != <PyObject *>None:
+                return <_Conn>last
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = _Conn()
             self._local.conn = conn
             self._conns.add(conn)
+        self._last = weakref.ref(conn)
+        self._last_thread = me
         return <_Conn>conn
 
     cdef inline _Retry _rule(self, double wait_s, bint resend):
@@ -326,8 +352,16 @@ cdef class NativeBackend:
         """Make conn's context usable: drop an inherited, broken or stale one, connect.
 
         While rule.limit > 0 (a retry after a lost reply) the connect and reply timeouts
-        are capped at it, until the caller _settles: a retry gets only what is left."""
-        if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or _stale(conn.ctx)):
+        are capped at it, until the caller _settles: a retry gets only what is left.
+
+        A call whose commands are resent after a lost reply (rule.resend: acquire,
+        release) skips the staleness poll() (a system call per command) on a connection
+        whose last round trip ended under _FRESH_S ago: a server that closed it in that
+        window costs the same one reconnect, found at the read instead of before the
+        write, and the resend (same token) hides it from the caller; the price is that
+        this resend is then spent. Calls never resent (extend, set_nx, incr) always poll."""
+        if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or (
+                not (rule.resend and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx))):
             _drop(conn)
         elif conn.ctx is not NULL and self._watch is not None and conn.epoch != self._watch.refresh():
             # The sentinels name another primary: the old one may still take writes until
@@ -637,6 +671,11 @@ cdef class NativeBackend:
             freeReplyObject(r)
 
     # -- the Backend interface ------------------------------------------------------------
+
+    def taker(self, bytes lock_prefix not None, template not None):
+        """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the bound
+        take(key, ttl), returning the Lock or the acquire's result (<= 0)."""
+        return _Taker(self, lock_prefix, template).take
 
     def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
         cdef long long value

@@ -104,7 +104,7 @@ class CacheBase(Generic[L]):
 class Cache(CacheBase[Lock]):
     """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
 
-    __slots__ = ("_renewer",)
+    __slots__ = ("_renewer", "_take")
     _lock_type = Lock
     _shown_as = "hotlock.Cache"
     _backend: Backend
@@ -113,6 +113,13 @@ class Cache(CacheBase[Lock]):
         super().__init__(backend, prefix)
         # The one renewer of this cache's auto-extended leases, made on first use.
         self._renewer: Renewer | None = None
+        # The native backend does lock()'s common case in one call (ext/_lease.pxi): the
+        # key and TTL as the validators would take them (anything else it hands to them),
+        # the token, the acquire and the Lock, copied from this template. None elsewhere.
+        taker = getattr(backend, "taker", None)
+        self._take: Callable[[str | bytes, Seconds], Lock | int] | None = (
+            None if taker is None else taker(self._lock_prefix, Lock(backend, "", b"", b"", 1, 1, 0.0))
+        )
 
     def _renew(self) -> Renewer:
         if self._renewer is None:
@@ -136,6 +143,11 @@ class Cache(CacheBase[Lock]):
         cache is closed; ``lock.lost``, ``lock.check()`` and ``lock.on_lost()`` tell the
         work when it is lost, and leaving a ``with`` block then raises LockLost.
         """
+        if self._take is not None and auto_extend is False and max_hold is None:
+            lock = self._take(key, ttl)
+            if type(lock) is int:
+                raise self._not_acquired(key, lock, None)
+            return lock  # type: ignore[return-value]
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         hold = auto_extend_ms(auto_extend, max_hold, ms)

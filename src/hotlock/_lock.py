@@ -238,7 +238,7 @@ class Lock(Lease):
         Idempotent, and never raises LockLost. A CacheError (Redis down) keeps the token,
         so a later call can still release it; otherwise the key expires by its TTL.
         """
-        if not self._sendable():
+        if not self._token or self._pid != _ident.pid:  # self._sendable(), inline: the hot path
             return False
         if self._auto is not None:
             # Before the release is sent: a renewal racing it then finds no key (extends
