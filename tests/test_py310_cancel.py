@@ -96,6 +96,9 @@ def python310() -> str | None:
 def test_the_block_cancellation_on_python_310() -> None:
     exe = python310()
     if exe is None:
+        # As make test-pythons does: CI expects 3.10 (pyenv), a dev machine may lack it.
+        if os.environ.get("CI") == "true":
+            pytest.fail("no Python 3.10 interpreter installed, and CI expects one (pyenv)")
         pytest.skip("no Python 3.10 interpreter installed")
     env = dict(os.environ, PYTHONPATH=str(SRC), HOTLOCK_PURE_PYTHON="1")
     done = subprocess.run([exe, "-c", CASES], capture_output=True, text=True, env=env, timeout=60)
