@@ -18,10 +18,9 @@ from typing import Any, Protocol
 
 from .._cluster import _UNSERVED_REFRESH_S, MAP_ERRORS, Address, ClusterCore, LinkLost, ReplyError, Route, _map_ranges
 from .._config import ServerConfig, cache_error
-from .._ident import TOKEN_BYTES
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
 from ..errors import CacheError
-from ._retry import retry_until
+from ._retry import InFlight, retry_until
 
 __all__ = ["AsyncClusterBackend", "AsyncLink"]
 
@@ -44,9 +43,8 @@ class AsyncClusterBackend(ClusterCore):
         super().__init__(config, name)
         self._open_link = open_link
         self._links: dict[Address, asyncio.Task[AsyncLink]] = {}
-        # Acquires in flight, by token: a release of that token waits for them (the
-        # AsyncBackend ordering promise, kept as the redis-py async backend keeps it).
-        self._inflight: dict[bytes, asyncio.Future[Any]] = {}
+        # Acquires in flight, by token: a release of that token waits for them (InFlight).
+        self._inflight = InFlight()
 
     @classmethod
     async def open(
@@ -151,28 +149,6 @@ class AsyncClusterBackend(ClusterCore):
     ) -> list[Any]:
         return await self._run(self.route(what, script, keys, args, until))
 
-    def _shielded(self, tokens: list[bytes], work: Awaitable[Any]) -> Awaitable[Any]:
-        """Run ``work`` to completion even if its caller is cancelled, recorded under
-        ``tokens`` so a release of them waits for it (see hotlock.aio._redispy)."""
-        task = asyncio.ensure_future(work)
-        for token in tokens:
-            self._inflight[token] = task
-
-        def done(finished: asyncio.Future[Any]) -> None:
-            for token in tokens:
-                if self._inflight.get(token) is finished:
-                    del self._inflight[token]
-            if not finished.cancelled():
-                finished.exception()  # retrieved: a caller that was cancelled will never see it
-
-        task.add_done_callback(done)
-        return asyncio.shield(task)
-
-    async def _settled(self, tokens: list[bytes]) -> None:
-        pending = {task for token in tokens if (task := self._inflight.get(token[:TOKEN_BYTES])) is not None}
-        if pending:
-            await asyncio.wait(pending)
-
     @staticmethod
     def _until(since: float | None, wait_ms: int, timeout: float) -> float:
         # Route keeps time.monotonic(); the AsyncBackend contract gives loop time.
@@ -184,13 +160,13 @@ class AsyncClusterBackend(ClusterCore):
     async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
         until = self._until(since, wait_ms, self.timeout)
         work = self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], until)
-        return int((await self._shielded([token], work))[0])
+        return int((await self._inflight.shielded([token], work))[0])
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         ttl = b"%d" % ttl_ms
         until = self._until(None, 0, self.timeout)
         work = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], until)
-        return [int(r) for r in await self._shielded(tokens, work)]
+        return [int(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         return bool((await self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None))[0])
@@ -200,14 +176,14 @@ class AsyncClusterBackend(ClusterCore):
         return [bool(r) for r in await self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
-        await self._settled([token])
+        await self._inflight.settled([token])
         work = self._scripts("release", RELEASE, [key], [(token,)], self._until(None, 0, self.timeout))
-        return bool((await self._shielded([token], work))[0])
+        return bool((await self._inflight.shielded([token], work))[0])
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        await self._settled(tokens)
+        await self._inflight.settled(tokens)
         work = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout))
-        return [bool(r) for r in await self._shielded(tokens, work)]
+        return [bool(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)

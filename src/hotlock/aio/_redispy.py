@@ -33,12 +33,11 @@ from .._cluster import LinkLost
 from .._cluster import ReplyError as ClusterReplyError
 from .._config import ServerConfig, cache_error
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
-from .._ident import TOKEN_BYTES
 from .._redispy import _ERROR_CODES, HandshakeLost, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import info_fields, retry_until, unconfirmed
+from ._retry import InFlight, info_fields, retry_until, unconfirmed
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
@@ -268,8 +267,8 @@ class RedisAsyncBackend:
             connection_class = SSLConnection if config.tls else Connection
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
-        # Acquires in flight, by token: a release of that token waits for them (see _settled).
-        self._inflight: dict[bytes, asyncio.Future[Any]] = {}
+        # Acquires in flight, by token: a release of that token waits for them.
+        self._inflight = InFlight()
 
     @classmethod
     async def open(cls, config: ServerConfig) -> RedisAsyncBackend:
@@ -421,52 +420,23 @@ class RedisAsyncBackend:
                 raise reply
         return replies
 
-    def _shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
-        """Run ``work`` to completion even if its caller is cancelled, recorded under ``tokens``.
-
-        Cancelling a redis.asyncio call mid-command drops its connection while the command
-        may still run on the server; a release sent meanwhile on another pooled connection
-        could overtake it and leave the acquire standing. Finishing the acquire first, and
-        having releases of its tokens wait for it, keeps AsyncBackend's ordering promise.
-        Releases run shielded too: redis.asyncio swallows a cancellation that lands in
-        some of its steps, and behind the shield the caller's cancel always lands at once.
-        """
-        task = asyncio.ensure_future(work)
-        for token in tokens:
-            self._inflight[token] = task
-
-        def done(finished: asyncio.Future[Any]) -> None:
-            for token in tokens:
-                if self._inflight.get(token) is finished:
-                    del self._inflight[token]
-            if not finished.cancelled():
-                finished.exception()  # retrieved: a caller that was cancelled will never see it
-
-        task.add_done_callback(done)
-        return asyncio.shield(task)
-
-    async def _settled(self, tokens: list[bytes]) -> None:
-        # A release gives the held value (token + fence) or, for an interrupted acquire,
-        # the bare token: the acquire was recorded under the bare token.
-        pending = {task for token in tokens if (task := self._inflight.get(token[:TOKEN_BYTES])) is not None}
-        if pending:
-            await asyncio.wait(pending)
-
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
         if self._config.wait_replicas:
-            return (await self._shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[0]
+            return (await self._inflight.shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[
+                0
+            ]
         until = retry_until(since, wait_ms, self._timeout)
-        reply = await self._shielded(
+        reply = await self._inflight.shielded(
             [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True, until)
         )
         return int(reply)
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         if self._config.wait_replicas:
-            return await self._shielded(tokens, self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms))
-        replies = await self._shielded(
+            return await self._inflight.shielded(tokens, self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms))
+        replies = await self._inflight.shielded(
             tokens, self._call("acquire_many", None, lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms), True)
         )
         return [int(r) for r in replies]
@@ -519,24 +489,24 @@ class RedisAsyncBackend:
         return [bool(r) for r in replies]
 
     async def release(self, key: bytes, token: bytes) -> bool:
-        await self._settled([token])
+        await self._inflight.settled([token])
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
         if self.dialect.lua_free and not bare_tokens([token]):
             command = release_command(self.dialect, key, token)
             work = self._call("release", key, lambda: self._commands([command]), True)
-            return bool((await self._shielded([token], work))[0])
+            return bool((await self._inflight.shielded([token], work))[0])
         work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
-        return bool(await self._shielded([token], work))
+        return bool(await self._inflight.shielded([token], work))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        await self._settled(tokens)
+        await self._inflight.settled(tokens)
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             work = self._call("release_many", None, lambda: self._commands(dels), True)
         else:
             work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
-        replies = await self._shielded(tokens, work)
+        replies = await self._inflight.shielded(tokens, work)
         return [bool(r) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:

@@ -4,11 +4,14 @@ fields: shared by both async Redis backends, below the chooser in aio/_backend."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from .._config import ServerConfig, cache_error
+from .._ident import TOKEN_BYTES
 from ..errors import CacheError
 
-__all__ = ["info_fields", "retry_until", "unconfirmed"]
+__all__ = ["InFlight", "info_fields", "retry_until", "unconfirmed"]
 
 
 def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | None) -> CacheError:
@@ -35,3 +38,49 @@ def info_fields(raw: bytes) -> dict[str, str]:
         if sep and not line.startswith("#"):
             fields[name] = value
     return fields
+
+
+T = TypeVar("T")
+
+
+class InFlight:
+    """AsyncBackend's ordering promise, kept by a backend whose connections are pooled (or
+    per node): calls run to completion behind a shield, recorded under their tokens, and a
+    release of a token first waits for them.
+
+    Cancelling a redis.asyncio call mid-command drops its connection while the command may
+    still run on the server; a release sent meanwhile on another connection could overtake
+    it and leave the acquire standing. Finishing the acquire first, and having releases of
+    its tokens wait for it, keeps the promise. Releases run shielded too: redis.asyncio
+    swallows a cancellation that lands in some of its steps, and behind the shield the
+    caller's cancel always lands at once.
+    """
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self) -> None:
+        self._tasks: dict[bytes, asyncio.Future[Any]] = {}
+
+    def shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
+        """Run ``work`` to completion even if its caller is cancelled, recorded under ``tokens``."""
+        task = asyncio.ensure_future(work)
+        for token in tokens:
+            self._tasks[token] = task
+
+        def done(finished: asyncio.Future[Any]) -> None:
+            for token in tokens:
+                if self._tasks.get(token) is finished:
+                    del self._tasks[token]
+            if not finished.cancelled():
+                finished.exception()  # retrieved: a caller that was cancelled will never see it
+
+        task.add_done_callback(done)
+        return asyncio.shield(task)
+
+    async def settled(self, tokens: list[bytes]) -> None:
+        """Wait for the calls in flight under ``tokens``. A release gives the held value
+        (token + fence) or, for an interrupted acquire, the bare token: calls are recorded
+        under the bare token."""
+        pending = {task for token in tokens if (task := self._tasks.get(token[:TOKEN_BYTES])) is not None}
+        if pending:
+            await asyncio.wait(pending)
