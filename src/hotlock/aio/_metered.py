@@ -39,14 +39,13 @@ class MeteredAsyncCache(AsyncCache):
         try:
             lock = await super()._acquire(key, name, ms, wait_for, auto, hold)
         except LockNotAcquired:
-            meter.not_acquired(key, "held" if wait_for is None else "timeout", started, loop.time())
+            meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.attach(lock)
         # lock_wait's tries are not counted (as in sync, where the loop is in the backend).
-        meter.acquired(key, started, loop.time(), 1 if wait_for is None else None)
+        meter.took(lock, loop.time() - started, 1 if wait_for is None else None)
         return lock
 
     async def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[AsyncLock | None]:
@@ -60,13 +59,7 @@ class MeteredAsyncCache(AsyncCache):
             for key in given:
                 meter.error(key, "acquire", error)
             raise
-        now = loop.time()
-        for key, lock in zip(given, locks, strict=True):
-            if lock is None:
-                meter.not_acquired(key, "held", started, now)
-            else:
-                meter.attach(lock)
-                meter.acquired(key, started, now, 1)
+        meter.took_many(given, locks, loop.time() - started)
         return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], *args: Any, **kwargs: Any) -> list[bool]:
