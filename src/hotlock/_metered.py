@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._cache import Cache
 from ._lock import Lease, Lock
@@ -23,7 +23,7 @@ from .metrics import LISTENER_METHODS, Listener, NotAcquired, Op
 if TYPE_CHECKING:
     from ._backend import Backend
 
-__all__ = ["Meter", "MeteredCache", "as_list", "check_listener", "sendable"]
+__all__ = ["Batch", "Meter", "MeteredCache", "as_list", "check_listener"]
 
 log = logging.getLogger("hotlock")
 
@@ -130,11 +130,35 @@ def as_list(items: Any) -> Any:
     return list(items)
 
 
-def sendable(locks: Any) -> dict[int, Lease]:
-    """The locks of a *_many call that it will send for (and so report on), by id()."""
-    if not isinstance(locks, list):
-        return {}  # refused by the call itself
-    return {id(lk): lk for lk in locks if isinstance(lk, Lease) and lk._sendable()}
+class Batch:
+    """The locks given to an extend_many or unlock_many, and the report of its outcome for
+    those it sends for (sync and async alike)."""
+
+    __slots__ = ("items", "op", "sent")
+
+    def __init__(self, locks: Any, op: Literal["extend", "release"]) -> None:
+        self.items = as_list(locks)
+        self.op = op
+        # The locks the call will send for, by id(): the others have nothing to report.
+        self.sent: dict[int, Lease] = (
+            {id(lk): lk for lk in self.items if isinstance(lk, Lease) and lk._sendable()}
+            if isinstance(self.items, list)
+            else {}  # refused by the call itself
+        )
+
+    def failed(self, error: CacheError) -> None:
+        for lease in self.sent.values():
+            if lease._meter is not None:
+                lease._meter.failed(lease, self.op, error)
+
+    def done(self, results: list[bool]) -> None:
+        for item, ok in zip(self.items, results, strict=True):
+            lease = self.sent.get(id(item))
+            if lease is not None and lease._meter is not None:
+                if self.op == "extend":
+                    lease._meter.extended(lease, ok)
+                else:
+                    lease._meter.released(lease, ok)
 
 
 class MeteredCache(Cache):
@@ -213,33 +237,21 @@ class MeteredCache(Cache):
         return locks
 
     def extend_many(self, locks: Iterable[Lock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "extend")
         try:
-            results = super().extend_many(items, *args, **kwargs)
+            results = super().extend_many(batch.items, *args, **kwargs)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "extend", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.extended(lease, ok)
+        batch.done(results)
         return results
 
     def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "release")
         try:
-            results = super().unlock_many(items)
+            results = super().unlock_many(batch.items)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "release", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.released(lease, ok)
+        batch.done(results)
         return results

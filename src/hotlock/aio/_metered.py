@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._metered import Meter, as_list, sendable
+from .._metered import Batch, Meter, as_list
 from ..errors import CacheError, LockNotAcquired
 from ._cache import AsyncCache
 from ._lock import AsyncLock
@@ -63,33 +63,21 @@ class MeteredAsyncCache(AsyncCache):
         return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "extend")
         try:
-            results = await super().extend_many(items, *args, **kwargs)
+            results = await super().extend_many(batch.items, *args, **kwargs)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "extend", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.extended(lease, ok)
+        batch.done(results)
         return results
 
     async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "release")
         try:
-            results = await super().unlock_many(items)
+            results = await super().unlock_many(batch.items)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "release", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.released(lease, ok)
+        batch.done(results)
         return results
