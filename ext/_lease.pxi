@@ -1,16 +1,19 @@
-# Cache.lock's common case in one extension call (issue 9): the key and TTL checks for the
-# common types, the token, the acquire and the Lock itself, with no Python frame between.
+# The native cycle's Python-facing calls in one extension call each (issue 9): Cache.lock's
+# common case (the key and TTL checks for the common types, the token, the acquire and the
+# Lock itself, with no Python frame between), and Lock.unlock's and Lock.extend's (below).
 #
 # Python still owns the API. Only what hotlock._validate accepts unchanged is handled
 # here: a str or bytes key of 1..MAX_KEY_BYTES UTF-8 bytes, an int TTL of whole seconds in
 # range, a finite float TTL that rounds into range. Any other key or TTL goes to key_bytes
-# or ttl_ms themselves, which return the same value or raise their own error, so no
-# message lives here. tests/test_native.py checks the two paths agree.
+# or ttl_ms themselves (Cache.lock) or to the Python method (unlock, extend), which return
+# the same value or raise their own error, so no message lives here.
+# tests/test_native_lease.py checks the two paths agree.
 
 from cpython.exc cimport PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XINCREF
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XDECREF, Py_XINCREF
 from libc.math cimport isfinite, rint
 
 from types import MemberDescriptorType
@@ -41,6 +44,24 @@ cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_p
 DEF _MAX_SLOTS = 64
 
 
+cdef dict _slot_offsets(cls_object):
+    """Every slot of a lease class and its offset in the object; TypeError unless the
+    class has plain __slots__ only (no __dict__, no __weakref__, no property over a slot)."""
+    cdef _Type *cls = <_Type *><PyObject *>cls_object
+    offsets = {}
+    for klass in cls_object.__mro__:
+        for slot in klass.__dict__.get("__slots__", ()):
+            descr = klass.__dict__[slot]
+            if type(descr) is not MemberDescriptorType:
+                raise TypeError(f"{slot} is not a plain slot")
+            offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    # Only slots, no __dict__ or __weakref__: then every field is one of the offsets.
+    if (cls.tp_itemsize or cls.tp_dictoffset or cls.tp_weaklistoffset or len(offsets) > _MAX_SLOTS
+            or <Py_ssize_t>(len(offsets) * sizeof(PyObject *) + sizeof(PyObject)) != cls.tp_basicsize):
+        raise TypeError(f"{cls_object.__name__} must have __slots__ only")
+    return offsets
+
+
 cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
     """Fill an empty (NULL) slot of a just-allocated object."""
     Py_INCREF(value)
@@ -68,17 +89,7 @@ cdef class _Taker:
     def __cinit__(self, NativeBackend backend, bytes prefix not None, template not None):
         cls_object = type(template)  # kept alive by the template
         cdef _Type *cls = <_Type *><PyObject *>cls_object
-        offsets = {}
-        for klass in cls_object.__mro__:
-            for slot in klass.__dict__.get("__slots__", ()):
-                descr = klass.__dict__[slot]
-                if type(descr) is not MemberDescriptorType:
-                    raise TypeError(f"{slot} is not a plain slot")
-                offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
-        # Only slots, no __dict__ or __weakref__: then every field is one of the offsets.
-        if (cls.tp_itemsize or cls.tp_dictoffset or cls.tp_weaklistoffset or len(offsets) > _MAX_SLOTS
-                or <Py_ssize_t>(len(offsets) * sizeof(PyObject *) + sizeof(PyObject)) != cls.tp_basicsize):
-            raise TypeError(f"{type(template).__name__} must have __slots__ only")
+        offsets = _slot_offsets(cls_object)
         self._backend = backend
         self._prefix = prefix
         self._template = template
@@ -170,3 +181,143 @@ cdef class _Taker:
         _put(obj, self._own[6], self._ident_globals["pid"])
         _put(obj, self._own[7], sent + <double>ms / 1000.0)
         return lease
+
+
+# Lock.unlock and Lock.extend's common case, one extension call each: hotlock._lock puts
+# these two on Lock in place of its own methods and hands those here as the way for every
+# other case. The common case is a lock of this process on a NativeBackend, not released,
+# not known lost, without auto_extend or metrics, and (extend) a TTL of None, an int or a
+# float that ttl_ms takes unchanged; there the Python methods would check exactly what is
+# checked here, send the same command and write the same fields. Anything else (another
+# backend, a forked child, a released lock, a bad TTL, a metered or auto-extended lease)
+# runs the Python method itself, so every error and message, every hook and the renewer's
+# bookkeeping stay Python's. tests/test_native_lease.py holds the two paths to each other.
+
+cdef object _lease_cls = None  # the class the methods were made for (hotlock._lock.Lock)
+cdef object _py_unlock = None  # its Python unlock and extend: every other case
+cdef object _py_extend = None
+cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found another token says the lock is lost
+cdef dict _ident_vars = None  # hotlock._ident's globals: "pid" is rebound in a forked child
+# Slot offsets in a _lease_cls object (see _slot_offsets).
+cdef Py_ssize_t _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
+
+
+cdef inline PyObject *_slot(object obj, Py_ssize_t offset) noexcept:
+    return (<PyObject **>((<char *><PyObject *>obj) + offset))[0]
+
+
+cdef inline void _store(object obj, Py_ssize_t offset, object value) noexcept:
+    """obj.<slot> = value, as a slot assignment does (the old value's reference dropped)."""
+    cdef PyObject **field = <PyObject **>((<char *><PyObject *>obj) + offset)
+    cdef PyObject *old = field[0]
+    Py_INCREF(value)
+    field[0] = <PyObject *>value
+    Py_XDECREF(old)
+
+
+cdef inline bint _plain_held(object lease) noexcept:
+    """The common case both methods share: a lease of _lease_cls itself on a NativeBackend,
+    with a held value, taken by this process, neither auto-extended nor metered. The pid
+    is compared by identity: Lease.__init__ and _Taker store hotlock._ident.pid itself, and
+    a miss only sends the call the Python way, which compares values."""
+    cdef PyObject *backend
+    cdef PyObject *name
+    cdef PyObject *token
+    if type(lease) is not _lease_cls:
+        return False
+    backend = _slot(lease, _at_backend)
+    name = _slot(lease, _at_name)
+    token = _slot(lease, _at_token)
+    return (backend is not NULL and type(<object>backend) is NativeBackend
+            and name is not NULL and type(<object>name) is bytes
+            and token is not NULL and type(<object>token) is bytes and PyBytes_GET_SIZE(<object>token) > 0
+            and _slot(lease, _at_pid) == PyDict_GetItem(_ident_vars, "pid")
+            and _slot(lease, _at_auto) == <PyObject *>None
+            and _slot(lease, _at_meter) == <PyObject *>None)
+
+
+def _lock_unlock(self):
+    cdef NativeBackend backend
+    cdef bytes name, token
+    cdef bint released
+    if not _plain_held(self):
+        return _py_unlock(self)
+    # Owned references: the round trip releases the GIL, and another thread may unlock
+    # this lock (emptying its token) meanwhile.
+    backend = <NativeBackend><object>_slot(self, _at_backend)
+    name = <bytes><object>_slot(self, _at_name)
+    token = <bytes><object>_slot(self, _at_token)
+    released = backend._release(name, token)  # a CacheError keeps the token, as unlock() does
+    _store(self, _at_token, b"")
+    return released
+
+
+def _lock_extend(self, ttl=None):
+    cdef NativeBackend backend
+    cdef bytes name, token
+    cdef PyObject *held_ms
+    cdef long long ms
+    cdef int overflow = 0
+    cdef double d, sent
+    if not _plain_held(self) or _slot(self, _at_loss) != <PyObject *>None:
+        return _py_extend(self, ttl)
+    # The TTL as Lease._extend_ms takes it: the one it holds, or ttl_ms's common cases.
+    kept = None
+    if ttl is None:
+        held_ms = _slot(self, _at_ttl)
+        if held_ms is NULL or type(<object>held_ms) is not int:
+            return _py_extend(self, ttl)
+        kept = <object>held_ms
+        ms = PyLong_AsLongLongAndOverflow(kept, &overflow)
+        if overflow != 0 or not 0 < ms <= _MAX_TTL_MS:
+            return _py_extend(self, ttl)
+    elif type(ttl) is int:
+        ms = PyLong_AsLongLongAndOverflow(ttl, &overflow)
+        if overflow != 0 or not 0 < ms <= _MAX_TTL_MS // 1000:
+            return _py_extend(self, ttl)
+        ms *= 1000
+    elif type(ttl) is float and isfinite(PyFloat_AS_DOUBLE(ttl)):
+        d = rint(PyFloat_AS_DOUBLE(ttl) * 1000.0)
+        if not 0.0 < d <= <double>_MAX_TTL_MS:
+            return _py_extend(self, ttl)
+        ms = <long long>d
+    else:
+        return _py_extend(self, ttl)
+    # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
+    # lease past its deadline may still be extended).
+    backend = <NativeBackend><object>_slot(self, _at_backend)
+    name = <bytes><object>_slot(self, _at_name)
+    token = <bytes><object>_slot(self, _at_token)
+    sent = _monotonic()
+    if backend._extend(name, token, ms):
+        # Lease._extended(True, ms, sent)
+        _store(self, _at_ttl, kept if kept is not None else ms)
+        _store(self, _at_deadline, sent + <double>ms / 1000.0)
+        return None
+    self._extended(False, ms, sent)
+    raise self._lost(_taken)
+
+
+def lease_methods(cls not None, unlock not None, extend not None, str taken not None):
+    """(unlock, extend) for cls (hotlock._lock.Lock) with the common case in C; every other
+    case goes to the given Python methods, whose name and docstring they take."""
+    global _lease_cls, _py_unlock, _py_extend, _taken, _ident_vars
+    global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
+    offsets = _slot_offsets(cls)
+    _at_backend = offsets["_backend"]
+    _at_name = offsets["_name"]
+    _at_token = offsets["_token"]
+    _at_pid = offsets["_pid"]
+    _at_auto = offsets["_auto"]
+    _at_meter = offsets["_meter"]
+    _at_loss = offsets["_loss"]
+    _at_ttl = offsets["_ttl_ms"]
+    _at_deadline = offsets["_deadline"]
+    _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
+    _ident_vars = vars(_ident)
+    for fast, slow in ((_lock_unlock, unlock), (_lock_extend, extend)):
+        fast.__name__ = slow.__name__
+        fast.__qualname__ = slow.__qualname__
+        fast.__doc__ = slow.__doc__
+        fast.__wrapped__ = slow  # inspect.signature() shows the Python method's
+    return _lock_unlock, _lock_extend

@@ -273,3 +273,11 @@ class Lock(Lease):
         if why is not None and exc_type is None:
             # The work was not protected all along, and the caller must know.
             raise self._lost(why)
+
+
+if _native is not None:
+    # unlock() and extend() as one extension call each on the native backend's common case
+    # (ext/_lease.pxi): what the methods above would check, checked in C, and the command
+    # sent from there; every other case (another backend, a bad TTL, a released, inherited,
+    # lost, metered or auto-extended lock) is handed to the methods above as they are.
+    Lock.unlock, Lock.extend = _native.lease_methods(Lock, Lock.unlock, Lock.extend, TAKEN)  # type: ignore[method-assign]
