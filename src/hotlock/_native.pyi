@@ -1,5 +1,6 @@
 """hotlock._native: the Cython extension over libhiredis (ext/_native.pyx)."""
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ._config import ServerConfig
@@ -42,7 +43,16 @@ AioProtocol: Any
 # _scripts.held_value in C (the Lock's hot path).
 def held_value(token: bytes, fence: int) -> bytes: ...
 
+# Lock.unlock and Lock.extend with the native common case in C (ext/_lease.pxi); every
+# other case is passed to the Python methods given.
+def lease_methods(
+    cls: type, unlock: Callable[..., bool], extend: Callable[..., None], taken: str
+) -> tuple[Callable[..., bool], Callable[..., None]]: ...
+
 # Test hooks: the C backoff schedule (compared with hotlock._backoff.delay_ms) and the
 # clock acquire_wait stamps sent_at with.
 def _delay_ms(attempt: int, u: float, remaining_ms: float, holder_ttl_ms: int, cap_ms: float = ...) -> float: ...
 def _monotonic_now() -> float: ...
+
+# Test hook: (the extension's, hiredis's) RESP for one command.
+def _resp_pair(args: list[bytes]) -> tuple[bytes, bytes]: ...
