@@ -19,7 +19,7 @@ from libc.math cimport isfinite, rint
 from types import MemberDescriptorType
 
 from hotlock import _ident
-from hotlock._validate import MAX_KEY_BYTES, MAX_TTL_MS, key_bytes, ttl_ms
+from hotlock._validate import DEFAULT_TTL, MAX_KEY_BYTES, MAX_TTL_MS, key_bytes, ttl_ms
 
 
 cdef extern from "Python.h":
@@ -69,7 +69,8 @@ cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
 
 
 cdef class _Taker:
-    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template).take.
+    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template), called by
+    cache_lock (below).
 
     A lease is built without a Python __init__: allocated, every slot copied from the
     template (a Lock the cache made the ordinary way, so a slot someone adds to Lease with
@@ -103,7 +104,7 @@ cdef class _Taker:
         self._ident_globals = vars(_ident)
         self._pop = _ident._pool.popleft
 
-    def take(self, key, ttl):
+    cdef object _take(self, key, ttl):
         """Cache.lock(key, ttl): the Lock, or the acquire's result (<= 0) when held elsewhere."""
         cdef const char *s = NULL
         cdef Py_ssize_t n = 0, p
@@ -183,15 +184,39 @@ cdef class _Taker:
         return lease
 
 
-# Lock.unlock and Lock.extend's common case, one extension call each: hotlock._lock puts
-# these two on Lock in place of its own methods and hands those here as the way for every
-# other case. The common case is a lock of this process on a NativeBackend, not released,
-# not known lost, without auto_extend or metrics, and (extend) a TTL of None, an int or a
-# float that ttl_ms takes unchanged; there the Python methods would check exactly what is
-# checked here, send the same command and write the same fields. Anything else (another
-# backend, a forked child, a released lock, a bad TTL, a metered or auto-extended lease)
-# runs the Python method itself, so every error and message, every hook and the renewer's
-# bookkeeping stay Python's. tests/test_native_lease.py holds the two paths to each other.
+# Cache.lock, Lock.unlock and Lock.extend's common case, one extension call each:
+# hotlock._cache and hotlock._lock put these on their classes in place of their own
+# methods, and hand those here as the way for every other case.
+#
+# Each is a method descriptor over a METH_FASTCALL C function (what a method of a C type
+# is), not a Cython def: it sees the arguments as given, before any parsing, so whatever
+# it does not take as is (a keyword it does not know, a missing or extra argument, an
+# unusual value) is passed on untouched to the Python method, whose own TypeError, checks
+# and messages then apply; and a call costs no argument tuple or dict.
+#
+# The common case: (lock) a str/bytes key and int/float TTL on a NativeBackend, without
+# auto_extend or max_hold; (unlock, extend) a lock of this process on a NativeBackend,
+# not released, not known lost, without auto_extend or metrics, and (extend) a TTL of
+# None, an int or a float that ttl_ms takes unchanged. There the Python methods would
+# check exactly what is checked here, send the same command and write the same fields.
+# Anything else (another backend, a forked child, a released lock, a bad TTL, a metered
+# or auto-extended lease) runs the Python method itself, so every error and message,
+# every hook and the renewer's bookkeeping stay Python's. tests/test_native_lease.py
+# holds the two paths to each other.
+
+cdef extern from "Python.h":
+    ctypedef struct PyMethodDef:
+        const char *ml_name
+        void *ml_meth
+        int ml_flags
+        const char *ml_doc
+    object PyDescr_NewMethod(_Type *cls, PyMethodDef *method)
+    object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf, PyObject *kwnames)
+    enum:
+        METH_FASTCALL
+        METH_KEYWORDS
+
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 cdef object _lease_cls = None  # the class the methods were made for (hotlock._lock.Lock)
 cdef object _py_unlock = None  # its Python unlock and extend: every other case
@@ -200,6 +225,13 @@ cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found anoth
 cdef dict _ident_vars = None  # hotlock._ident's globals: "pid" is rebound in a forked child
 # Slot offsets in a _lease_cls object (see _slot_offsets).
 cdef Py_ssize_t _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
+
+cdef object _cache_cls = None  # hotlock._cache.Cache
+cdef object _py_lock = None  # its Python lock: every other case
+cdef Py_ssize_t _at_take  # the offset of Cache._take: the cache's _Taker, or None
+
+cdef PyMethodDef _lock_def, _unlock_def, _extend_def
+cdef list _docs = []  # keeps the ml_doc strings alive
 
 
 cdef inline PyObject *_slot(object obj, Py_ssize_t offset) noexcept:
@@ -215,11 +247,58 @@ cdef inline void _store(object obj, Py_ssize_t offset, object value) noexcept:
     Py_XDECREF(old)
 
 
+cdef object _as_given(object method, object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    """method(self, *args, **kwargs) with the arguments exactly as the caller gave them."""
+    cdef Py_ssize_t nkw = 0 if kwnames is NULL else PyTuple_GET_SIZE(<object>kwnames)
+    cdef PyObject *stack[16]
+    cdef Py_ssize_t i
+    if nargs + nkw < 16:
+        stack[0] = <PyObject *>self
+        for i in range(nargs + nkw):
+            stack[i + 1] = args[i]
+        return PyObject_Vectorcall(method, stack, <size_t>(nargs + 1), kwnames)
+    given = [<object>args[i] for i in range(nargs)]
+    named = {<object>PyTuple_GET_ITEM(<object>kwnames, i): <object>args[nargs + i] for i in range(nkw)}
+    return method(self, *given, **named)
+
+
+cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Cache.lock(key, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None)
+    cdef PyObject *taker
+    cdef Py_ssize_t i
+    cdef object key, ttl = DEFAULT_TTL
+    cdef bint got_ttl = nargs == 2
+    if nargs < 1 or nargs > 2:
+        return _as_given(_py_lock, self, args, nargs, kwnames)
+    key = <object>args[0]
+    if got_ttl:
+        ttl = <object>args[1]
+    if kwnames is not NULL:
+        # Only a ttl=..., auto_extend=False or max_hold=None keyword keeps the common case.
+        for i in range(PyTuple_GET_SIZE(<object>kwnames)):
+            name = <object>PyTuple_GET_ITEM(<object>kwnames, i)
+            value = <object>args[nargs + i]
+            if name == "ttl" and not got_ttl:
+                ttl = value
+                got_ttl = True
+            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
+                return _as_given(_py_lock, self, args, nargs, kwnames)
+    if isinstance(self, _cache_cls):
+        taker = _slot(self, _at_take)
+        if taker is not NULL and type(<object>taker) is _Taker:
+            lock = (<_Taker><object>taker)._take(key, ttl)
+            if type(lock) is int:
+                raise self._not_acquired(key, lock, None)
+            return lock
+    return _as_given(_py_lock, self, args, nargs, kwnames)
+
+
 cdef inline bint _plain_held(object lease) noexcept:
-    """The common case both methods share: a lease of _lease_cls itself on a NativeBackend,
-    with a held value, taken by this process, neither auto-extended nor metered. The pid
-    is compared by identity: Lease.__init__ and _Taker store hotlock._ident.pid itself, and
-    a miss only sends the call the Python way, which compares values."""
+    """The common case unlock and extend share: a lease of _lease_cls itself on a
+    NativeBackend, with a held value, taken by this process, neither auto-extended nor
+    metered. The pid is compared by identity: Lease.__init__ and _Taker store
+    hotlock._ident.pid itself, and a miss only sends the call the Python way, which
+    compares values."""
     cdef PyObject *backend
     cdef PyObject *name
     cdef PyObject *token
@@ -236,12 +315,13 @@ cdef inline bint _plain_held(object lease) noexcept:
             and _slot(lease, _at_meter) == <PyObject *>None)
 
 
-def _lock_unlock(self):
+cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Lock.unlock()
     cdef NativeBackend backend
     cdef bytes name, token
     cdef bint released
-    if not _plain_held(self):
-        return _py_unlock(self)
+    if nargs != 0 or kwnames is not NULL or not _plain_held(self):
+        return _as_given(_py_unlock, self, args, nargs, kwnames)
     # Owned references: the round trip releases the GIL, and another thread may unlock
     # this lock (emptying its token) meanwhile.
     backend = <NativeBackend><object>_slot(self, _at_backend)
@@ -252,37 +332,48 @@ def _lock_unlock(self):
     return released
 
 
-def _lock_extend(self, ttl=None):
+cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Lock.extend(ttl=None)
     cdef NativeBackend backend
     cdef bytes name, token
     cdef PyObject *held_ms
     cdef long long ms
     cdef int overflow = 0
     cdef double d, sent
+    cdef object ttl = None
+    if kwnames is NULL:
+        if nargs == 1:
+            ttl = <object>args[0]
+        elif nargs != 0:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+    elif nargs == 0 and PyTuple_GET_SIZE(<object>kwnames) == 1 and <object>PyTuple_GET_ITEM(<object>kwnames, 0) == "ttl":
+        ttl = <object>args[0]  # extend(ttl=...)
+    else:
+        return _as_given(_py_extend, self, args, nargs, kwnames)
     if not _plain_held(self) or _slot(self, _at_loss) != <PyObject *>None:
-        return _py_extend(self, ttl)
+        return _as_given(_py_extend, self, args, nargs, kwnames)
     # The TTL as Lease._extend_ms takes it: the one it holds, or ttl_ms's common cases.
     kept = None
     if ttl is None:
         held_ms = _slot(self, _at_ttl)
         if held_ms is NULL or type(<object>held_ms) is not int:
-            return _py_extend(self, ttl)
+            return _as_given(_py_extend, self, args, nargs, kwnames)
         kept = <object>held_ms
         ms = PyLong_AsLongLongAndOverflow(kept, &overflow)
         if overflow != 0 or not 0 < ms <= _MAX_TTL_MS:
-            return _py_extend(self, ttl)
+            return _as_given(_py_extend, self, args, nargs, kwnames)
     elif type(ttl) is int:
         ms = PyLong_AsLongLongAndOverflow(ttl, &overflow)
         if overflow != 0 or not 0 < ms <= _MAX_TTL_MS // 1000:
-            return _py_extend(self, ttl)
+            return _as_given(_py_extend, self, args, nargs, kwnames)
         ms *= 1000
     elif type(ttl) is float and isfinite(PyFloat_AS_DOUBLE(ttl)):
         d = rint(PyFloat_AS_DOUBLE(ttl) * 1000.0)
         if not 0.0 < d <= <double>_MAX_TTL_MS:
-            return _py_extend(self, ttl)
+            return _as_given(_py_extend, self, args, nargs, kwnames)
         ms = <long long>d
     else:
-        return _py_extend(self, ttl)
+        return _as_given(_py_extend, self, args, nargs, kwnames)
     # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
     # lease past its deadline may still be extended).
     backend = <NativeBackend><object>_slot(self, _at_backend)
@@ -298,9 +389,41 @@ def _lock_extend(self, ttl=None):
     raise self._lost(_taken)
 
 
+cdef object _method(object cls, PyMethodDef *method, void *function, object python):
+    """A method descriptor of cls calling function, named and documented as python (its
+    signature, without annotations, as the __text_signature__ help() and inspect read)."""
+    import inspect
+
+    signature = inspect.signature(python)
+    bare = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+        return_annotation=inspect.Signature.empty)
+    text = str(bare).replace("(self, ", "($self, /, ", 1).replace("(self)", "($self, /)", 1)
+    name = python.__name__.encode()
+    doc = f"{python.__name__}{text}\n--\n\n{inspect.getdoc(python) or ''}".encode()
+    _docs.extend((name, doc))
+    method.ml_name = name
+    method.ml_meth = function
+    method.ml_flags = METH_FASTCALL | METH_KEYWORDS
+    method.ml_doc = doc
+    return PyDescr_NewMethod(<_Type *><PyObject *>cls, method)
+
+
+def cache_lock(cls not None, lock not None):
+    """Cache.lock for cls (hotlock._cache.Cache) with the common case in one call; every
+    other case goes to the given Python method."""
+    global _cache_cls, _py_lock, _at_take
+    descr = cls.__dict__["_take"]
+    if type(descr) is not MemberDescriptorType:
+        raise TypeError("_take is not a plain slot")
+    _at_take = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    _cache_cls, _py_lock = cls, lock
+    return _method(cls, &_lock_def, <void *>_lock_c, lock)
+
+
 def lease_methods(cls not None, unlock not None, extend not None, str taken not None):
     """(unlock, extend) for cls (hotlock._lock.Lock) with the common case in C; every other
-    case goes to the given Python methods, whose name and docstring they take."""
+    case goes to the given Python methods."""
     global _lease_cls, _py_unlock, _py_extend, _taken, _ident_vars
     global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
     offsets = _slot_offsets(cls)
@@ -315,9 +438,5 @@ def lease_methods(cls not None, unlock not None, extend not None, str taken not 
     _at_deadline = offsets["_deadline"]
     _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
     _ident_vars = vars(_ident)
-    for fast, slow in ((_lock_unlock, unlock), (_lock_extend, extend)):
-        fast.__name__ = slow.__name__
-        fast.__qualname__ = slow.__qualname__
-        fast.__doc__ = slow.__doc__
-        fast.__wrapped__ = slow  # inspect.signature() shows the Python method's
-    return _lock_unlock, _lock_extend
+    return (_method(cls, &_unlock_def, <void *>_unlock_c, unlock),
+            _method(cls, &_extend_def, <void *>_extend_c, extend))

@@ -741,9 +741,9 @@ cdef class NativeBackend:
     # -- the Backend interface ------------------------------------------------------------
 
     def taker(self, bytes lock_prefix not None, template not None):
-        """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the bound
-        take(key, ttl), returning the Lock or the acquire's result (<= 0)."""
-        return _Taker(self, lock_prefix, template).take
+        """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the _Taker
+        that Cache keeps in its _take slot for hotlock._native.cache_lock."""
+        return _Taker(self, lock_prefix, template)
 
     def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
         cdef long long value

@@ -3,7 +3,7 @@
 The native backend takes the common case of Cache.lock (a str/bytes key, an int/float TTL)
 in one extension call that builds the Lock without Lease.__init__, and the common case of
 Lock.unlock and Lock.extend in one call each, with every other case handed to the Python
-methods (kept as ``Lock.unlock.__wrapped__``/``Lock.extend.__wrapped__``). These tests hold
+methods (hotlock._lock.python_unlock/python_extend, hotlock._cache.python_lock). These tests hold
 each to its Python path on a real server: the same stored key, TTL, fields and slots, the
 same results, and for every input the validators refuse, the same exception with the same
 message and nothing sent.
@@ -11,6 +11,7 @@ message and nothing sent.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import threading
@@ -23,7 +24,8 @@ import pytest
 
 import hotlock
 from hotlock._backend import native_module
-from hotlock._lock import TAKEN, Lease, Lock
+from hotlock._cache import Cache, python_lock
+from hotlock._lock import TAKEN, Lease, Lock, python_extend, python_unlock
 from hotlock.errors import LockLost, LockNotAcquired
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name
@@ -35,9 +37,9 @@ if native is None:
     pytest.skip(f"the native extension is not live: {_why}", allow_module_level=True)
 
 SLOTS = [s for klass in Lease.__mro__ for s in getattr(klass, "__slots__", ())]
-# The methods as written in Python: what the one-call unlock/extend hand every other case to.
-PY_UNLOCK: Callable[[Lock], bool] = Lock.unlock.__wrapped__  # type: ignore[attr-defined]
-PY_EXTEND: Callable[..., None] = Lock.extend.__wrapped__  # type: ignore[attr-defined]
+# The methods as written in Python: what the one-call ones hand every other case to.
+PY_UNLOCK: Callable[[Lock], bool] = python_unlock
+PY_EXTEND: Callable[..., None] = python_extend
 
 
 def commands_processed(server: RedisServer) -> int:
@@ -247,8 +249,93 @@ def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
     finally:
         native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
         redispy.close()
-    assert Lock.unlock.__doc__ == PY_UNLOCK.__doc__ and Lock.unlock.__name__ == "unlock"
-    assert Lock.extend.__doc__ == PY_EXTEND.__doc__ and Lock.extend.__qualname__ == "Lock.extend"
+
+
+def test_the_one_call_methods_read_as_the_python_ones() -> None:
+    for fast, python in ((Cache.lock, python_lock), (Lock.unlock, PY_UNLOCK), (Lock.extend, PY_EXTEND)):
+        assert fast is not python
+        assert fast.__qualname__ == python.__qualname__
+        assert inspect.getdoc(fast) == inspect.getdoc(python)
+        bare = [p.replace(annotation=p.empty) for p in inspect.signature(python).parameters.values()]
+        assert list(inspect.signature(fast).parameters.values())[1:] == bare[1:]
+
+
+def test_cache_lock_takes_the_python_method_only_off_the_common_case(
+    caches: tuple[hotlock.Cache, hotlock.Cache], redis_url: str
+) -> None:
+    fast, _ = caches
+    calls: list[tuple[Any, ...]] = []
+
+    def lock(cache: hotlock.Cache, *args: Any, **kwargs: Any) -> Lock:
+        calls.append(args + tuple(sorted(kwargs.items())))
+        return python_lock(cache, *args, **kwargs)
+
+    native.cache_lock(Cache, lock)
+    redispy = hotlock.connect(redis_url, backend="redis-py")
+    try:
+        taken = [
+            fast.lock("route-1"),
+            fast.lock("route-2", 30),
+            fast.lock("route-3", ttl=2.5),
+            fast.lock(b"route-4", 30, auto_extend=False, max_hold=None),
+            fast.lock("route-5", max_hold=None),
+        ]
+        assert calls == []
+        taken.append(fast.lock("route-6", 30, auto_extend=True))
+        taken.append(fast.lock(key="route-7"))  # the key by keyword: the Python method
+        taken.append(redispy.lock("route-8"))  # another backend
+        assert calls == [("route-6", 30, ("auto_extend", True)), (("key", "route-7"),), ("route-8",)]
+        assert all(lk.unlock() for lk in taken)
+    finally:
+        native.cache_lock(Cache, python_lock)
+        redispy.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "args", "kwargs"),
+    [
+        ("lock", (), {}),
+        ("lock", ("k", 30, True), {}),
+        ("lock", ("k",), {"tll": 30}),
+        ("lock", ("k", 30), {"ttl": 30}),
+        ("lock", ("k",), {"key": "k"}),
+        ("lock", ("k",), {"auto_extend": 1}),
+        ("lock", ("k",), {"max_hold": 5}),
+        ("unlock", (1,), {}),
+        ("unlock", (), {"force": True}),
+        ("extend", (1, 2), {}),
+        ("extend", (), {"ttl": 1, "other": 2}),
+        ("extend", (5,), {"ttl": 5}),
+        ("extend", (), {"tll": 5}),
+    ],
+)
+def test_wrong_arguments_are_refused_as_the_python_methods_refuse_them(
+    caches: tuple[hotlock.Cache, hotlock.Cache],
+    redis_server: RedisServer,
+    call: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """The one-call methods see the arguments before any parsing and hand whatever they do
+    not take to the Python method: its own TypeError (or ValueError), word for word."""
+    fast, _ = caches
+    lock = fast.lock("arguments", 30)
+    errors = []
+
+    def both() -> None:
+        pairs = {
+            "lock": ((Cache.lock, fast), (python_lock, fast)),
+            "unlock": ((Lock.unlock, lock), (PY_UNLOCK, lock)),
+            "extend": ((Lock.extend, lock), (PY_EXTEND, lock)),
+        }[call]
+        for method, self in pairs:
+            with pytest.raises((TypeError, ValueError)) as error:
+                method(self, *args, **kwargs)  # type: ignore[operator]
+            errors.append(error.value)
+
+    nothing_sent(redis_server, both)
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
+    assert lock.unlock() is True
 
 
 @pytest.mark.parametrize(

@@ -275,9 +275,12 @@ class Lock(Lease):
             raise self._lost(why)
 
 
+# The methods as written above: with the extension, what the one-call ones below hand
+# every other case to (and what tests/test_native_lease.py holds them to).
+python_unlock, python_extend = Lock.unlock, Lock.extend
 if _native is not None:
     # unlock() and extend() as one extension call each on the native backend's common case
     # (ext/_lease.pxi): what the methods above would check, checked in C, and the command
-    # sent from there; every other case (another backend, a bad TTL, a released, inherited,
-    # lost, metered or auto-extended lock) is handed to the methods above as they are.
-    Lock.unlock, Lock.extend = _native.lease_methods(Lock, Lock.unlock, Lock.extend, TAKEN)  # type: ignore[method-assign]
+    # sent from there; every other case (another backend, other arguments, a bad TTL, a
+    # released, inherited, lost, metered or auto-extended lock) is handed to them as given.
+    Lock.unlock, Lock.extend = _native.lease_methods(Lock, python_unlock, python_extend, TAKEN)  # type: ignore[method-assign]
