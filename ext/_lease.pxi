@@ -11,8 +11,7 @@
 
 from cpython.exc cimport PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.dict cimport PyDict_GetItem
+from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XDECREF, Py_XINCREF
 from libc.math cimport isfinite, rint
 
@@ -68,6 +67,33 @@ cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
     (<PyObject **>(obj + offset))[0] = <PyObject *>value
 
 
+# This process's pid, as getpid() says: read at import and, in every forked child, at the
+# fork itself (pthread_atfork, before any Python code runs there). A lease is this
+# process's when its _pid has this value: what Lease compares with hotlock._ident.pid,
+# which the child's after-fork hook sets to the same value a moment later. A dict lookup
+# of _ident.pid cost ~170 instructions per call.
+cdef long _my_pid = getpid()
+cdef object _my_pid_object = _my_pid  # a PyLong of it, for the leases _Taker builds
+cdef long _my_pid_object_is = _my_pid
+
+
+cdef void _lease_after_fork() noexcept nogil:
+    global _my_pid
+    _my_pid = getpid()
+
+
+pthread_atfork(NULL, NULL, _lease_after_fork)
+
+
+cdef inline object _pid_now():
+    """_my_pid as a Python int (made again only in a forked child)."""
+    global _my_pid_object, _my_pid_object_is
+    if _my_pid_object_is != _my_pid:
+        _my_pid_object = _my_pid
+        _my_pid_object_is = _my_pid
+    return _my_pid_object
+
+
 cdef class _Taker:
     """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template), called by
     cache_lock (below).
@@ -84,7 +110,6 @@ cdef class _Taker:
     cdef Py_ssize_t _n_rest
     cdef Py_ssize_t _rest[_MAX_SLOTS]  # the template's slots copied as they are (_meter, ...)
     cdef Py_ssize_t _own[8]  # the offsets of _OWN's slots, in that order
-    cdef dict _ident_globals  # hotlock._ident's: "pid" is rebound in a forked child
     cdef object _pop  # hotlock._ident's token pool, popleft
 
     def __cinit__(self, NativeBackend backend, bytes prefix not None, template not None):
@@ -101,7 +126,6 @@ cdef class _Taker:
         for offset in offsets.values():
             self._rest[self._n_rest] = offset
             self._n_rest += 1
-        self._ident_globals = vars(_ident)
         self._pop = _ident._pool.popleft
 
     cdef object _take(self, key, ttl):
@@ -179,7 +203,7 @@ cdef class _Taker:
         _put(obj, self._own[3], held)
         _put(obj, self._own[4], fence)
         _put(obj, self._own[5], ms)
-        _put(obj, self._own[6], self._ident_globals["pid"])
+        _put(obj, self._own[6], _pid_now())
         _put(obj, self._own[7], sent + <double>ms / 1000.0)
         return lease
 
@@ -222,7 +246,6 @@ cdef object _lease_cls = None  # the class the methods were made for (hotlock._l
 cdef object _py_unlock = None  # its Python unlock and extend: every other case
 cdef object _py_extend = None
 cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found another token says the lock is lost
-cdef dict _ident_vars = None  # hotlock._ident's globals: "pid" is rebound in a forked child
 # Slot offsets in a _lease_cls object (see _slot_offsets).
 cdef Py_ssize_t _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
 
@@ -296,21 +319,23 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
 cdef inline bint _plain_held(object lease) noexcept:
     """The common case unlock and extend share: a lease of _lease_cls itself on a
     NativeBackend, with a held value, taken by this process, neither auto-extended nor
-    metered. The pid is compared by identity: Lease.__init__ and _Taker store
-    hotlock._ident.pid itself, and a miss only sends the call the Python way, which
-    compares values."""
+    metered."""
     cdef PyObject *backend
     cdef PyObject *name
     cdef PyObject *token
+    cdef PyObject *pid
+    cdef int overflow = 0
     if type(lease) is not _lease_cls:
         return False
     backend = _slot(lease, _at_backend)
     name = _slot(lease, _at_name)
     token = _slot(lease, _at_token)
+    pid = _slot(lease, _at_pid)
     return (backend is not NULL and type(<object>backend) is NativeBackend
             and name is not NULL and type(<object>name) is bytes
             and token is not NULL and type(<object>token) is bytes and PyBytes_GET_SIZE(<object>token) > 0
-            and _slot(lease, _at_pid) == PyDict_GetItem(_ident_vars, "pid")
+            and pid is not NULL and type(<object>pid) is int
+            and PyLong_AsLongAndOverflow(<object>pid, &overflow) == _my_pid and overflow == 0
             and _slot(lease, _at_auto) == <PyObject *>None
             and _slot(lease, _at_meter) == <PyObject *>None)
 
@@ -424,7 +449,7 @@ def cache_lock(cls not None, lock not None):
 def lease_methods(cls not None, unlock not None, extend not None, str taken not None):
     """(unlock, extend) for cls (hotlock._lock.Lock) with the common case in C; every other
     case goes to the given Python methods."""
-    global _lease_cls, _py_unlock, _py_extend, _taken, _ident_vars
+    global _lease_cls, _py_unlock, _py_extend, _taken
     global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
     offsets = _slot_offsets(cls)
     _at_backend = offsets["_backend"]
@@ -437,6 +462,5 @@ def lease_methods(cls not None, unlock not None, extend not None, str taken not 
     _at_ttl = offsets["_ttl_ms"]
     _at_deadline = offsets["_deadline"]
     _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
-    _ident_vars = vars(_ident)
     return (_method(cls, &_unlock_def, <void *>_unlock_c, unlock),
             _method(cls, &_extend_def, <void *>_extend_c, extend))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 import hotlock
+from hotlock import _ident
 from hotlock._backend import native_module
 from hotlock._cache import Cache, python_lock
 from hotlock._lock import TAKEN, Lease, Lock, python_extend, python_unlock
@@ -449,3 +451,43 @@ def test_a_plain_lease_past_its_deadline_is_extended_on_both_paths(
         extend(lock, 30)
         assert not lock.lost and lock.valid_for() > 29
         assert lock.unlock() is True
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_in_a_forked_child_the_one_call_paths_know_its_pid(
+    caches: tuple[hotlock.Cache, hotlock.Cache], redis_server: RedisServer
+) -> None:
+    """The extension reads the pid at the fork itself: the parent's lock is not the
+    child's (refused the Python way: nothing sent), and the child's own locks carry its pid."""
+    fast, _ = caches
+    parent = fast.lock("fork-parent", 30)
+    before = int(redis_server.client().info("stats")["total_commands_processed"])
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            assert parent.unlock() is False
+            with pytest.raises(LockLost, match=f"was taken by process {parent._pid}; a forked child cannot extend"):
+                parent.extend()
+            assert parent._token != b""  # still the parent's to release
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # Nothing reached the server from the child (one INFO is this check's own).
+    assert int(redis_server.client().info("stats")["total_commands_processed"]) - before == 1
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            mine = fast.lock("fork-child", 30)
+            assert mine._pid == os.getpid() == _ident.pid != parent._pid
+            mine.extend()
+            assert mine.unlock() is True
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert parent.unlock() is True
