@@ -111,6 +111,8 @@ cdef class _Taker:
     cdef Py_ssize_t _rest[_MAX_SLOTS]  # the template's slots copied as they are (_meter, ...)
     cdef Py_ssize_t _own[8]  # the offsets of _OWN's slots, in that order
     cdef object _pop  # hotlock._ident's token pool, popleft
+    cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
+    cdef long long _ms_value
 
     def __cinit__(self, NativeBackend backend, bytes prefix not None, template not None):
         cls_object = type(template)  # kept alive by the template
@@ -202,7 +204,10 @@ cdef class _Taker:
         _put(obj, self._own[2], name)
         _put(obj, self._own[3], held)
         _put(obj, self._own[4], fence)
-        _put(obj, self._own[5], ms)
+        if self._ms is None or self._ms_value != ms:
+            self._ms = ms
+            self._ms_value = ms
+        _put(obj, self._own[5], self._ms)
         _put(obj, self._own[6], _pid_now())
         _put(obj, self._own[7], sent + <double>ms / 1000.0)
         return lease
@@ -407,7 +412,12 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
     sent = _monotonic()
     if backend._extend(name, token, ms):
         # Lease._extended(True, ms, sent)
-        _store(self, _at_ttl, kept if kept is not None else ms)
+        if kept is None:
+            # A new int only when the TTL changed (the same TTL is the common extend).
+            held_ms = _slot(self, _at_ttl)
+            if (held_ms is NULL or type(<object>held_ms) is not int
+                    or PyLong_AsLongLongAndOverflow(<object>held_ms, &overflow) != ms or overflow != 0):
+                _store(self, _at_ttl, ms)
         _store(self, _at_deadline, sent + <double>ms / 1000.0)
         return None
     self._extended(False, ms, sent)
