@@ -1,22 +1,24 @@
-# Cache.lock's common case in one extension call (issue 9): the key and TTL checks for the
-# common types, the token, the acquire and the Lock itself, with no Python frame between.
+# The native cycle's Python-facing calls in one extension call each (issue 9): Cache.lock's
+# common case (the key and TTL checks for the common types, the token, the acquire and the
+# Lock itself, with no Python frame between), and Lock.unlock's and Lock.extend's (below).
 #
 # Python still owns the API. Only what hotlock._validate accepts unchanged is handled
 # here: a str or bytes key of 1..MAX_KEY_BYTES UTF-8 bytes, an int TTL of whole seconds in
 # range, a finite float TTL that rounds into range. Any other key or TTL goes to key_bytes
-# or ttl_ms themselves, which return the same value or raise their own error, so no
-# message lives here. tests/test_native.py checks the two paths agree.
+# or ttl_ms themselves (Cache.lock) or to the Python method (unlock, extend), which return
+# the same value or raise their own error, so no message lives here.
+# tests/test_native_lease.py checks the two paths agree.
 
 from cpython.exc cimport PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XINCREF
+from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_AsLongLongAndOverflow
+from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XDECREF, Py_XINCREF
 from libc.math cimport isfinite, rint
 
 from types import MemberDescriptorType
 
 from hotlock import _ident
-from hotlock._validate import MAX_KEY_BYTES, MAX_TTL_MS, key_bytes, ttl_ms
+from hotlock._validate import DEFAULT_TTL, MAX_KEY_BYTES, MAX_TTL_MS, key_bytes, ttl_ms
 
 
 cdef extern from "Python.h":
@@ -41,14 +43,60 @@ cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_p
 DEF _MAX_SLOTS = 64
 
 
+cdef dict _slot_offsets(cls_object):
+    """Every slot of a lease class and its offset in the object; TypeError unless the
+    class has plain __slots__ only (no __dict__, no __weakref__, no property over a slot)."""
+    cdef _Type *cls = <_Type *><PyObject *>cls_object
+    offsets = {}
+    for klass in cls_object.__mro__:
+        for slot in klass.__dict__.get("__slots__", ()):
+            descr = klass.__dict__[slot]
+            if type(descr) is not MemberDescriptorType:
+                raise TypeError(f"{slot} is not a plain slot")
+            offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    # Only slots, no __dict__ or __weakref__: then every field is one of the offsets.
+    if (cls.tp_itemsize or cls.tp_dictoffset or cls.tp_weaklistoffset or len(offsets) > _MAX_SLOTS
+            or <Py_ssize_t>(len(offsets) * sizeof(PyObject *) + sizeof(PyObject)) != cls.tp_basicsize):
+        raise TypeError(f"{cls_object.__name__} must have __slots__ only")
+    return offsets
+
+
 cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
     """Fill an empty (NULL) slot of a just-allocated object."""
     Py_INCREF(value)
     (<PyObject **>(obj + offset))[0] = <PyObject *>value
 
 
+# This process's pid, as getpid() says: read at import and, in every forked child, at the
+# fork itself (pthread_atfork, before any Python code runs there). A lease is this
+# process's when its _pid has this value: what Lease compares with hotlock._ident.pid,
+# which the child's after-fork hook sets to the same value a moment later. A dict lookup
+# of _ident.pid cost ~170 instructions per call.
+cdef long _my_pid = getpid()
+cdef object _my_pid_object = _my_pid  # a PyLong of it, for the leases _Taker builds
+cdef long _my_pid_object_is = _my_pid
+
+
+cdef void _lease_after_fork() noexcept nogil:
+    global _my_pid
+    _my_pid = getpid()
+
+
+pthread_atfork(NULL, NULL, _lease_after_fork)
+
+
+cdef inline object _pid_now():
+    """_my_pid as a Python int (made again only in a forked child)."""
+    global _my_pid_object, _my_pid_object_is
+    if _my_pid_object_is != _my_pid:
+        _my_pid_object = _my_pid
+        _my_pid_object_is = _my_pid
+    return _my_pid_object
+
+
 cdef class _Taker:
-    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template).take.
+    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template), called by
+    cache_lock (below).
 
     A lease is built without a Python __init__: allocated, every slot copied from the
     template (a Lock the cache made the ordinary way, so a slot someone adds to Lease with
@@ -62,23 +110,14 @@ cdef class _Taker:
     cdef Py_ssize_t _n_rest
     cdef Py_ssize_t _rest[_MAX_SLOTS]  # the template's slots copied as they are (_meter, ...)
     cdef Py_ssize_t _own[9]  # the offsets of _OWN's slots, in that order
-    cdef dict _ident_globals  # hotlock._ident's: "pid" is rebound in a forked child
     cdef object _pop  # hotlock._ident's token pool, popleft
+    cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
+    cdef long long _ms_value
 
     def __cinit__(self, NativeBackend backend, bytes prefix not None, template not None):
         cls_object = type(template)  # kept alive by the template
         cdef _Type *cls = <_Type *><PyObject *>cls_object
-        offsets = {}
-        for klass in cls_object.__mro__:
-            for slot in klass.__dict__.get("__slots__", ()):
-                descr = klass.__dict__[slot]
-                if type(descr) is not MemberDescriptorType:
-                    raise TypeError(f"{slot} is not a plain slot")
-                offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
-        # Only slots, no __dict__ or __weakref__: then every field is one of the offsets.
-        if (cls.tp_itemsize or cls.tp_dictoffset or cls.tp_weaklistoffset or len(offsets) > _MAX_SLOTS
-                or <Py_ssize_t>(len(offsets) * sizeof(PyObject *) + sizeof(PyObject)) != cls.tp_basicsize):
-            raise TypeError(f"{type(template).__name__} must have __slots__ only")
+        offsets = _slot_offsets(cls_object)
         self._backend = backend
         self._prefix = prefix
         self._template = template
@@ -89,10 +128,9 @@ cdef class _Taker:
         for offset in offsets.values():
             self._rest[self._n_rest] = offset
             self._n_rest += 1
-        self._ident_globals = vars(_ident)
         self._pop = _ident._pool.popleft
 
-    def take(self, key, ttl):
+    cdef object _take(self, key, ttl):
         """Cache.lock(key, ttl): the Lock, or the acquire's result (<= 0) when held elsewhere."""
         cdef const char *s = NULL
         cdef Py_ssize_t n = 0, p
@@ -166,8 +204,292 @@ cdef class _Taker:
         _put(obj, self._own[2], name)
         _put(obj, self._own[3], held)
         _put(obj, self._own[4], fence)
-        _put(obj, self._own[5], ms)
-        _put(obj, self._own[6], self._ident_globals["pid"])
+        if self._ms is None or self._ms_value != ms:
+            self._ms = ms
+            self._ms_value = ms
+        _put(obj, self._own[5], self._ms)
+        _put(obj, self._own[6], _pid_now())
         _put(obj, self._own[7], sent + <double>ms / 1000.0)
         _put(obj, self._own[8], sent)
         return lease
+
+
+# Cache.lock, Lock.unlock and Lock.extend's common case, one extension call each:
+# hotlock._cache and hotlock._lock put these on their classes in place of their own
+# methods, and hand those here as the way for every other case.
+#
+# Each is a method descriptor over a METH_FASTCALL C function (what a method of a C type
+# is), not a Cython def: it sees the arguments as given, before any parsing, so whatever
+# it does not take as is (a keyword it does not know, a missing or extra argument, an
+# unusual value) is passed on untouched to the Python method, whose own TypeError, checks
+# and messages then apply; and a call costs no argument tuple or dict.
+#
+# The common case: (lock) a str/bytes key and int/float TTL on a NativeBackend, without
+# auto_extend or max_hold; (unlock, extend) a lock of this process on a NativeBackend,
+# not released, not known lost, without auto_extend, and (extend) a TTL of None, an int
+# or a float that ttl_ms takes unchanged. There the Python methods would check exactly
+# what is checked here, send the same command, write the same fields and call the same
+# metrics hooks. Anything else (another backend, a forked child, a released lock, a bad
+# TTL, an auto-extended lease) runs the Python method itself, so every error and message
+# and the renewer's bookkeeping stay Python's. tests/test_native_lease.py
+# holds the two paths to each other.
+
+cdef extern from "Python.h":
+    ctypedef struct PyMethodDef:
+        const char *ml_name
+        void *ml_meth
+        int ml_flags
+        const char *ml_doc
+    object PyDescr_NewMethod(_Type *cls, PyMethodDef *method)
+    object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf, PyObject *kwnames)
+    enum:
+        METH_FASTCALL
+        METH_KEYWORDS
+
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+cdef object _lease_cls = None  # the class the methods were made for (hotlock._lock.Lock)
+cdef object _py_unlock = None  # its Python unlock and extend: every other case
+cdef object _py_extend = None
+cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found another token says the lock is lost
+# Slot offsets in a _lease_cls object (see _slot_offsets).
+cdef Py_ssize_t _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
+
+cdef object _cache_cls = None  # hotlock._cache.Cache
+cdef object _py_lock = None  # its Python lock: every other case
+cdef Py_ssize_t _at_take  # the offset of Cache._take: the cache's _Taker, or None
+
+cdef PyMethodDef _lock_def, _unlock_def, _extend_def
+cdef list _docs = []  # keeps the ml_doc strings alive
+
+
+cdef inline PyObject *_slot(object obj, Py_ssize_t offset) noexcept:
+    return (<PyObject **>((<char *><PyObject *>obj) + offset))[0]
+
+
+cdef inline void _store(object obj, Py_ssize_t offset, object value) noexcept:
+    """obj.<slot> = value, as a slot assignment does (the old value's reference dropped)."""
+    cdef PyObject **field = <PyObject **>((<char *><PyObject *>obj) + offset)
+    cdef PyObject *old = field[0]
+    Py_INCREF(value)
+    field[0] = <PyObject *>value
+    Py_XDECREF(old)
+
+
+cdef object _as_given(object method, object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    """method(self, *args, **kwargs) with the arguments exactly as the caller gave them."""
+    cdef Py_ssize_t nkw = 0 if kwnames is NULL else PyTuple_GET_SIZE(<object>kwnames)
+    cdef PyObject *stack[16]
+    cdef Py_ssize_t i
+    if nargs + nkw < 16:
+        stack[0] = <PyObject *>self
+        for i in range(nargs + nkw):
+            stack[i + 1] = args[i]
+        return PyObject_Vectorcall(method, stack, <size_t>(nargs + 1), kwnames)
+    given = [<object>args[i] for i in range(nargs)]
+    named = {<object>PyTuple_GET_ITEM(<object>kwnames, i): <object>args[nargs + i] for i in range(nkw)}
+    return method(self, *given, **named)
+
+
+cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Cache.lock(key, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None)
+    cdef PyObject *taker
+    cdef Py_ssize_t i
+    cdef object key, ttl = DEFAULT_TTL
+    cdef bint got_ttl = nargs == 2
+    if nargs < 1 or nargs > 2:
+        return _as_given(_py_lock, self, args, nargs, kwnames)
+    key = <object>args[0]
+    if got_ttl:
+        ttl = <object>args[1]
+    if kwnames is not NULL:
+        # Only a ttl=..., auto_extend=False or max_hold=None keyword keeps the common case.
+        for i in range(PyTuple_GET_SIZE(<object>kwnames)):
+            name = <object>PyTuple_GET_ITEM(<object>kwnames, i)
+            value = <object>args[nargs + i]
+            if name == "ttl" and not got_ttl:
+                ttl = value
+                got_ttl = True
+            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
+                return _as_given(_py_lock, self, args, nargs, kwnames)
+    if isinstance(self, _cache_cls):
+        taker = _slot(self, _at_take)
+        if taker is not NULL and type(<object>taker) is _Taker:
+            lock = (<_Taker><object>taker)._take(key, ttl)
+            if type(lock) is int:
+                raise self._not_acquired(key, lock, None)
+            return lock
+    return _as_given(_py_lock, self, args, nargs, kwnames)
+
+
+cdef inline bint _plain_held(object lease) noexcept:
+    """The common case unlock and extend share: a lease of _lease_cls itself on a
+    NativeBackend, with a held value, taken by this process, not auto-extended. A metered
+    lease is one too: its hooks (hotlock._metered.Meter) are called here as the Python
+    methods call them, so connect(metrics=...) keeps the one-call path."""
+    cdef PyObject *backend
+    cdef PyObject *name
+    cdef PyObject *token
+    cdef PyObject *pid
+    cdef int overflow = 0
+    if type(lease) is not _lease_cls:
+        return False
+    backend = _slot(lease, _at_backend)
+    name = _slot(lease, _at_name)
+    token = _slot(lease, _at_token)
+    pid = _slot(lease, _at_pid)
+    return (backend is not NULL and type(<object>backend) is NativeBackend
+            and name is not NULL and type(<object>name) is bytes
+            and token is not NULL and type(<object>token) is bytes and PyBytes_GET_SIZE(<object>token) > 0
+            and pid is not NULL and type(<object>pid) is int
+            and PyLong_AsLongAndOverflow(<object>pid, &overflow) == _my_pid and overflow == 0
+            and _slot(lease, _at_auto) == <PyObject *>None
+            and _slot(lease, _at_meter) is not NULL)
+
+
+cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Lock.unlock()
+    cdef NativeBackend backend
+    cdef bytes name, token
+    cdef bint released
+    if nargs != 0 or kwnames is not NULL or not _plain_held(self):
+        return _as_given(_py_unlock, self, args, nargs, kwnames)
+    # Owned references: the round trip releases the GIL, and another thread may unlock
+    # this lock (emptying its token) meanwhile.
+    backend = <NativeBackend><object>_slot(self, _at_backend)
+    name = <bytes><object>_slot(self, _at_name)
+    token = <bytes><object>_slot(self, _at_token)
+    meter = <object>_slot(self, _at_meter)
+    try:
+        released = backend._release(name, token)  # a CacheError keeps the token, as unlock() does
+    except CacheError as error:
+        if meter is not None:  # metrics hook
+            meter.failed(self, "release", error)
+        raise
+    _store(self, _at_token, b"")
+    if meter is not None:  # metrics hook
+        meter.released(self, released)
+    return released
+
+
+cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Lock.extend(ttl=None)
+    cdef NativeBackend backend
+    cdef bytes name, token
+    cdef PyObject *held_ms
+    cdef long long ms
+    cdef int overflow = 0
+    cdef double d, sent
+    cdef object ttl = None
+    if kwnames is NULL:
+        if nargs == 1:
+            ttl = <object>args[0]
+        elif nargs != 0:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+    elif nargs == 0 and PyTuple_GET_SIZE(<object>kwnames) == 1 and <object>PyTuple_GET_ITEM(<object>kwnames, 0) == "ttl":
+        ttl = <object>args[0]  # extend(ttl=...)
+    else:
+        return _as_given(_py_extend, self, args, nargs, kwnames)
+    if not _plain_held(self) or _slot(self, _at_loss) != <PyObject *>None:
+        return _as_given(_py_extend, self, args, nargs, kwnames)
+    # The TTL as Lease._extend_ms takes it: the one it holds, or ttl_ms's common cases.
+    kept = None
+    if ttl is None:
+        held_ms = _slot(self, _at_ttl)
+        if held_ms is NULL or type(<object>held_ms) is not int:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+        kept = <object>held_ms
+        ms = PyLong_AsLongLongAndOverflow(kept, &overflow)
+        if overflow != 0 or not 0 < ms <= _MAX_TTL_MS:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+    elif type(ttl) is int:
+        ms = PyLong_AsLongLongAndOverflow(ttl, &overflow)
+        if overflow != 0 or not 0 < ms <= _MAX_TTL_MS // 1000:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+        ms *= 1000
+    elif type(ttl) is float and isfinite(PyFloat_AS_DOUBLE(ttl)):
+        d = rint(PyFloat_AS_DOUBLE(ttl) * 1000.0)
+        if not 0.0 < d <= <double>_MAX_TTL_MS:
+            return _as_given(_py_extend, self, args, nargs, kwnames)
+        ms = <long long>d
+    else:
+        return _as_given(_py_extend, self, args, nargs, kwnames)
+    # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
+    # lease past its deadline may still be extended).
+    backend = <NativeBackend><object>_slot(self, _at_backend)
+    name = <bytes><object>_slot(self, _at_name)
+    token = <bytes><object>_slot(self, _at_token)
+    meter = <object>_slot(self, _at_meter)
+    sent = _monotonic()
+    try:
+        ok = backend._extend(name, token, ms)
+    except CacheError as error:
+        if meter is not None:  # metrics hook
+            meter.failed(self, "extend", error)
+        raise
+    if meter is not None:  # metrics hook
+        meter.extended(self, ok)
+    if ok:
+        # Lease._extended(True, ms, sent)
+        if kept is None:
+            # A new int only when the TTL changed (the same TTL is the common extend).
+            held_ms = _slot(self, _at_ttl)
+            if (held_ms is NULL or type(<object>held_ms) is not int
+                    or PyLong_AsLongLongAndOverflow(<object>held_ms, &overflow) != ms or overflow != 0):
+                _store(self, _at_ttl, ms)
+        _store(self, _at_deadline, sent + <double>ms / 1000.0)
+        return None
+    self._extended(False, ms, sent)
+    raise self._lost(_taken)
+
+
+cdef object _method(object cls, PyMethodDef *method, void *function, object python):
+    """A method descriptor of cls calling function, named and documented as python (its
+    signature, without annotations, as the __text_signature__ help() and inspect read)."""
+    import inspect
+
+    signature = inspect.signature(python)
+    bare = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+        return_annotation=inspect.Signature.empty)
+    text = str(bare).replace("(self, ", "($self, /, ", 1).replace("(self)", "($self, /)", 1)
+    name = python.__name__.encode()
+    doc = f"{python.__name__}{text}\n--\n\n{inspect.getdoc(python) or ''}".encode()
+    _docs.extend((name, doc))
+    method.ml_name = name
+    method.ml_meth = function
+    method.ml_flags = METH_FASTCALL | METH_KEYWORDS
+    method.ml_doc = doc
+    return PyDescr_NewMethod(<_Type *><PyObject *>cls, method)
+
+
+def cache_lock(cls not None, lock not None):
+    """Cache.lock for cls (hotlock._cache.Cache) with the common case in one call; every
+    other case goes to the given Python method."""
+    global _cache_cls, _py_lock, _at_take
+    descr = cls.__dict__["_take"]
+    if type(descr) is not MemberDescriptorType:
+        raise TypeError("_take is not a plain slot")
+    _at_take = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    _cache_cls, _py_lock = cls, lock
+    return _method(cls, &_lock_def, <void *>_lock_c, lock)
+
+
+def lease_methods(cls not None, unlock not None, extend not None, str taken not None):
+    """(unlock, extend) for cls (hotlock._lock.Lock) with the common case in C; every other
+    case goes to the given Python methods."""
+    global _lease_cls, _py_unlock, _py_extend, _taken
+    global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
+    offsets = _slot_offsets(cls)
+    _at_backend = offsets["_backend"]
+    _at_name = offsets["_name"]
+    _at_token = offsets["_token"]
+    _at_pid = offsets["_pid"]
+    _at_auto = offsets["_auto"]
+    _at_meter = offsets["_meter"]
+    _at_loss = offsets["_loss"]
+    _at_ttl = offsets["_ttl_ms"]
+    _at_deadline = offsets["_deadline"]
+    _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
+    return (_method(cls, &_unlock_def, <void *>_unlock_c, unlock),
+            _method(cls, &_extend_def, <void *>_extend_c, extend))

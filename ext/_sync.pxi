@@ -117,6 +117,74 @@ cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
     return rc
 
 
+# The hot commands' wire form (RESP: *argc, then $len + bytes per argument) is written
+# here and handed to hiredis whole. redisAppendCommandArgv formats each argument through
+# sdscatfmt and grows its buffer step by step: ~3,900 instructions for an acquire's EVALSHA
+# and ~1,900 for a release's, against ~250 here. Rare and handshake commands still go
+# through hiredis (_append_args); tests/test_native.py compares the two byte for byte.
+DEF _RESP_STACK = 2048
+
+
+cdef inline char *_crlf(char *p) noexcept nogil:
+    p[0] = 13
+    p[1] = 10
+    return p + 2
+
+
+cdef inline size_t _resp_size(int argc, const size_t *lens) noexcept nogil:
+    """An upper bound of the command's wire size."""
+    cdef size_t total = 24  # "*" + up to 20 digits + CRLF, rounded up
+    cdef int i
+    for i in range(argc):
+        total += 25 + lens[i]  # "$" + up to 20 digits + CRLF + the argument + CRLF
+    return total
+
+
+cdef size_t _resp(char *buf, int argc, const char **argv, const size_t *lens) noexcept nogil:
+    """Write the command's wire form at buf (room for _resp_size); return its length."""
+    cdef char *p = buf
+    cdef int i
+    p[0] = 42  # '*'
+    p = _crlf(p + 1 + _decimal(p + 1, <unsigned long long>argc))
+    for i in range(argc):
+        p[0] = 36  # '$'
+        p = _crlf(p + 1 + _decimal(p + 1, <unsigned long long>lens[i]))
+        memcpy(p, argv[i], lens[i])
+        p = _crlf(p + lens[i])
+    return <size_t>(p - buf)
+
+
+cdef inline int _append_resp(redisContext *ctx, int argc, const char **argv, const size_t *lens) noexcept:
+    """= redisAppendCommandArgv(ctx, argc, argv, lens): the same bytes appended."""
+    cdef char buf[_RESP_STACK]
+    if _resp_size(argc, lens) > _RESP_STACK:  # a long key: hiredis formats it
+        return redisAppendCommandArgv(ctx, argc, argv, lens)
+    return redisAppendFormattedCommand(ctx, buf, _resp(buf, argc, argv, lens))
+
+
+def _resp_pair(list args not None):
+    """Test hook: (ours, hiredis's) wire form of one command given as bytes arguments."""
+    cdef int n = len(args), i
+    cdef const char *argv[16]
+    cdef size_t lens[16]
+    cdef char *cmd = NULL
+    cdef long long length
+    cdef bytes ours
+    if n > 16:
+        raise ValueError("at most 16 arguments")
+    for i in range(n):
+        argv[i] = PyBytes_AS_STRING(args[i])
+        lens[i] = <size_t>PyBytes_GET_SIZE(args[i])
+    ours = PyBytes_FromStringAndSize(NULL, _resp_size(n, lens))
+    ours = ours[:_resp(PyBytes_AS_STRING(ours), n, argv, lens)]
+    length = redisFormatCommandArgv(&cmd, n, argv, lens)
+    if length < 0:
+        raise MemoryError()
+    theirs = cmd[:length]
+    redisFreeCommand(cmd)
+    return ours, theirs
+
+
 cdef inline int _append_evalsha(redisContext *ctx, bytes sha, bytes key, bytes token, long long ms) noexcept:
     # EVALSHA sha 1 key token [ms]: ms < 0 means no TTL argument (release).
     cdef const char *argv[6]
@@ -133,12 +201,12 @@ cdef inline int _append_evalsha(redisContext *ctx, bytes sha, bytes key, bytes t
     argv[4] = PyBytes_AS_STRING(token)
     lens[4] = <size_t>PyBytes_GET_SIZE(token)
     if ms < 0:
-        return redisAppendCommandArgv(ctx, 5, argv, lens)
+        return _append_resp(ctx, 5, argv, lens)
     argv[5] = num
-    lens[5] = <size_t>snprintf(num, sizeof(num), "%lld", ms)
-    # hiredis copies the arguments into its output buffer here, so the bytes objects
+    lens[5] = <size_t>_decimal(num, <unsigned long long>ms)  # ms >= 0 here
+    # The arguments are copied into hiredis's output buffer here, so the bytes objects
     # need to live only until this returns.
-    return redisAppendCommandArgv(ctx, 6, argv, lens)
+    return _append_resp(ctx, 6, argv, lens)
 
 
 cdef inline int _append_plain(redisContext *ctx, int plain, bytes key, bytes token, long long ms) noexcept:
@@ -158,18 +226,18 @@ cdef inline int _append_plain(redisContext *ctx, int plain, bytes key, bytes tok
         argv[4] = t; lens[4] = tlen
         argv[5] = _S_PX; lens[5] = 2
         argv[6] = num
-        lens[6] = <size_t>snprintf(num, sizeof(num), "%lld", ms)
-        return redisAppendCommandArgv(ctx, 7, argv, lens)
+        lens[6] = <size_t>_decimal(num, <unsigned long long>ms)  # ms >= 0 here
+        return _append_resp(ctx, 7, argv, lens)
     if plain == _PLAIN_DELIFEQ:
         argv[0] = _S_DELIFEQ; lens[0] = 7
         argv[1] = k; lens[1] = klen
         argv[2] = t; lens[2] = tlen
-        return redisAppendCommandArgv(ctx, 3, argv, lens)
+        return _append_resp(ctx, 3, argv, lens)
     argv[0] = _S_DELEX; lens[0] = 5
     argv[1] = k; lens[1] = klen
     argv[2] = _S_IFEQ; lens[2] = 4
     argv[3] = t; lens[3] = tlen
-    return redisAppendCommandArgv(ctx, 4, argv, lens)
+    return _append_resp(ctx, 4, argv, lens)
 
 
 cdef int _append_args(redisContext *ctx, tuple args) except -1:
@@ -673,9 +741,9 @@ cdef class NativeBackend:
     # -- the Backend interface ------------------------------------------------------------
 
     def taker(self, bytes lock_prefix not None, template not None):
-        """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the bound
-        take(key, ttl), returning the Lock or the acquire's result (<= 0)."""
-        return _Taker(self, lock_prefix, template).take
+        """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the _Taker
+        that Cache keeps in its _take slot for hotlock._native.cache_lock."""
+        return _Taker(self, lock_prefix, template)
 
     def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
         cdef long long value
@@ -715,6 +783,10 @@ cdef class NativeBackend:
         return self._many(_SHA_ACQUIRE, keys, tokens, ttl_ms, True, "acquire_many")
 
     def extend(self, bytes key not None, bytes token not None, long long ttl_ms):
+        return <bint>self._extend(key, token, ttl_ms)
+
+    cdef int _extend(self, bytes key, bytes token, long long ttl_ms) except -1:
+        """extend(), also Lock.extend's one-call path (ext/_lease.pxi): 1 if extended, else 0."""
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         cdef long long value
         try:
@@ -736,6 +808,10 @@ cdef class NativeBackend:
         return [v != 0 for v in values]
 
     def release(self, bytes key not None, bytes token not None):
+        return <bint>self._release(key, token)
+
+    cdef int _release(self, bytes key, bytes token) except -1:
+        """release(), also Lock.unlock's one-call path (ext/_lease.pxi): 1 if released, else 0."""
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
         # A bare token (fence unknown) goes by script: hotlock._dialect.bare_tokens.

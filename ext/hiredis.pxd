@@ -58,6 +58,7 @@ cdef extern from "hiredis/hiredis.h" nogil:
     void redisFreeCommand(char *cmd)
 
     int redisAppendCommandArgv(redisContext *c, int argc, const char **argv, const size_t *argvlen)
+    int redisAppendFormattedCommand(redisContext *c, const char *cmd, size_t len)
     int redisGetReply(redisContext *c, void **reply)
     int redisBufferWrite(redisContext *c, int *done)
     void freeReplyObject(void *reply)

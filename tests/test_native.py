@@ -746,3 +746,23 @@ def test_native_held_value_is_the_python_definition() -> None:
         assert native.held_value(token, fence) == _scripts.held_value(token, fence), (token, fence)
     with pytest.raises(ValueError):
         native.held_value(b"t" * 16, 0)
+
+
+def test_native_wire_form_is_hiredis_own() -> None:
+    # Acquire, extend and release are written as RESP by the extension itself
+    # (ext/_sync.pxi _resp) instead of by redisAppendCommandArgv: the same bytes.
+    rng = random.Random(11)
+    sha = _scripts.ACQUIRE.sha
+    commands = [
+        [b"EVALSHA", sha, b"1", lock_name("k"), os.urandom(16), b"30000"],
+        [b"EVALSHA", sha, b"1", lock_name("k"), os.urandom(16) + b"1764582723123456"],
+        [b"SET", b"k", b"v", b"IFEQ", b"v", b"PX", b"604800000"],
+        [b"DELIFEQ", b"", b"\r\n$3\r\n"],  # empty and RESP-looking arguments are plain bytes
+        [b"X"],
+        [b"EVALSHA", sha, b"1", b"k" * 1024 + b"\x00\xff", b"t"],
+        [b"EVALSHA", sha, b"1", b"k" * 3000, b"t"],  # longer than the stack buffer _append_resp uses
+    ]
+    commands += [[os.urandom(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 16))] for _ in range(2000)]
+    for args in commands:
+        ours, hiredis = native._resp_pair(args)
+        assert ours == hiredis, args

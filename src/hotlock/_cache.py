@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
+from ._backend import native_module
 from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
@@ -113,13 +114,12 @@ class Cache(CacheBase[Lock]):
         super().__init__(backend, prefix)
         # The one renewer of this cache's auto-extended leases, made on first use.
         self._renewer: Renewer | None = None
-        # The native backend does lock()'s common case in one call (ext/_lease.pxi): the
-        # key and TTL as the validators would take them (anything else it hands to them),
-        # the token, the acquire and the Lock, copied from this template. None elsewhere.
+        # The native backend does lock()'s common case in one call (ext/_lease.pxi, see
+        # the end of this module): the key and TTL as the validators would take them
+        # (anything else it hands to them), the token, the acquire and the Lock, copied
+        # from this template. None elsewhere.
         taker = getattr(backend, "taker", None)
-        self._take: Callable[[str | bytes, Seconds], Lock | int] | None = (
-            None if taker is None else taker(self._lock_prefix, self._lease_template())
-        )
+        self._take: object = None if taker is None else taker(self._lock_prefix, self._lease_template())
 
     def _lease_template(self) -> Lock:
         """What the native one-call lock() copies its leases' other slots from (_meter, ...)."""
@@ -147,11 +147,6 @@ class Cache(CacheBase[Lock]):
         cache is closed; ``lock.lost``, ``lock.check()`` and ``lock.on_lost()`` tell the
         work when it is lost, and leaving a ``with`` block then raises LockLost.
         """
-        if self._take is not None and auto_extend is False and max_hold is None:
-            lock = self._take(key, ttl)
-            if type(lock) is int:
-                raise self._not_acquired(key, lock, None)
-            return lock  # type: ignore[return-value]
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
@@ -288,3 +283,14 @@ class Cache(CacheBase[Lock]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# lock() as written above: with the extension, what the one-call lock hands every other
+# case to (and what tests/test_native_lease.py holds it to).
+python_lock = Cache.lock
+_native, _ = native_module()
+if _native is not None:
+    # lock()'s common case (the native backend, no auto_extend or max_hold) as one
+    # extension call (ext/_lease.pxi); every other case runs lock() as written above,
+    # with the arguments as given.
+    Cache.lock = _native.cache_lock(Cache, python_lock)  # type: ignore[method-assign]

@@ -276,3 +276,14 @@ class Lock(Lease):
         if why is not None and exc_type is None:
             # The work was not protected all along, and the caller must know.
             raise self._lost(why)
+
+
+# The methods as written above: with the extension, what the one-call ones below hand
+# every other case to (and what tests/test_native_lease.py holds them to).
+python_unlock, python_extend = Lock.unlock, Lock.extend
+if _native is not None:
+    # unlock() and extend() as one extension call each on the native backend's common case
+    # (ext/_lease.pxi): what the methods above would check, checked in C, and the command
+    # sent from there; every other case (another backend, other arguments, a bad TTL, a
+    # released, inherited, lost or auto-extended lock) is handed to them as given.
+    Lock.unlock, Lock.extend = _native.lease_methods(Lock, python_unlock, python_extend, TAKEN)  # type: ignore[method-assign]

@@ -1,5 +1,6 @@
 """hotlock._native: the Cython extension over libhiredis (ext/_native.pyx)."""
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ._config import ServerConfig
@@ -16,7 +17,7 @@ class NativeBackend:
     @property
     def dialect(self) -> Dialect: ...
     def __init__(self, config: ServerConfig) -> None: ...
-    def taker(self, lock_prefix: bytes, template: Any) -> Any: ...  # Cache.lock's common case in one call
+    def taker(self, lock_prefix: bytes, template: Any) -> object: ...  # Cache.lock's common case in one call
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int: ...
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]: ...
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]: ...
@@ -42,7 +43,20 @@ AioProtocol: Any
 # _scripts.held_value in C (the Lock's hot path).
 def held_value(token: bytes, fence: int) -> bytes: ...
 
+# Cache.lock with the native common case in one call (ext/_lease.pxi); every other case is
+# passed to the Python method given.
+def cache_lock(cls: type, lock: Callable[..., Any]) -> Callable[..., Any]: ...
+
+# Lock.unlock and Lock.extend with the native common case in C (ext/_lease.pxi); every
+# other case is passed to the Python methods given.
+def lease_methods(
+    cls: type, unlock: Callable[..., bool], extend: Callable[..., None], taken: str
+) -> tuple[Callable[..., bool], Callable[..., None]]: ...
+
 # Test hooks: the C backoff schedule (compared with hotlock._backoff.delay_ms) and the
 # clock acquire_wait stamps sent_at with.
 def _delay_ms(attempt: int, u: float, remaining_ms: float, holder_ttl_ms: int, cap_ms: float = ...) -> float: ...
 def _monotonic_now() -> float: ...
+
+# Test hook: (the extension's, hiredis's) RESP for one command.
+def _resp_pair(args: list[bytes]) -> tuple[bytes, bytes]: ...
