@@ -260,7 +260,7 @@ def markdown(data: dict[str, Any]) -> str:
         )
         add("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         for mode, workers in (("threads", 8), ("processes", 4)):
-            for name in (*("hotlock-native", "hotlock-redis-py"), *PEERS):
+            for name in (*("hotlock-native", "hotlock-redis-py", "hotlock-native-polling"), *PEERS):
                 cell = _find(data, "contention", name, mode=mode)
                 if cell is None:
                     continue
@@ -284,14 +284,16 @@ def markdown(data: dict[str, Any]) -> str:
         add(
             f"A holder keeps the key 5{DASH}15 ms while another process waits in its library's blocking acquire; "
             "the time from just before the release is sent to the waiter's acquire returning. All samples of "
-            "all rounds pooled. Wait mechanisms: hotlock polls with full-jitter exponential backoff (1 ms doubling "
-            "to a 50 ms cap); redis-py's Lock polls every 0.1 s; python-redis-lock blocks on BLPOP and is woken "
-            "by the release; pottery retries after uniform(0, 0.2 s)."
+            "all rounds pooled. Wait mechanisms: hotlock is woken by the release (a PUBLISH when a waiter marked "
+            "the lock), with its full-jitter exponential backoff (1 ms doubling to a 50 ms cap) "
+            "as the safety net; with wakeups=False it polls on that backoff alone; redis-py's Lock polls "
+            "every 0.1 s; python-redis-lock blocks on BLPOP and is woken by the release; pottery retries "
+            "after uniform(0, 0.2 s)."
         )
         add("")
         add("| contestant | p50 ms | p99 ms | max ms | samples | timeouts |")
         add("|---|--:|--:|--:|--:|--:|")
-        for name in (*("hotlock-native", "hotlock-redis-py"), *PEERS):
+        for name in (*("hotlock-native", "hotlock-redis-py", "hotlock-native-polling"), *PEERS):
             cell = _find(data, "handoff", name)
             if cell is None:
                 continue

@@ -327,7 +327,10 @@ class NativeAsyncBackend:
             if not _oom(reply):  # refused at maxmemory: the script is not (see _dialect)
                 if isinstance(reply, ReplyError):
                     raise self._refused("extend", key, reply)
-                return reply is not None
+                if reply is not None:
+                    return True
+                # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
+                # extended by the script, which accepts the mark (contended, or lost).
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
@@ -340,20 +343,43 @@ class NativeAsyncBackend:
                 for reply in replies:
                     if isinstance(reply, ReplyError):
                         raise self._refused("extend_many", None, reply)
-                return [r is not None for r in replies]
+                done = [r is not None for r in replies]
+                # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
+                missed = [i for i, ok in enumerate(done) if not ok]
+                if missed:
+                    again = await self._script_many(
+                        "extend_many", EXTEND, [keys[i] for i in missed], [tokens[i] for i in missed], ttl_ms
+                    )
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = bool(r)
+                return done
         return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
-        if self.dialect.lua_free and not bare_tokens([token]):
-            return bool(await self._command("release", key, *release_command(self.dialect, key, token), retry=True))
+        # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is released
+        # by the script, which accepts the mark and wakes the waiter.
+        if (
+            self.dialect.lua_free
+            and not bare_tokens([token])
+            and await self._command("release", key, *release_command(self.dialect, key, token), retry=True)
+        ):
+            return True
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            return [bool(r) for r in await self._commands("release_many", dels, retry=True)]
+            done = [bool(r) for r in await self._commands("release_many", dels, retry=True)]
+            missed = [i for i, ok in enumerate(done) if not ok]  # once more by script, as in release
+            if missed:
+                again = await self._script_many(
+                    "release_many", RELEASE, [keys[i] for i in missed], [tokens[i] for i in missed], retry=True
+                )
+                for i, r in zip(missed, again, strict=True):
+                    done[i] = bool(r)
+            return done
         return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:

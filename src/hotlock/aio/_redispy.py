@@ -469,7 +469,10 @@ class RedisAsyncBackend:
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
             try:
-                return bool((await self._call("extend", key, lambda: self._commands([command])))[0])
+                if (await self._call("extend", key, lambda: self._commands([command])))[0]:
+                    return True
+                # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
+                # extended by the script, which accepts the mark (contended, or lost).
             except CacheError as exc:
                 if not isinstance(exc.__cause__, OutOfMemoryError):
                     raise
@@ -480,11 +483,20 @@ class RedisAsyncBackend:
         if self.dialect.lua_free:
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
-                return [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
+                done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
             except CacheError as exc:
                 if not isinstance(exc.__cause__, OutOfMemoryError):
                     raise
                 # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+            else:
+                # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
+                missed = [i for i, ok in enumerate(done) if not ok]
+                if missed:
+                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
+                    again = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, mk, mt, ttl_ms))
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = bool(r)
+                return done
         replies = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
         return [bool(r) for r in replies]
 
@@ -494,8 +506,15 @@ class RedisAsyncBackend:
         # (False) or still ours (releases it), and either way the caller sees no error.
         if self.dialect.lua_free and not bare_tokens([token]):
             command = release_command(self.dialect, key, token)
-            work = self._call("release", key, lambda: self._commands([command]), True)
-            return bool((await self._inflight.shielded([token], work))[0])
+
+            async def plain_then_script() -> bool:
+                if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
+                    return True
+                # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
+                # released by the script, which accepts the mark and wakes the waiter.
+                return bool(await self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True))
+
+            return await self._inflight.shielded([token], plain_then_script())
         work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
         return bool(await self._inflight.shielded([token], work))
 
@@ -503,7 +522,18 @@ class RedisAsyncBackend:
         await self._inflight.settled(tokens)
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            work = self._call("release_many", None, lambda: self._commands(dels), True)
+
+            async def plain_then_script() -> list[Any]:
+                done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
+                missed = [i for i, r in enumerate(done) if not r]  # once more by script, as in release
+                if missed:
+                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
+                    again = await self._call("release_many", None, lambda: self._pipeline(RELEASE, mk, mt), True)
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = r
+                return done
+
+            work = plain_then_script()
         else:
             work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
         replies = await self._inflight.shielded(tokens, work)
