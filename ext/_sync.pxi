@@ -739,7 +739,9 @@ cdef class NativeBackend:
                 remaining_ms = (deadline - _monotonic()) * 1000.0
                 if remaining_ms <= 0.0:
                     return result, sent
-                if attempt == _POLL_FIRST - 1 and self._wakeups is not None:
+                if attempt == 0 and self._wakeups is not None:
+                    self._wakeups.get()  # start the subscriber now, so it is connected when this wait joins
+                elif attempt == _POLL_FIRST - 1 and self._wakeups is not None:
                     # Waited past the short sleeps: ask to be woken (see _wakeup.wait).
                     hub = self._wakeups.get()
                     if hub is not None:

@@ -205,26 +205,25 @@ class Wakeups:
     # -- the subscriber thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        import hiredis  # here, not at import: the native path never pays for redis-py unless it waits
-        from redis.exceptions import RedisError
+        import hiredis  # here, not at import: the native path never pays for it unless it waits
 
         delay = 0.05
         while not self._closed and self.off is None:
             try:
-                conn = self._connect()
-            except (RedisError, OSError) as exc:
+                sock, close = self._connect()
+            except Exception as exc:  # OSError, or redis-py's errors on its path: try again
                 log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
                 self._nap(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             delay = 0.05
             try:
-                self._serve(conn)
-            except (RedisError, OSError, hiredis.ProtocolError) as exc:
+                self._serve(sock)
+            except (OSError, hiredis.ProtocolError) as exc:
                 log.debug("wake-ups: connection to %s lost: %s", self._server, exc)
             finally:
                 with contextlib.suppress(Exception):
-                    conn.disconnect()
+                    close()
                 self._lost()
         with contextlib.suppress(OSError):
             os.close(self._ctl_r)
@@ -239,10 +238,52 @@ class Wakeups:
         with contextlib.suppress(BlockingIOError):
             os.read(self._ctl_r, 4096)
 
-    def _connect(self) -> Any:
-        # A redis-py connection for the connect and the handshake (AUTH, TLS, unix socket,
-        # Sentinel's primary, our timeouts), with redis-py's own settings; then this
-        # thread reads its socket through hiredis's reader.
+    def _connect(self) -> tuple[socket.socket, Callable[[], object]]:
+        """A connected, authenticated socket and how to close it. Plain TCP and unix
+        sockets are opened here (no redis-py import on the native path: the first
+        contended wait of a process must not pay for it); TLS and Sentinel go through a
+        redis-py connection (its TLS checks, Sentinel's current primary), whose socket this
+        thread then reads itself."""
+        import hiredis
+
+        config = self._config
+        if config.tls or config.sentinels:
+            return self._redispy_connect()
+        sock: socket.socket
+        if config.unix_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(config.connect_timeout)
+            try:
+                sock.connect(config.unix_path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((config.host, config.port), timeout=config.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        try:
+            sock.settimeout(config.timeout)
+            if config.password is not None or config.username:
+                auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
+                auth.append((config.password or "").encode())
+                sock.sendall(_command(*auth))
+                reader = hiredis.Reader()
+                reply: Any = False
+                while reply is False:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise ConnectionError("the server closed the connection during AUTH")
+                    reader.feed(data)
+                    reply = reader.gets()
+                if isinstance(reply, hiredis.ReplyError):
+                    raise ConnectionError(f"AUTH refused: {reply}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock, sock.close
+
+    def _redispy_connect(self) -> tuple[socket.socket, Callable[[], object]]:
         import redis
 
         from ._redispy import _connection_kwargs, _PrimaryConnection, _TLSConnection
@@ -254,18 +295,14 @@ class Wakeups:
             from ._sentinel import PrimaryWatch
 
             conn = _PrimaryConnection(primary=PrimaryWatch(config.primary), **kwargs)
-        elif config.unix_path is not None:
-            conn = redis.UnixDomainSocketConnection(path=config.unix_path, **kwargs)  # type: ignore[no-untyped-call,abstract]
         else:
-            kind = _TLSConnection if config.tls else redis.Connection
-            conn = kind(host=config.host, port=config.port, **kwargs)
+            conn = _TLSConnection(host=config.host, port=config.port, **kwargs)
         conn.connect()
-        return conn
+        return conn._sock, conn.disconnect
 
-    def _serve(self, conn: Any) -> None:
+    def _serve(self, sock: socket.socket) -> None:
         import hiredis
 
-        sock: socket.socket = conn._sock
         reader = hiredis.Reader()
         # The commands sent whose reply is due, in order: an Entry for a SUBSCRIBE, a channel
         # (bytes) for an UNSUBSCRIBE. Each has one reply (its push, or an error).
@@ -448,7 +485,9 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 acquired = True
                 return result, sent
             attempts += 1
-            if attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
+            if attempts == 1:
+                slot.get()  # start the subscriber now, so it is connected when this wait joins
+            elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
                 hub = slot.get()
                 waiter = None if hub is None else hub.join(wake_channel(key), backoff.deadline)
                 if waiter is not None:
