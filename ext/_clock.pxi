@@ -2,7 +2,6 @@
 # acquire_wait loop. The schedule mirrors hotlock._backoff.delay_ms line for line (its
 # constants are read from there at import); tests/test_native.py checks the two agree.
 
-
 cdef extern from "<pthread.h>" nogil:
     ctypedef void (*_fork_hook)() noexcept nogil
     int pthread_atfork(_fork_hook prepare, _fork_hook parent, _fork_hook child)

@@ -284,7 +284,6 @@ class Wakeups:
         return sock, sock.close
 
     def _redispy_connect(self) -> tuple[socket.socket, Callable[[], object]]:
-        import redis
 
         from ._redispy import _connection_kwargs, _PrimaryConnection, _TLSConnection
 
