@@ -8,6 +8,8 @@ machine must pass them); the exact figures are in the bench (python -m bench --o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -19,13 +21,18 @@ from collections.abc import Iterator
 import pytest
 
 import hotlock
+import hotlock.aio
 from hotlock import _backoff
 from hotlock._cli._target import fence_of
 from hotlock._keys import wake_channel
+from hotlock.aio import AsyncCache
 
 from .conftest import RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
+from .test_aio import Aio
+from .test_aio import loop_kind as loop_kind  # a fixture
+from .test_aio import raio as raio  # a fixture
 from .test_faults import restart
 
 CAP_S = _backoff.CAP_MS / 1000.0
@@ -333,3 +340,127 @@ def test_a_forked_child_never_uses_its_parents_subscriber(
         assert statistics.median(took) < 0.005, took
         after = redis_server.client().execute_command("CLIENT", "LIST", "TYPE", "pubsub")
         assert len(before.splitlines()) == len(after.splitlines())  # the child's own came and went
+
+
+# -- the async API (hotlock.aio._wakeup): the same promises on asyncio and uvloop -----------
+
+
+async def async_handoffs(holder: AsyncCache, waiter: AsyncCache, key: str, rounds: int, hold: float) -> list[float]:
+    """handoffs() for the async API: a waiting task, the holder's release, the time between."""
+    out: list[float] = []
+    for _ in range(rounds):
+        lock = await holder.lock(key, ttl=30)
+        got: list[float] = []
+
+        async def wait(got: list[float] = got) -> None:
+            lk = await waiter.lock_wait(key, ttl=30, wait=10)
+            got.append(time.monotonic())
+            await lk.unlock()
+
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(hold)
+        released = time.monotonic()
+        await lock.unlock()
+        await asyncio.wait_for(task, 15)
+        out.append(got[0] - released)
+    return out
+
+
+def test_async_a_waiter_is_woken_by_the_release(raio: Aio) -> None:
+    async def main() -> None:
+        published = calls(raio.server, "publish")
+        async with await raio.connect() as holder, await raio.connect() as waiter:
+            await async_handoffs(holder, waiter, "a-woken", 1, 0.05)
+            took = await async_handoffs(holder, waiter, "a-woken", 9, 0.2)
+            assert statistics.median(took) < 0.005, took
+            assert max(took) < CAP_S + 0.5, took
+        assert calls(raio.server, "publish") - published >= 9
+
+    raio.run(main())
+
+
+def test_async_an_uncontended_release_publishes_nothing(raio: Aio) -> None:
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            await async_handoffs(cache, cache, "a-hot", 1, 0.05)
+            published = calls(raio.server, "publish")
+            for _ in range(20):
+                await (await cache.lock("a-hot", ttl=5)).unlock()
+                await (await cache.lock_wait("a-hot", ttl=5, wait=1)).unlock()
+            assert calls(raio.server, "publish") == published
+
+    raio.run(main())
+
+
+def test_async_200_waiting_tasks_on_one_key_with_no_overlap(raio: Aio) -> None:
+    async def main() -> None:
+        inside = overlaps = done = 0
+        async with await raio.connect() as cache, await raio.connect() as other:
+            first = await cache.lock("a-crowd", ttl=30)
+
+            async def one(c: AsyncCache) -> None:
+                nonlocal inside, overlaps, done
+                lock = await c.lock_wait("a-crowd", ttl=30, wait=60)
+                inside += 1
+                overlaps += inside > 1
+                await asyncio.sleep(0.0005)
+                inside -= 1
+                await lock.unlock()
+                done += 1
+
+            tasks = [asyncio.ensure_future(one(cache if i % 2 else other)) for i in range(200)]
+            await asyncio.sleep(0.3)
+            await first.unlock()
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert done == 200 and overlaps == 0
+
+    raio.run(main())
+
+
+def test_async_wakeups_false_and_acl_fall_back_to_polling(
+    raio: Aio, acl_url: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, commands = acl_url
+    raio.server.client().execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", "resetkeys", "~hotlock:*", "resetchannels",
+        "-@all", *commands,
+    )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="hotlock")
+
+    async def main() -> None:
+        published = calls(raio.server, "publish")
+        async with await raio.connect(wakeups=False) as cache:
+            assert cache._backend.wake_slot is None  # type: ignore[attr-defined]
+            took = await async_handoffs(cache, cache, "a-polled", 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+        assert calls(raio.server, "publish") == published
+        async with (
+            await hotlock.aio.connect(url, backend=raio.backend) as refused,
+            await raio.connect() as holder,
+        ):
+            took = await async_handoffs(holder, refused, "a-acl", 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+            assert refused._backend.wake_slot._hub.off is not None  # type: ignore[attr-defined]
+
+    raio.run(main())
+    assert caplog.text.count("wake-ups off (connect(wakeups=False))") == 1
+    assert len([r for r in caplog.records if "wake-ups are off" in r.getMessage()]) == 1
+
+
+def test_async_the_subscriber_survives_a_server_restart(raio: Aio, own_server: RedisServer) -> None:
+    async def main() -> None:
+        async with await hotlock.aio.connect(own_server.url, backend=raio.backend, timeout=0.5) as cache:
+            await async_handoffs(cache, cache, "a-restarted", 2, 0.05)
+            restart(own_server)
+            with contextlib.suppress(hotlock.CacheError):
+                await (await cache.lock("warm-up", ttl=5)).unlock()
+            channel = wake_channel(lock_name("a-restarted"))
+            deadline = time.monotonic() + 5
+            slot = cache._backend.wake_slot  # type: ignore[attr-defined]
+            while slot._hub.subscribed(channel) is None:
+                assert time.monotonic() < deadline, "never subscribed again"
+                await asyncio.sleep(0.005)
+            took = await async_handoffs(cache, cache, "a-restarted", 9, 0.2)
+            assert statistics.median(took) < 0.005, took
+
+    raio.run(main())

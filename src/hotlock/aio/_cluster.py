@@ -157,7 +157,15 @@ class AsyncClusterBackend(ClusterCore):
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: Script = ACQUIRE,  # no wake-ups on a cluster yet: only ACQUIRE comes here
+    ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         work = self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], until)
         return int((await self._inflight.shielded([token], work))[0])

@@ -38,6 +38,7 @@ from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import InFlight, info_fields, retry_until, unconfirmed
+from ._wakeup import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
@@ -249,6 +250,8 @@ class RedisAsyncBackend:
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
+        # The wake-up subscriber (hotlock.aio._wakeup), made on the first long lock_wait.
+        self.wake_slot = async_slot(config)
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
         # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
         self._watch: PrimaryWatch | None = None
@@ -422,14 +425,21 @@ class RedisAsyncBackend:
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: Script = ACQUIRE,
+    ) -> int:
         if self._config.wait_replicas:
-            return (await self._inflight.shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[
-                0
-            ]
+            confirmed = self._acquire_confirmed("acquire", [key], [token], ttl_ms, script)
+            return (await self._inflight.shielded([token], confirmed))[0]
         until = retry_until(since, wait_ms, self._timeout)
         reply = await self._inflight.shielded(
-            [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True, until)
+            [token], self._call("acquire", key, lambda: self._evalsha(script, key, token, ttl_ms), True, until)
         )
         return int(reply)
 
@@ -441,7 +451,9 @@ class RedisAsyncBackend:
         )
         return [int(r) for r in replies]
 
-    async def _acquire_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+    async def _acquire_confirmed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
+    ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one round trip."""
         config = self._config
@@ -449,7 +461,7 @@ class RedisAsyncBackend:
         replies = await self._call(
             what,
             keys[0] if len(keys) == 1 else None,
-            lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms, trailer=wait),
+            lambda: self._pipeline(script, keys, tokens, ttl_ms, trailer=wait),
             True,
         )
         results, confirmed = [int(r) for r in replies[:-1]], int(replies[-1])
@@ -569,4 +581,6 @@ class RedisAsyncBackend:
         self.dialect = dialect
 
     async def close(self) -> None:
+        if self.wake_slot is not None:
+            await self.wake_slot.close()
         await self._pool.disconnect()
