@@ -34,6 +34,8 @@ from .test_aio import Aio
 from .test_aio import loop_kind as loop_kind  # a fixture
 from .test_aio import raio as raio  # a fixture
 from .test_faults import restart
+from .test_sentinel import SERVICE, TIMEOUT, Topology, _check_resumed, _lock_until_on_new_primary
+from .test_sentinel import topology as topology  # a fixture
 
 CAP_S = _backoff.CAP_MS / 1000.0
 USER = "hotlock_wake"
@@ -464,3 +466,48 @@ def test_async_the_subscriber_survives_a_server_restart(raio: Aio, own_server: R
             assert statistics.median(took) < 0.005, took
 
     raio.run(main())
+
+
+# -- Sentinel: the subscriber follows the primary ------------------------------------------
+
+
+def _pubsub_clients(topology: Topology, port: int) -> int:
+    return len(topology.node(port).execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
+
+
+def test_sentinel_waiters_are_woken_before_and_after_a_failover(redis_backend: str, topology: Topology) -> None:
+    old = topology.primary_port()
+    with hotlock.connect(topology.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT) as cache:
+        handoffs(cache, cache, "s-woken", 1, 0.05)
+        assert statistics.median(handoffs(cache, cache, "s-woken", 5, 0.2)) < 0.005
+        with topology.sentinel() as s:
+            s.execute_command("SENTINEL", "FAILOVER", SERVICE)
+        _check_resumed(_lock_until_on_new_primary(cache, topology, old, budget=15))
+        new = topology.primary_port()
+        deadline = time.monotonic() + 10
+        while _pubsub_clients(topology, new) == 0:  # the subscriber moved to the new primary
+            assert time.monotonic() < deadline, "the subscriber never reconnected to the new primary"
+            time.sleep(0.05)
+        subscribed(cache, "s-woken")
+        assert statistics.median(handoffs(cache, cache, "s-woken", 5, 0.2)) < 0.005
+
+
+def test_async_sentinel_waiters_are_woken_after_a_failover(loop_kind: str, topology: Topology) -> None:
+    backends = [b for b in ("native", "redis-py") if b != "native" or hotlock.aio.backend_info()["backend"] == "native"]
+    old = topology.primary_port()
+    with topology.sentinel() as s:
+        s.execute_command("SENTINEL", "FAILOVER", SERVICE)
+    deadline = time.monotonic() + 15
+    while topology.primary_port() == old:
+        assert time.monotonic() < deadline, "no failover"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the sentinels' switch settles
+
+    async def main() -> None:
+        for backend in backends:
+            async with await hotlock.aio.connect(topology.url, backend=backend, timeout=TIMEOUT) as cache:
+                await async_handoffs(cache, cache, "as-woken", 1, 0.05)
+                took = await async_handoffs(cache, cache, "as-woken", 5, 0.2)
+                assert statistics.median(took) < 0.005, (backend, took)
+
+    Aio("redis-py", loop_kind, topology.url, topology.primary).run(main())

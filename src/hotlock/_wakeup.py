@@ -46,6 +46,7 @@ from ._backoff import CAP_MS, Backoff, poll
 from ._config import ServerConfig
 from ._keys import wake_channel
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
+from ._sentinel import PrimaryWatch
 
 __all__ = ["LINGER_S", "POLL_FIRST", "Entry", "Slot", "Waiter", "Wakeups", "slot", "wait"]
 
@@ -139,6 +140,10 @@ class Wakeups:
         self._outbox: list[Entry] = []  # entries whose SUBSCRIBE the thread is to send
         self._local = threading.local()
         self._closed = False
+        # Under Sentinel: the primary to connect to, and the epoch the connection is of (a
+        # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
+        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
+        self._epoch = 0
         self._ctl_r, self._ctl_w = os.pipe()
         os.set_blocking(self._ctl_r, False)
         os.set_blocking(self._ctl_w, False)
@@ -241,14 +246,18 @@ class Wakeups:
     def _connect(self) -> tuple[socket.socket, Callable[[], object]]:
         """A connected, authenticated socket and how to close it. Plain TCP and unix
         sockets are opened here (no redis-py import on the native path: the first
-        contended wait of a process must not pay for it); TLS and Sentinel go through a
-        redis-py connection (its TLS checks, Sentinel's current primary), whose socket this
-        thread then reads itself."""
+        contended wait of a process must not pay for it); TLS goes through a redis-py
+        connection (its certificate and hostname checks), whose socket this thread then
+        reads itself. Under Sentinel, to whichever primary the sentinels name now."""
         import hiredis
 
         config = self._config
-        if config.tls or config.sentinels:
-            return self._redispy_connect()
+        host, port = config.host, config.port
+        if self._watch is not None:
+            host, port = self._watch.address()
+            self._epoch = self._watch.epoch
+        if config.tls:
+            return self._redispy_connect(host, port)
         sock: socket.socket
         if config.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -259,7 +268,7 @@ class Wakeups:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection((config.host, config.port), timeout=config.connect_timeout)
+            sock = socket.create_connection((host, port), timeout=config.connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         try:
@@ -283,19 +292,10 @@ class Wakeups:
             raise
         return sock, sock.close
 
-    def _redispy_connect(self) -> tuple[socket.socket, Callable[[], object]]:
+    def _redispy_connect(self, host: str, port: int) -> tuple[socket.socket, Callable[[], object]]:
+        from ._redispy import _connection_kwargs, _TLSConnection
 
-        from ._redispy import _connection_kwargs, _PrimaryConnection, _TLSConnection
-
-        config = self._config
-        kwargs = _connection_kwargs(config)
-        conn: Any
-        if config.sentinels:
-            from ._sentinel import PrimaryWatch
-
-            conn = _PrimaryConnection(primary=PrimaryWatch(config.primary), **kwargs)
-        else:
-            conn = _TLSConnection(host=config.host, port=config.port, **kwargs)
+        conn: Any = _TLSConnection(host=host, port=port, **_connection_kwargs(self._config))
         conn.connect()
         return conn._sock, conn.disconnect
 
@@ -335,6 +335,8 @@ class Wakeups:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
+                if self._watch is not None and self._watch.refresh() != self._epoch:
+                    raise ConnectionError("the sentinels name another primary")
                 idle = self._idle(now)
                 if idle:
                     pending.extend(idle)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from .._config import ServerConfig
+from .._sentinel import PrimaryWatch
 from .._wakeup import CONFIRM_S, LINGER_S, POLL_FIRST, TICK_S, _command
 
 __all__ = ["POLL_FIRST", "AsyncEntry", "AsyncSlot", "AsyncWaiter", "AsyncWakeups", "async_slot"]
@@ -72,6 +73,9 @@ class AsyncWakeups:
         self._writer: asyncio.StreamWriter | None = None
         self._pending: collections.deque[AsyncEntry | bytes] = collections.deque()
         self._closed = False
+        # Under Sentinel, as in sync: reconnect to the new primary after a failover.
+        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
+        self._epoch = 0
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- the waiting side -------------------------------------------------------------
@@ -155,9 +159,10 @@ class AsyncWakeups:
             reader, writer = await asyncio.open_unix_connection(config.unix_path)
         else:
             host, port = config.host, config.port
-            if config.sentinels:
+            if self._watch is not None:
                 # The sentinels' answer is a blocking lookup: off the loop.
-                host, port = await asyncio.get_running_loop().run_in_executor(None, config.primary)
+                host, port = await asyncio.get_running_loop().run_in_executor(None, self._watch.address)
+                self._epoch = self._watch.epoch
             # TLS as redis-py's defaults: the certificate and the hostname checked.
             tls = ssl.create_default_context() if config.tls else None
             reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
@@ -202,6 +207,10 @@ class AsyncWakeups:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
+                if self._watch is not None and self._watch.due():
+                    epoch = await asyncio.get_running_loop().run_in_executor(None, self._watch.refresh)
+                    if epoch != self._epoch:
+                        raise ConnectionError("the sentinels name another primary")
                 idle = [
                     ch
                     for ch, e in self._entries.items()
