@@ -745,17 +745,17 @@ cdef class NativeBackend:
                     # Waited past the short sleeps: ask to be woken (see _wakeup.wait).
                     hub = self._wakeups.get()
                     if hub is not None:
-                        waiter = hub.join(wake_channel(key), deadline)
+                        waiter = hub.join(wake_channel(key))
                     if waiter is not None:
                         fd = waiter.fd
                         current = waiter.entry
                         seq = current.seq
                         sha = _SHA_ACQUIRE_CHAIN if len(current.waiters) > 1 else _SHA_ACQUIRE_WAIT
-                        # Subscribe, then try: a release before the subscription went unheard.
-                        attempt += 1
-                        if _monotonic() < deadline:
+                        if current.confirmed:
+                            # Subscribed already: try now, marking. (Else the server's
+                            # confirmation wakes this wait, which then tries: subscribe, then try.)
+                            attempt += 1
                             continue
-                        return result, sent
                 # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
                 sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
                 attempt += 1

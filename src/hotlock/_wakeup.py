@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._backoff import CAP_MS, Backoff, poll
+from ._backoff import Backoff, poll
 from ._config import ServerConfig
 from ._keys import wake_channel
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
@@ -61,9 +61,6 @@ TICK_S = 0.5
 # Attempts a lock_wait makes on its plain backoff before it asks to be woken (see wait()):
 # with the 1 ms first step doubling, about 1.5 ms of waiting on average, 3 ms at most.
 POLL_FIRST = 3
-# How long join() waits for a new subscription's confirmation (normally one round trip):
-# the backoff cap, the most a lost wake-up may cost.
-CONFIRM_S = CAP_MS / 1000.0
 _ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
 
 
@@ -110,13 +107,12 @@ class Waiter:
 class Entry:
     """One channel: its subscription's state and the waiters of this process on it."""
 
-    __slots__ = ("channel", "confirmed", "idle_since", "ready", "seq", "waiters")
+    __slots__ = ("channel", "confirmed", "idle_since", "seq", "waiters")
 
     def __init__(self, channel: bytes) -> None:
         self.channel = channel
         self.seq = 0  # messages received (and resubscriptions): see the module docstring
         self.waiters: list[Waiter] = []  # in the order they came: [0] is woken first
-        self.ready = threading.Event()  # set once the server confirmed (or refused) the SUBSCRIBE
         self.confirmed = False
         self.idle_since = time.monotonic()
 
@@ -157,10 +153,12 @@ class Wakeups:
         entry = self._entries.get(channel)
         return entry if entry is not None and entry.confirmed else None
 
-    def join(self, channel: bytes, deadline: float) -> Waiter | None:
-        """Register this thread as a waiter on ``channel``, subscribing first if need be and
-        waiting (until ``deadline`` at most, one reply timeout at most) for the server to
-        confirm. None when wake-ups are off: the caller polls."""
+    def join(self, channel: bytes) -> Waiter | None:
+        """Register this thread as a waiter on ``channel``, asking for its subscription if
+        there is none. Returns at once: a waiter on a confirmed channel tries now; one on a
+        channel still being subscribed sleeps on its backoff, and the server's confirmation
+        wakes the channel's first waiter, which then tries (subscribe, then try) without
+        having stood still meanwhile. None when wake-ups are off: the caller polls."""
         if self.off is not None or self._closed:
             return None
         waiter = getattr(self._local, "waiter", None)
@@ -175,15 +173,6 @@ class Wakeups:
                 self._poke()
             entry.waiters.append(waiter)
             waiter.entry = entry
-        if not entry.confirmed:
-            # Not past the backoff cap: a subscriber that cannot connect (a restart) must
-            # not hold the wait up; the waiter then polls, and the confirmation wakes it.
-            entry.ready.wait(max(0.0, min(deadline - time.monotonic(), CONFIRM_S)))
-            if entry.confirmed:
-                waiter.drain()  # the confirmation's own wake: the caller tries now anyway
-        if self.off is not None:
-            self.leave(waiter, False)
-            return None
         return waiter
 
     def leave(self, waiter: Waiter, acquired: bool) -> None:
@@ -366,13 +355,12 @@ class Wakeups:
         elif isinstance(sent, Entry):
             with self._lock:
                 # From now on no release goes unheard; one before it may have (a reconnect,
-                # or a waiter that stopped waiting for this confirmation): its first waiter
-                # tries again now. A waiter still in join() drains this wake (it tries anyway).
+                # or the waiters' attempts made while it was on its way): the first waiter
+                # tries again now.
                 sent.confirmed = True
                 sent.seq += 1
                 if sent.waiters:
                     sent.waiters[0].wake()
-            sent.ready.set()
         return True
 
     def _idle(self, now: float) -> list[bytes]:
@@ -393,7 +381,6 @@ class Wakeups:
         with self._lock:
             for entry in self._entries.values():  # lingering ones too: a hot key stays subscribed
                 entry.confirmed = False
-                entry.ready.clear()
                 entry.seq += 1
                 for waiter in entry.waiters:
                     waiter.wake()
@@ -402,10 +389,6 @@ class Wakeups:
     def _turn_off(self, why: str) -> None:
         self.off = why
         log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
-        with self._lock:
-            entries = list(self._entries.values())
-        for entry in entries:
-            entry.ready.set()
 
 
 _slot_lock = threading.Lock()
@@ -490,14 +473,14 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 slot.get()  # start the subscriber now, so it is connected when this wait joins
             elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
                 hub = slot.get()
-                waiter = None if hub is None else hub.join(wake_channel(key), backoff.deadline)
+                waiter = None if hub is None else hub.join(wake_channel(key))
                 if waiter is not None:
                     current = waiter.entry
                     assert current is not None
                     seq = current.seq
                     script = ACQUIRE_CHAIN if len(current.waiters) > 1 else ACQUIRE_WAIT
-                    # Subscribe, then try: a release before the subscription went unheard.
-                    if time.monotonic() < backoff.deadline:
+                    # Subscribed already: try now (marking). Else the confirmation wakes us.
+                    if current.confirmed and time.monotonic() < backoff.deadline:
                         continue
             sleep = backoff.next_sleep(-result)
             if sleep is None:

@@ -146,13 +146,13 @@ class AsyncCache(CacheBase[AsyncLock]):
                         slot.get()  # start the subscriber now, so it is connected when this wait joins
                     elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
                         hub = slot.get()
-                        waiter = None if hub is None else await hub.join(wake_channel(name), backoff.deadline)
+                        waiter = None if hub is None else hub.join(wake_channel(name))
                         if waiter is not None:
                             assert waiter.entry is not None
                             seq = waiter.entry.seq
                             script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT
-                            # Subscribe, then try: a release before the subscription went unheard.
-                            if time.monotonic() < backoff.deadline:
+                            # Subscribed already: try now (marking). Else the confirmation wakes us.
+                            if waiter.entry.confirmed and time.monotonic() < backoff.deadline:
                                 continue
                 sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .._config import ServerConfig
 from .._sentinel import PrimaryWatch
-from .._wakeup import CONFIRM_S, LINGER_S, POLL_FIRST, TICK_S, _command
+from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
 
 __all__ = ["POLL_FIRST", "AsyncEntry", "AsyncSlot", "AsyncWaiter", "AsyncWakeups", "async_slot"]
 
@@ -50,13 +50,12 @@ class AsyncWaiter:
 
 
 class AsyncEntry:
-    __slots__ = ("channel", "confirmed", "idle_since", "ready", "seq", "waiters")
+    __slots__ = ("channel", "confirmed", "idle_since", "seq", "waiters")
 
     def __init__(self, channel: bytes) -> None:
         self.channel = channel
         self.seq = 0
         self.waiters: list[AsyncWaiter] = []
-        self.ready = asyncio.Event()
         self.confirmed = False
         self.idle_since = time.monotonic()
 
@@ -84,8 +83,8 @@ class AsyncWakeups:
         entry = self._entries.get(channel)
         return entry if entry is not None and entry.confirmed else None
 
-    async def join(self, channel: bytes, deadline: float) -> AsyncWaiter | None:
-        """As hotlock._wakeup.Wakeups.join (``deadline`` on time.monotonic())."""
+    def join(self, channel: bytes) -> AsyncWaiter | None:
+        """As hotlock._wakeup.Wakeups.join: returns at once."""
         if self.off is not None or self._closed:
             return None
         entry = self._entries.get(channel)
@@ -94,14 +93,6 @@ class AsyncWakeups:
             self._subscribe(entry)
         waiter = AsyncWaiter(entry)
         entry.waiters.append(waiter)
-        if not entry.confirmed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(entry.ready.wait(), max(0.0, min(deadline - time.monotonic(), CONFIRM_S)))
-            if entry.confirmed:
-                waiter.event.clear()  # the confirmation's own wake: the caller tries now anyway
-        if self.off is not None:
-            self.leave(waiter, False)
-            return None
         return waiter
 
     def leave(self, waiter: AsyncWaiter, acquired: bool) -> None:
@@ -240,13 +231,11 @@ class AsyncWakeups:
             sent.seq += 1
             if sent.waiters:
                 sent.waiters[0].wake()
-            sent.ready.set()
         return True
 
     def _lost(self) -> None:
         for entry in self._entries.values():
             entry.confirmed = False
-            entry.ready.clear()
             entry.seq += 1
             for waiter in entry.waiters:
                 waiter.wake()
@@ -254,8 +243,6 @@ class AsyncWakeups:
     def _turn_off(self, why: str) -> None:
         self.off = why
         log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
-        for entry in self._entries.values():
-            entry.ready.set()
 
 
 class AsyncSlot:
