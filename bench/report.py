@@ -352,7 +352,12 @@ def at_a_glance(data: dict[str, Any]) -> list[str]:
                 f"{_ms(nat['wait_p99'])} ms; best peer {LABELS[peer_name or '']} {_num(peer['median'])} sections/s, "
                 f"p99 {_ms(peer['wait_p99'])} ms"
             )
-    hand = {n: _agg(data, "handoff", n) for n in ("hotlock-native", "python-redis-lock", "redis-py-Lock")}
+    hand = {
+        n: _agg(data, "handoff", n)
+        for n in ("hotlock-native", "hotlock-native-polling", "python-redis-lock", "redis-py-Lock")
+    }
+    if hand["hotlock-native-polling"] is None:  # a results file from before the polling contestant
+        del hand["hotlock-native-polling"]
     if all(hand.values()):
         out.append(
             "handoff p50/p99: hotlock native "
@@ -361,7 +366,7 @@ def at_a_glance(data: dict[str, Any]) -> list[str]:
                 for n, a in hand.items()
                 if a
             )
-            + " (python-redis-lock is woken by its release; hotlock polls with backoff)"
+            + " (hotlock and python-redis-lock are woken by the release; polling is hotlock with wakeups=False)"
         )
     return out
 
