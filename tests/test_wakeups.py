@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,7 @@ from .test_aio import Aio
 from .test_aio import loop_kind as loop_kind  # a fixture
 from .test_aio import raio as raio  # a fixture
 from .test_faults import restart
+from .test_security import tls_server as tls_server  # a fixture
 from .test_sentinel import SERVICE, TIMEOUT, Topology, _check_resumed, _lock_until_on_new_primary
 from .test_sentinel import topology as topology  # a fixture
 
@@ -511,3 +513,25 @@ def test_async_sentinel_waiters_are_woken_after_a_failover(loop_kind: str, topol
                 assert statistics.median(took) < 0.005, (backend, took)
 
     Aio("redis-py", loop_kind, topology.url, topology.primary).run(main())
+
+
+# -- TLS: the subscriber checks the certificate and the name, as the lock connections do --
+
+
+def test_rediss_waiters_are_woken(tls_server: tuple[int, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    port, ca = tls_server
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    url = f"rediss://localhost:{port}/0"
+    with hotlock.connect(url, timeout=2) as cache:
+        handoffs(cache, cache, "tls-woken", 1, 0.05)
+        subscribed(cache, "tls-woken")
+        assert statistics.median(handoffs(cache, cache, "tls-woken", 5, 0.2)) < 0.005
+
+    async def main() -> None:
+        for backend in ("native", "redis-py"):
+            async with await hotlock.aio.connect(url, backend=backend, timeout=2) as acache:
+                await async_handoffs(acache, acache, "atls-woken", 1, 0.05)
+                took = await async_handoffs(acache, acache, "atls-woken", 5, 0.2)
+                assert statistics.median(took) < 0.005, (backend, took)
+
+    asyncio.run(main())

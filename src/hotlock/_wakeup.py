@@ -36,6 +36,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -233,11 +234,9 @@ class Wakeups:
             os.read(self._ctl_r, 4096)
 
     def _connect(self) -> tuple[socket.socket, Callable[[], object]]:
-        """A connected, authenticated socket and how to close it. Plain TCP and unix
-        sockets are opened here (no redis-py import on the native path: the first
-        contended wait of a process must not pay for it); TLS goes through a redis-py
-        connection (its certificate and hostname checks), whose socket this thread then
-        reads itself. Under Sentinel, to whichever primary the sentinels name now."""
+        """A connected, authenticated socket and how to close it, opened here rather than
+        by redis-py (the native path must not pay its import on the first contended wait
+        of a process). Under Sentinel, to whichever primary the sentinels name now."""
         import hiredis
 
         config = self._config
@@ -245,8 +244,6 @@ class Wakeups:
         if self._watch is not None:
             host, port = self._watch.address()
             self._epoch = self._watch.epoch
-        if config.tls:
-            return self._redispy_connect(host, port)
         sock: socket.socket
         if config.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -260,6 +257,14 @@ class Wakeups:
             sock = socket.create_connection((host, port), timeout=config.connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if config.tls:
+                # As redis-py's defaults for rediss://: the certificate and the hostname
+                # checked (a private CA in SSL_CERT_FILE).
+                try:
+                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                except BaseException:
+                    sock.close()
+                    raise
         try:
             sock.settimeout(config.timeout)
             if config.password is not None or config.username:
@@ -280,13 +285,6 @@ class Wakeups:
             sock.close()
             raise
         return sock, sock.close
-
-    def _redispy_connect(self, host: str, port: int) -> tuple[socket.socket, Callable[[], object]]:
-        from ._redispy import _connection_kwargs, _TLSConnection
-
-        conn: Any = _TLSConnection(host=host, port=port, **_connection_kwargs(self._config))
-        conn.connect()
-        return conn._sock, conn.disconnect
 
     def _serve(self, sock: socket.socket) -> None:
         import hiredis
@@ -435,6 +433,10 @@ class Slot:
         if hub is not None and hub.pid == os.getpid():
             hub.close()
         self._hub = None
+
+    # A backend dropped without close(): its subscriber thread stops too (it holds the
+    # hub, not the slot, so the slot can go).
+    __del__ = close
 
 
 def slot(config: ServerConfig) -> Slot | None:
