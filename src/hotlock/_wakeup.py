@@ -9,11 +9,14 @@ cache and by both sync backends (the native one sleeps in C on the same file des
 - **One connection, one thread.** The subscriber thread does all of the connection's I/O
   (select() on its socket and on a control pipe, so it never holds the GIL while it
   waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
-- **Subscribe, then try.** A waiter whose key has no confirmed subscription asks for one
-  and waits for the server's confirmation before its next (marking) attempt, so a release
-  between that attempt and the subscription cannot go unheard. A subscription outlives its
-  last waiter by LINGER_S, so a hot key pays that round trip once, and a waiter on it marks
-  from its first attempt.
+- **Poll first, then ask to be woken.** A wait's first POLL_FIRST attempts are plain
+  polling (most contended waits end there, and a wake-up costs more than those sleeps);
+  then it joins its key's channel and every later attempt marks.
+- **Subscribe, then try.** join() never blocks: on a channel already subscribed the
+  waiter tries at once; on one being subscribed it sleeps on its backoff, and the server's
+  confirmation wakes the channel's first waiter, which tries then, so a release between a
+  failed attempt and the subscription cannot go unheard past that. A subscription
+  outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
 - **One wake per message per process.** A message wakes the longest-waiting local waiter
   of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
   backoff. A waiter that acquires while others of its process still wait on the key takes
@@ -411,13 +414,6 @@ class Slot:
         self._config = config
         self._hub: Wakeups | None = None
 
-    def hub(self) -> Wakeups | None:
-        """The live subscriber of this process, if one was made and wake-ups are on."""
-        hub = self._hub
-        if hub is None or hub.pid != os.getpid() or hub.off is not None:
-            return None
-        return hub
-
     def get(self) -> Wakeups | None:
         """The live subscriber, made now if need be; None when wake-ups are off."""
         hub = self._hub
@@ -434,9 +430,11 @@ class Slot:
             hub.close()
         self._hub = None
 
-    # A backend dropped without close(): its subscriber thread stops too (it holds the
-    # hub, not the slot, so the slot can go).
-    __del__ = close
+    def __del__(self) -> None:
+        # A backend dropped without close(): its subscriber thread stops too (the thread
+        # holds the hub, not the slot, so the slot can go). Quietly at interpreter exit.
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def slot(config: ServerConfig) -> Slot | None:
