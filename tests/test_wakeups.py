@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import statistics
@@ -25,15 +24,20 @@ import hotlock
 import hotlock.aio
 from hotlock import _backoff
 from hotlock._cli._target import fence_of
+from hotlock._cluster import key_slot
+from hotlock._config import parse_url
 from hotlock._keys import wake_channel
+from hotlock._wakeup import Wakeups
 from hotlock.aio import AsyncCache
 
+from .cluster import Cluster
 from .conftest import RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
 from .test_aio import Aio
 from .test_aio import loop_kind as loop_kind  # a fixture
 from .test_aio import raio as raio  # a fixture
+from .test_cluster import keys_on
 from .test_faults import restart
 from .test_security import tls_server as tls_server  # a fixture
 from .test_sentinel import SERVICE, TIMEOUT, Topology, _check_resumed, _lock_until_on_new_primary
@@ -163,8 +167,9 @@ def test_a_dropped_wake_up_still_acquires_within_the_backoff_cap(
     """The subscriber's connection goes through a fault proxy that drops the message: the
     waiter's backoff (capped at 50 ms) finds the free key, long before its 10 s deadline."""
     with FaultProxy(redis_server.port) as proxy, open_cache(redis_backend, redis_url) as cache:
-        slot = cache._backend._wakeups  # type: ignore[attr-defined]
-        slot._config = dataclasses.replace(slot._config, port=proxy.port)
+        # The subscriber (only) connects through the proxy.
+        config = parse_url(proxy.url, connect_timeout=2.0, timeout=2.0)
+        cache._backend._wakeups._make = lambda: Wakeups(config)  # type: ignore[attr-defined]
         handoffs(cache, cache, "dropped", 1, 0.05)
         subscribed(cache, "dropped")
         lock = cache.lock("dropped", ttl=30)
@@ -535,3 +540,54 @@ def test_rediss_waiters_are_woken(tls_server: tuple[int, Path], monkeypatch: pyt
                 assert statistics.median(took) < 0.005, (backend, took)
 
     asyncio.run(main())
+
+
+# -- Redis Cluster: sharded pub/sub, one subscriber connection per primary -----------------
+
+
+def _cluster_calls(cluster: Cluster, command: str) -> dict[int, int]:
+    out = {}
+    for port in cluster.primary_ports():
+        entry = cluster.client(port).info("commandstats").get(f"cmdstat_{command}")
+        out[port] = int(entry["calls"]) if entry else 0
+    return out
+
+
+def test_cluster_waiters_are_woken_by_sharded_pub_sub(redis_backend: str, redis_cluster: Cluster) -> None:
+    """On every shard: woken (a handoff well under the cap), each release announced by
+    SPUBLISH on the lock's own shard, never a cluster-wide PUBLISH."""
+    url = redis_cluster.url
+    redis_cluster.flush()
+    with hotlock.connect(url, backend=redis_backend) as cache:
+        for port in redis_cluster.primary_ports():
+            key = keys_on(redis_cluster, port, 1, prefix="wake-")[0]
+            handoffs(cache, cache, key, 1, 0.05)
+            spublish, publish = _cluster_calls(redis_cluster, "spublish"), _cluster_calls(redis_cluster, "publish")
+            took = handoffs(cache, cache, key, 5, 0.2)
+            assert statistics.median(took) < 0.005, (port, took)
+            after = _cluster_calls(redis_cluster, "spublish")
+            assert after[port] - spublish[port] >= 5
+            assert all(after[p] == spublish[p] for p in after if p != port)
+            assert _cluster_calls(redis_cluster, "publish") == publish
+        hub = cache._backend._wakeups._hub  # type: ignore[attr-defined]
+        assert len(hub._nodes) == len(redis_cluster.primary_ports())  # one subscriber per primary
+
+
+def test_cluster_a_moved_slot_still_acquires_within_the_cap(redis_backend: str, redis_cluster: Cluster) -> None:
+    """The waited-on key's slot moves to another primary while it is subscribed: the old
+    node unsubscribes the channel, the waiters poll (the safety net), and the next waits
+    join the new owner and are woken again."""
+    redis_cluster.flush()
+    ports = redis_cluster.primary_ports()
+    key = keys_on(redis_cluster, ports[0], 1, prefix="moving-")[0]
+    slot = key_slot(lock_name(key))
+    with hotlock.connect(redis_cluster.url, backend=redis_backend) as cache:
+        try:
+            handoffs(cache, cache, key, 2, 0.05)
+            redis_cluster.move_slot(slot, ports[1])
+            took = handoffs(cache, cache, key, 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+            took = handoffs(cache, cache, key, 5, 0.2)
+            assert statistics.median(took) < 0.005, took
+        finally:
+            redis_cluster.move_slot(slot, ports[0])

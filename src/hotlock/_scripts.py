@@ -10,7 +10,18 @@ import hashlib
 
 from ._ident import TOKEN_BYTES
 
-__all__ = ["ACQUIRE", "ACQUIRE_CHAIN", "ACQUIRE_WAIT", "EXTEND", "RELEASE", "SCRIPTS", "WAITED", "Script", "held_value"]
+__all__ = [
+    "ACQUIRE",
+    "ACQUIRE_CHAIN",
+    "ACQUIRE_WAIT",
+    "EXTEND",
+    "RELEASE",
+    "RELEASE_SHARDED",
+    "SCRIPTS",
+    "WAITED",
+    "Script",
+    "held_value",
+]
 
 
 class Script:
@@ -102,20 +113,23 @@ return 0"""
 # (the prefix has no '{', so the first '{' starts the tag; same slot). An unmarked one,
 # the uncontended release, publishes nothing. pcall: an ACL without the channel leaves
 # the waiters to their backoff, never fails the release.
-RELEASE = Script(
-    f"""local v = redis.call('GET', KEYS[1])
+_RELEASE = f"""local v = redis.call('GET', KEYS[1])
 local n = {TOKEN_BYTES}
 if v == ARGV[1] or (v and (v == ARGV[1] .. '+' or (#ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]))) then
   redis.call('DEL', KEYS[1])
   if string.byte(v, -1) == 43 then
     local i = string.find(KEYS[1], '{{', 1, true)
     if i and i > 5 then
-      redis.pcall('PUBLISH', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
+      redis.pcall('@PUBLISH@', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
     end
   end
   return 1
 end
 return 0"""
-)
+RELEASE = Script(_RELEASE.replace("@PUBLISH@", "PUBLISH"))
+# RELEASE on a Redis Cluster: the wake-up goes out by sharded pub/sub (SPUBLISH, Redis 7+),
+# to the subscribers of the lock's own shard only, where a PUBLISH would cross the whole
+# cluster bus. The channel is in the lock's slot (the same hash tag), as SPUBLISH requires.
+RELEASE_SHARDED = Script(_RELEASE.replace("@PUBLISH@", "SPUBLISH"))
 
-SCRIPTS = (ACQUIRE, EXTEND, RELEASE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
+SCRIPTS = (ACQUIRE, EXTEND, RELEASE, ACQUIRE_WAIT, ACQUIRE_CHAIN, RELEASE_SHARDED)

@@ -52,7 +52,18 @@ from ._keys import wake_channel
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
 from ._sentinel import PrimaryWatch
 
-__all__ = ["LINGER_S", "POLL_FIRST", "Entry", "Slot", "Waiter", "Wakeups", "slot", "wait"]
+__all__ = [
+    "LINGER_S",
+    "POLL_FIRST",
+    "ClusterWakeups",
+    "Entry",
+    "Slot",
+    "Waiter",
+    "Wakeups",
+    "cluster_slot",
+    "slot",
+    "wait",
+]
 
 log = logging.getLogger("hotlock")
 
@@ -72,7 +83,7 @@ class Waiter:
     """One thread's wake-up file descriptor, reused for each of its waits: the subscriber
     writes it, the wait loop sleeps in select()/poll() on it (the GIL released)."""
 
-    __slots__ = ("_wfd", "entry", "fd", "pid")
+    __slots__ = ("_wfd", "entry", "fd", "owner", "pid")
 
     def __init__(self) -> None:
         if hasattr(os, "eventfd"):
@@ -83,6 +94,7 @@ class Waiter:
             os.set_blocking(self._wfd, False)
         self.pid = os.getpid()
         self.entry: Entry | None = None
+        self.owner: Wakeups | None = None  # the subscriber it is registered with (a cluster has several)
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # a wake already pending is enough
@@ -129,9 +141,12 @@ class Wakeups:
     """The subscriber of one cache (see the module docstring). Made by a backend on the
     first lock_wait that finds its key held; ``off`` tells why wake-ups stopped, if they did."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
         self.pid = os.getpid()
         self.off: str | None = None
+        # On a Redis Cluster node: sharded pub/sub (SSUBSCRIBE, the releases' SPUBLISH).
+        self._sub, self._unsub = (b"SSUBSCRIBE", b"SUNSUBSCRIBE") if sharded else (b"SUBSCRIBE", b"UNSUBSCRIBE")
+        self._kinds = (b"smessage", b"sunsubscribe") if sharded else (b"message", b"unsubscribe")
         self._config = config
         self._server = config.display
         self._timeout = config.timeout
@@ -177,6 +192,7 @@ class Wakeups:
                 self._poke()
             entry.waiters.append(waiter)
             waiter.entry = entry
+            waiter.owner = self
         return waiter
 
     def leave(self, waiter: Waiter, acquired: bool) -> None:
@@ -305,7 +321,7 @@ class Wakeups:
                 out, self._outbox = self._outbox, []
             if out:
                 pending.extend(out)
-                sock.sendall(b"".join(_command(b"SUBSCRIBE", e.channel) for e in out))
+                sock.sendall(b"".join(_command(self._sub, e.channel) for e in out))
             readable: list[Any]
             if tls and sock.pending():  # type: ignore[attr-defined]
                 readable = [sock]
@@ -330,13 +346,13 @@ class Wakeups:
                 idle = self._idle(now)
                 if idle:
                     pending.extend(idle)
-                    sock.sendall(b"".join(_command(b"UNSUBSCRIBE", ch) for ch in idle))
+                    sock.sendall(b"".join(_command(self._unsub, ch) for ch in idle))
 
     def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes]) -> bool:
         """Handle one reply or message; False when wake-ups are now off."""
         import hiredis
 
-        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == b"message":
+        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == self._kinds[0]:
             with self._lock:
                 entry = self._entries.get(reply[1])
                 if entry is not None:
@@ -344,10 +360,23 @@ class Wakeups:
                     if entry.waiters:
                         entry.waiters[0].wake()
             return True
+        if (
+            isinstance(reply, list)
+            and len(reply) >= 2
+            and reply[0] == self._kinds[1]
+            and not (pending and pending[0] == reply[1])
+        ):
+            # An unsubscription we did not ask for: the slot moved to another node (sharded
+            # pub/sub). Its waiters try now and poll; the next wait on it joins the new owner.
+            self._forget(reply[1])
+            return True
         # Otherwise the reply to the oldest command sent.
         sent = pending.popleft() if pending else None
         if isinstance(reply, hiredis.ReplyError):
-            if isinstance(sent, Entry):
+            if isinstance(sent, Entry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
+                # The channel's slot is not (or not yet) this node's: as a moved slot.
+                self._forget(sent.channel)
+            elif isinstance(sent, Entry):
                 # NOPERM from an ACL without +subscribe or the channel, most likely.
                 self._turn_off(f"the server refused SUBSCRIBE {sent.channel.decode('utf-8', 'replace')}: {reply}")
                 return False
@@ -363,6 +392,15 @@ class Wakeups:
                 if sent.waiters:
                     sent.waiters[0].wake()
         return True
+
+    def _forget(self, channel: bytes) -> None:
+        with self._lock:
+            entry = self._entries.pop(channel, None)
+            if entry is not None:
+                entry.confirmed = False
+                entry.seq += 1
+                for waiter in entry.waiters:
+                    waiter.wake()
 
     def _idle(self, now: float) -> list[bytes]:
         """Drop the subscriptions nobody waited on for LINGER_S; their channels."""
@@ -408,10 +446,10 @@ class Slot:
     """A sync backend's subscriber: made on the first wait that needs it, and made anew in
     a forked child (which never uses or closes its parent's)."""
 
-    __slots__ = ("_config", "_hub")
+    __slots__ = ("_hub", "_make")
 
-    def __init__(self, config: ServerConfig) -> None:
-        self._config = config
+    def __init__(self, make: Callable[[], Wakeups]) -> None:
+        self._make = make
         self._hub: Wakeups | None = None
 
     def get(self) -> Wakeups | None:
@@ -421,7 +459,7 @@ class Slot:
             with _slot_lock:
                 hub = self._hub
                 if hub is None or hub.pid != os.getpid():
-                    hub = self._hub = Wakeups(self._config)
+                    hub = self._hub = self._make()
         return hub if hub.off is None else None
 
     def close(self) -> None:
@@ -439,7 +477,53 @@ class Slot:
 
 def slot(config: ServerConfig) -> Slot | None:
     """A backend's Slot, or None under connect(wakeups=False)."""
-    return Slot(config) if config.wakeups else None
+    return Slot(lambda: Wakeups(config)) if config.wakeups else None
+
+
+class ClusterWakeups(Wakeups):
+    """A Redis Cluster's subscribers: one sharded-pub/sub connection per primary, made when
+    a wait first needs it, each channel joined at its slot's owner (``owner(channel)``, the
+    cluster backend's slot map). A slot that moves unsubscribes its channel on the old
+    node; its waiters then poll, and the next wait on it joins the new owner."""
+
+    def __init__(self, config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> None:
+        # No thread or connection of its own: only the per-node ones.
+        self.pid = os.getpid()
+        self.off = None
+        self._config = config
+        self._owner = owner
+        self._nodes: dict[tuple[str, int], Wakeups] = {}
+        self._nodes_lock = threading.Lock()
+
+    def join(self, channel: bytes) -> Waiter | None:
+        address = self._owner(channel)
+        if address is None:
+            return None  # no primary for the slot right now: poll
+        hub = self._nodes.get(address)
+        if hub is None or hub._closed:
+            with self._nodes_lock:
+                hub = self._nodes.get(address)
+                if hub is None or hub._closed:
+                    hub = self._nodes[address] = Wakeups(self._config.node(*address), sharded=True)
+        if hub.off is not None:
+            self.off = hub.off
+            return None
+        return hub.join(channel)
+
+    def leave(self, waiter: Waiter, acquired: bool) -> None:
+        if waiter.owner is not None:
+            waiter.owner.leave(waiter, acquired)
+
+    def close(self) -> None:
+        with self._nodes_lock:
+            hubs = list(self._nodes.values())
+        for hub in hubs:
+            hub.close()
+
+
+def cluster_slot(config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> Slot | None:
+    """A cluster backend's Slot (see ClusterWakeups), or None under connect(wakeups=False)."""
+    return Slot(lambda: ClusterWakeups(config, owner)) if config.wakeups else None
 
 
 def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float]:

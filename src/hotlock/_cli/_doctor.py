@@ -397,17 +397,22 @@ def check_wakeups(target: Target) -> list[Check]:
     """Whether a release can wake lock_wait's waiters: SUBSCRIBE, UNSUBSCRIBE and PUBLISH on
     a scratch wake-up channel (README "Wait with a deadline"). Refused is a warning, not a
     failure: the library then polls, as it says once in its log."""
-    if target.kind == "cluster":
-        return [Check("wakeups", OK, "Redis Cluster: lock_wait polls with backoff (no sharded wake-ups yet)")]
+    sharded = target.kind == "cluster"  # sharded pub/sub there, on the channel's own node
     tag = secrets.token_hex(8).encode()
     channel = target.prefix + WAKE_SPACE + b"{doctor-" + tag + b"}"
     client = target.client_for(target.prefix + LOCK_SPACE + b"{doctor-" + tag + b"}")
     pubsub = client.pubsub()
     try:
-        pubsub.subscribe(channel)
-        pubsub.get_message(timeout=2.0)  # the confirmation, or the refusal raised
-        pubsub.unsubscribe(channel)
-        client.publish(channel, b"")
+        if sharded:
+            pubsub.ssubscribe(channel)
+            pubsub.get_sharded_message(timeout=2.0)  # the confirmation, or the refusal raised
+            pubsub.sunsubscribe(channel)
+            client.spublish(channel, b"")
+        else:
+            pubsub.subscribe(channel)
+            pubsub.get_message(timeout=2.0)  # the confirmation, or the refusal raised
+            pubsub.unsubscribe(channel)
+            client.publish(channel, b"")
     except redis.ResponseError as exc:
         shown = channel.decode("utf-8", "backslashreplace")
         prefix = target.prefix.decode("utf-8", "backslashreplace")
@@ -416,13 +421,15 @@ def check_wakeups(target: Target) -> list[Check]:
                 "wakeups",
                 WARN,
                 f"the server refuses the wake-up channel {shown} to this user ({exc}): lock_wait polls with backoff",
-                f"ACL SETUSER <user> resetchannels &{prefix}* +publish +subscribe +unsubscribe",
+                f"ACL SETUSER <user> resetchannels &{prefix}* "
+                + ("+spublish +ssubscribe +sunsubscribe" if sharded else "+publish +subscribe +unsubscribe"),
             )
         ]
     finally:
         with contextlib.suppress(redis.RedisError, OSError):
             pubsub.close()
-    return [Check("wakeups", OK, "SUBSCRIBE and PUBLISH on the wake-up channels are allowed: releases wake waiters")]
+    what = "SSUBSCRIBE and SPUBLISH" if sharded else "SUBSCRIBE and PUBLISH"
+    return [Check("wakeups", OK, f"{what} on the wake-up channels are allowed: releases wake waiters")]
 
 
 def check_library(target: Target, url: str) -> list[Check]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from .._cluster import _UNSERVED_REFRESH_S, MAP_ERRORS, Address, ClusterCore, LinkLost, ReplyError, Route, _map_ranges
 from .._config import ServerConfig, cache_error
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError
 from ._retry import InFlight, retry_until
 
@@ -185,12 +185,14 @@ class AsyncClusterBackend(ClusterCore):
 
     async def release(self, key: bytes, token: bytes) -> bool:
         await self._inflight.settled([token])
-        work = self._scripts("release", RELEASE, [key], [(token,)], self._until(None, 0, self.timeout))
+        work = self._scripts("release", RELEASE_SHARDED, [key], [(token,)], self._until(None, 0, self.timeout))
         return bool((await self._inflight.shielded([token], work))[0])
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
-        work = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout))
+        work = self._scripts(
+            "release_many", RELEASE_SHARDED, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout)
+        )
         return [bool(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
