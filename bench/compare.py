@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ceiling, report
-from .contestants import ASYNC, HOTLOCK, LABELS, PEERS, async_unavailable, sync_unavailable
+from .contestants import ASYNC, HOTLOCK, LABELS, PEERS, POLLING, async_unavailable, sync_unavailable
 from .server import Pinning, RedisServer, pinning, start_redis
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +96,7 @@ def _run(
     client = pin.prefix(pin.client)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     exe, why_c = ceiling.build()
-    unavailable: dict[str, str | None] = {n: sync_unavailable(n) for n in (*HOTLOCK, *PEERS)}
+    unavailable: dict[str, str | None] = {n: sync_unavailable(n) for n in (*HOTLOCK, *POLLING, *PEERS)}
     unavailable.update({n: async_unavailable(n, server.url) for n in ASYNC})
     unavailable["C-hiredis"] = None if exe else f"not built: {why_c}"
 
@@ -178,10 +178,10 @@ def _run(
         for mode, workers in (("threads", 8), ("processes", 4)):
             cells += [
                 Cell("contention", n, {"mode": mode, "workers": workers, "keys": 16, "seconds": csec}, child)
-                for n in (*HOTLOCK, *PEERS)
+                for n in (*HOTLOCK, *POLLING, *PEERS)
             ]
     if "handoff" in sections:
-        cells += [Cell("handoff", n, {"rounds": rounds}, child) for n in (*HOTLOCK, *PEERS)]
+        cells += [Cell("handoff", n, {"rounds": rounds}, child) for n in (*HOTLOCK, *POLLING, *PEERS)]
 
     live = [c for c in cells if not unavailable.get(c.contestant)]
     rng = random.Random(2026)

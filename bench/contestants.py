@@ -69,12 +69,12 @@ class SyncContestant:
 class Hotlock(SyncContestant):
     has_batch = True
 
-    def __init__(self, url: str, backend: str) -> None:
+    def __init__(self, url: str, backend: str, wakeups: bool = True) -> None:
         import hotlock
 
-        self.name = f"hotlock {backend}"
+        self.name = f"hotlock {backend}" + ("" if wakeups else " (polling)")
         self._errors: tuple[type[BaseException], ...] = (hotlock.LockNotAcquired,)
-        self.cache = hotlock.connect(url, backend=backend)
+        self.cache = hotlock.connect(url, backend=backend, wakeups=wakeups)
         if self.cache.backend != backend:
             raise RuntimeError(f"asked for the {backend} backend, got {self.cache.backend}")
         self._held: Any = None
@@ -224,6 +224,8 @@ class PotteryRedlock(PeerLock):
 SYNC: dict[str, Callable[[str], SyncContestant]] = {
     "hotlock-native": lambda url: Hotlock(url, "native"),
     "hotlock-redis-py": lambda url: Hotlock(url, "redis-py"),
+    # lock_wait on its backoff alone (connect(wakeups=False)): the wait loop before issue 13.
+    "hotlock-native-polling": lambda url: Hotlock(url, "native", wakeups=False),
     "redis-py-Lock": RedisPyLock,
     "python-redis-lock": PythonRedisLock,
     "pottery-Redlock": PotteryRedlock,
@@ -232,6 +234,7 @@ SYNC: dict[str, Callable[[str], SyncContestant]] = {
 LABELS = {
     "hotlock-native": "hotlock native",
     "hotlock-redis-py": "hotlock redis-py backend",
+    "hotlock-native-polling": "hotlock native, polling (wakeups=False)",
     "redis-py-Lock": "redis-py Lock",
     "python-redis-lock": "python-redis-lock",
     "pottery-Redlock": "pottery Redlock (1 master)",
@@ -243,6 +246,8 @@ LABELS = {
 }
 
 HOTLOCK = ("hotlock-native", "hotlock-redis-py")
+# Measured where waiting is: contention and handoff.
+POLLING = ("hotlock-native-polling",)
 PEERS = ("redis-py-Lock", "python-redis-lock", "pottery-Redlock")
 
 
@@ -252,7 +257,7 @@ def open_sync(name: str, url: str) -> SyncContestant:
 
 def sync_unavailable(name: str) -> str | None:
     """Why a sync contestant cannot run here ("not built: ..."), or None."""
-    if name == "hotlock-native":
+    if name in ("hotlock-native", "hotlock-native-polling"):
         import hotlock
 
         info = hotlock.backend_info()

@@ -22,7 +22,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec, timeval
 from posix.types cimport suseconds_t, time_t
-from posix.unistd cimport close, getpid
+from posix.unistd cimport close, getpid, read
 
 from hiredis cimport *
 
@@ -31,8 +31,11 @@ from hotlock._cluster import LinkLost, ReplyError
 from hotlock._config import cache_error
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, bare_tokens
 from hotlock._ident import TOKEN_BYTES
-from hotlock._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, held_value
+from hotlock._keys import wake_channel
+from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
+from hotlock._wakeup import POLL_FIRST
+from hotlock._wakeup import slot as _wakeup_slot
 from hotlock.errors import CacheError
 
 
@@ -49,6 +52,9 @@ cdef Py_ssize_t _TOKEN_BYTES = TOKEN_BYTES
 cdef bytes _SHA_ACQUIRE = ACQUIRE.sha
 cdef bytes _SHA_EXTEND = EXTEND.sha
 cdef bytes _SHA_RELEASE = RELEASE.sha
+cdef long _POLL_FIRST = POLL_FIRST
+cdef bytes _SHA_ACQUIRE_WAIT = ACQUIRE_WAIT.sha
+cdef bytes _SHA_ACQUIRE_CHAIN = ACQUIRE_CHAIN.sha
 cdef tuple _SOURCES = tuple([s.source for s in SCRIPTS])
 cdef tuple _SHAS = tuple([s.sha for s in SCRIPTS])
 

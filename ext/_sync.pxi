@@ -13,8 +13,29 @@ cdef extern from "<poll.h>" nogil:
         short events
         short revents
     int poll(pollfd *fds, unsigned long nfds, int timeout)
+    # poll() with a timespec, for the sub-millisecond first steps of the backoff (Python.h
+    # defines _GNU_SOURCE, under which glibc declares it).
+    int ppoll(pollfd *fds, unsigned long nfds, const timespec *tmo, const void *sigmask)
     enum:
         POLLIN
+
+
+cdef inline void _sleep_fd(int fd, double ms) noexcept nogil:
+    # The backoff sleep of a waiter with wake-ups (hotlock._wakeup.Waiter): ms at most,
+    # less when the subscriber writes fd; a wake is taken (read) here. A signal (EINTR)
+    # ends it early, as _sleep_ms.
+    cdef pollfd p
+    cdef timespec ts
+    cdef char buf[64]
+    if ms < 0.0:
+        ms = 0.0
+    ts.tv_sec = <time_t>(ms / 1000.0)
+    ts.tv_nsec = <long>((ms - <double>ts.tv_sec * 1000.0) * 1e6)
+    p.fd = fd
+    p.events = POLLIN
+    p.revents = 0
+    if ppoll(&p, 1, &ts, NULL) > 0:
+        read(fd, buf, 64)
 
 
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -322,6 +343,7 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
+    cdef readonly object _wakeups  # hotlock._wakeup.Slot (the wake-up subscriber), or None: wakeups=False
 
     def __init__(self, config):
         if config.tls:
@@ -357,6 +379,7 @@ cdef class NativeBackend:
         self._conns = weakref.WeakSet()
         self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
         self._plain = _PLAIN_NONE
+        self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
         cdef _Retry rule = self._rule(0.0, False)
         cdef _Conn conn = self._conn()
@@ -582,14 +605,16 @@ cdef class NativeBackend:
         cdef char *todo = one_todo
         cdef redisReply *r
         cdef bint single = n == 1 and type(keys) is bytes
-        cdef bint wait = self._wait_replicas > 0 and sha is _SHA_ACQUIRE
+        # The acquire is ACQUIRE or one of its waiting forms: anything but extend and release.
+        cdef bint acquire = sha is not _SHA_EXTEND and sha is not _SHA_RELEASE
+        cdef bint wait = self._wait_replicas > 0 and acquire
         cdef bint reloaded = False
         cdef long long replicas = 0
         cdef Py_ssize_t i, j, sent, missing
         cdef int rc
         cdef _Conn conn = self._conn()
         if plain < 0:  # extend and release as the dialect says; the acquire always by script
-            plain = self._plain if sha is not _SHA_ACQUIRE else _PLAIN_NONE
+            plain = self._plain if not acquire else _PLAIN_NONE
         if not single:
             replies = <redisReply **>malloc((n + 1) * sizeof(redisReply *))
             todo = <char *>malloc(n)
@@ -751,10 +776,13 @@ cdef class NativeBackend:
         return value
 
     def acquire_wait(self, bytes key not None, bytes token not None, long long ttl_ms, long long wait_ms):
-        """The _backoff.poll loop in C: attempts until acquired or wait_ms has passed.
+        """hotlock._wakeup.wait in C: attempts until acquired or wait_ms has passed, on the
+        _backoff schedule; after the first POLL_FIRST attempts each sleep is cut short by a
+        wake-up from the release.
 
-        The GIL is released during every round trip and every sleep; between them the
-        loop holds it only to run Python signal handlers (Ctrl-C ends a long wait)."""
+        The GIL is released during every round trip and every sleep (then a ppoll() on this
+        thread's wake-up fd); between them the loop holds it to run Python signal handlers
+        (Ctrl-C ends a long wait) and to read the subscriber's state for this key."""
         cdef double deadline = _monotonic() + <double>wait_ms / 1000.0
         # One deadline for every attempt's retry; each attempt may retry once by it.
         cdef _Retry rule = self._rule(<double>wait_ms / 1000.0, True)
@@ -762,22 +790,56 @@ cdef class NativeBackend:
         cdef long attempt = 0
         cdef long long result
         cdef unsigned long long rng
+        cdef bytes sha = _SHA_ACQUIRE
+        cdef bint acquired = False
+        cdef int fd = -1
+        hub = waiter = current = None
+        seq = 0
         global _rng_state
         rng = _splitmix64(&_rng_state)  # a private stream for this wait (GIL held here)
-        while True:
-            sent = _monotonic()
-            self._scripts(_SHA_ACQUIRE, key, token, 1, ttl_ms, rule, "acquire", key, &result)
-            if result > 0:
-                return result, sent  # the fence
-            remaining_ms = (deadline - _monotonic()) * 1000.0
-            if remaining_ms <= 0.0:
-                return result, sent
-            # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
-            sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
-            attempt += 1
-            with nogil:
-                _sleep_ms(sleep_ms)
-            PyErr_CheckSignals()
+        try:
+            while True:
+                sent = _monotonic()
+                self._scripts(sha, key, token, 1, ttl_ms, rule, "acquire", key, &result)
+                if result > 0:
+                    acquired = True
+                    return result, sent  # the fence
+                remaining_ms = (deadline - _monotonic()) * 1000.0
+                if remaining_ms <= 0.0:
+                    return result, sent
+                if attempt == 0 and self._wakeups is not None:
+                    self._wakeups.get()  # start the subscriber now, so it is connected when this wait joins
+                elif attempt == _POLL_FIRST - 1 and self._wakeups is not None:
+                    # Waited past the short sleeps: ask to be woken (see _wakeup.wait).
+                    hub = self._wakeups.get()
+                    if hub is not None:
+                        waiter = hub.join(wake_channel(key))
+                    if waiter is not None:
+                        fd = waiter.fd
+                        current = waiter.entry
+                        seq = current.seq
+                        sha = _SHA_ACQUIRE_CHAIN if len(current.waiters) > 1 else _SHA_ACQUIRE_WAIT
+                        if current.confirmed:
+                            # Subscribed already: try now, marking. (Else the server's
+                            # confirmation wakes this wait, which then tries: subscribe, then try.)
+                            attempt += 1
+                            continue
+                # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
+                sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
+                attempt += 1
+                if waiter is None:
+                    with nogil:
+                        _sleep_ms(sleep_ms)
+                else:
+                    if current.seq == seq:  # no message came while the attempt was out
+                        with nogil:
+                            _sleep_fd(fd, sleep_ms)
+                    seq = current.seq
+                    sha = _SHA_ACQUIRE_CHAIN if len(current.waiters) > 1 else _SHA_ACQUIRE_WAIT
+                PyErr_CheckSignals()
+        finally:
+            if waiter is not None:
+                hub.leave(waiter, acquired)
 
     def acquire_many(self, list keys not None, list tokens not None, long long ttl_ms):
         return self._many(_SHA_ACQUIRE, keys, tokens, ttl_ms, True, "acquire_many")
@@ -796,6 +858,11 @@ cdef class NativeBackend:
                 raise
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
                           _PLAIN_NONE)
+        if value == 0 and self._plain != _PLAIN_NONE:
+            # SET IFEQ compares the whole value: a lock a waiter marked ('+') is extended
+            # by the script, which accepts the mark (only under contention, or when lost).
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
+                          _PLAIN_NONE)
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
@@ -805,6 +872,8 @@ cdef class NativeBackend:
             if not _oom_on_plain(self._plain, exc):
                 raise
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", _PLAIN_NONE)
+        if self._plain != _PLAIN_NONE:
+            values = self._by_script(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", values)
         return [v != 0 for v in values]
 
     def release(self, bytes key not None, bytes token not None):
@@ -818,11 +887,31 @@ cdef class NativeBackend:
         cdef long long value
         cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES else -1
         self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
+        if value == 0 and plain and self._plain != _PLAIN_NONE:
+            # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
+            # released by the script, which accepts the mark and wakes the waiter (only
+            # under contention, or when the lock was lost anyway).
+            self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value,
+                          _PLAIN_NONE)
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
         plain = _PLAIN_NONE if bare_tokens(tokens) else -1
-        return [v != 0 for v in self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)]
+        values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
+        if plain and self._plain != _PLAIN_NONE:
+            values = self._by_script(_SHA_RELEASE, keys, tokens, -1, True, "release_many", values)
+        return [v != 0 for v in values]
+
+    cdef list _by_script(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what, list values):
+        """After a Lua-free batch: the entries it missed (0) once more by script, which
+        accepts a waiter's mark ('+') where SET IFEQ and DELIFEQ/DELEX compare whole values."""
+        missed = [i for i in range(len(values)) if values[i] == 0]
+        if missed:
+            again = self._many(sha, [keys[i] for i in missed], [tokens[i] for i in missed], ms, resend, what,
+                               _PLAIN_NONE)
+            for i, v in zip(missed, again):
+                values[i] = v
+        return values
 
     def set_nx(self, bytes key not None, bytes value not None, long long ttl_ms):
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
@@ -867,6 +956,8 @@ cdef class NativeBackend:
 
     def close(self):
         """Drop every thread's connection (a later call reconnects, as on redis-py)."""
+        if self._wakeups is not None:
+            self._wakeups.close()
         for conn in list(self._conns):
             _drop(<_Conn>conn)
 

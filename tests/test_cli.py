@@ -766,3 +766,15 @@ def test_server_kind_reads_valkey_and_redis_info() -> None:
     valkey = {"redis_version": "7.2.4", "server_name": "valkey", "valkey_version": "8.1.1"}
     assert server_kind(valkey) == ("Valkey", "8.1.1")
     assert server_kind({"redis_version": "7.2.4", "valkey_version": "9.0.0"}) == ("Valkey", "9.0.0")
+
+
+def test_doctor_warns_when_the_acl_refuses_the_wake_up_channel(redis_server: RedisServer, acl_url: str) -> None:
+    """The README's list alone (resetchannels): a warning naming the entries to add; with them, ok."""
+    found = checks(result := cli("doctor", "--json", url=acl_url))
+    assert found["wakeups"]["status"] == "warn", found["wakeups"]
+    assert "&hotlock:* +publish +subscribe +unsubscribe" in found["wakeups"]["advice"]
+    assert result.returncode == 0
+    redis_server.client().execute_command(
+        "ACL", "SETUSER", USER, "&hotlock:*", "+publish", "+subscribe", "+unsubscribe"
+    )
+    assert checks(cli("doctor", "--json", url=acl_url))["wakeups"]["status"] == "ok"

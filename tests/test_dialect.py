@@ -18,6 +18,7 @@ import pytest
 import hotlock
 import hotlock.aio
 from hotlock._dialect import Dialect, detect
+from hotlock._scripts import SCRIPTS
 from hotlock.aio._backend import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
@@ -138,7 +139,7 @@ def test_what_each_path_sends_counted_by_the_server(
         assert stats["evalsha"] == locks + 1
         assert stats.get("pexpire", 0) == 0 and stats.get("del", 0) == 0
         assert stats["delifeq"] == locks  # the second unlock of each knows it is done: nothing sent
-        assert stats["script|load"] == 3
+        assert stats["script|load"] == len(SCRIPTS)
     else:
         # Acquire, extend and release per lock, plus the one NOSCRIPT.
         assert stats["evalsha"] == 3 * locks + 1
@@ -167,7 +168,9 @@ def test_async_paths_send_the_same(aio_backend: str, redis_url: str, redis_serve
             assert await cache.unlock_many(locks) == [True, True]
             stats = commandstats(redis_server)
         if lua_free:
-            assert stats["evalsha"] == 3 and stats["delifeq"] == 3 and stats.get("pexpire", 0) == 0
+            # 3 acquires, plus the extend and the release of the taken-over lock asked once
+            # more by script (SET IFEQ and DELIFEQ miss a value a waiter marked '+').
+            assert stats["evalsha"] == 3 + 2 and stats["delifeq"] == 3 and stats.get("pexpire", 0) == 0
         else:
             assert stats["evalsha"] == 3 + 4 + 3 and stats.get("delifeq", 0) == 0
 

@@ -27,6 +27,7 @@ import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
 from hotlock._keys import stored as stored_key
+from hotlock._scripts import SCRIPTS
 from hotlock.aio._backend import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
@@ -292,13 +293,13 @@ def test_script_flush_costs_one_reload_per_flush(rcache: hotlock.Cache, redis_se
             lock.extend(5)
             assert lock.unlock() is True
             calls += 3
-    # Each flush: one EVALSHA answered NOSCRIPT, then the three scripts loaded once, and
+    # Each flush: one EVALSHA answered NOSCRIPT, then every script loaded once, and
     # every later call of every script runs first time. On the Lua-free path (Valkey 9)
     # only the acquire is a script: extend and release send none.
     if rcache.server_info["lua_free"]:
         calls //= 3
     assert commandstat(redis_server, "evalsha") - evalsha == calls + flushes
-    assert commandstat(redis_server, "script|load") - loads == flushes * 3
+    assert commandstat(redis_server, "script|load") - loads == flushes * len(SCRIPTS)
 
 
 def test_readonly_is_a_cache_error_that_drops_the_connection(redis_backend: str, own_server: RedisServer) -> None:

@@ -540,12 +540,15 @@ def test_native_batches_are_one_round_trip_with_results_in_order(redis_url: str,
         turns = proxy.turns
         redis_server.client().delete(lock_name(keys[1].encode()))  # lock 1 lost meanwhile
         assert cache.extend_many(locks, 60) == [lk is not None and i != 1 for i, lk in enumerate(locks)]
-        assert proxy.turns == turns + 1
+        # On the Lua-free path SET IFEQ misses a value a waiter marked ('+'), so what it
+        # missed (here the lost lock) is asked once more, by script: one more turn, only
+        # for a batch with a lost or waited-on lock.
+        assert proxy.turns == turns + (2 if redis_server.lua_free else 1)
         assert 59_000 < redis_server.client().pttl(lock_name(keys[2].encode())) <= 60_000
 
         turns = proxy.turns
         assert cache.unlock_many(locks) == [lk is not None and i != 1 for i, lk in enumerate(locks)]
-        assert proxy.turns == turns + 1
+        assert proxy.turns == turns + (2 if redis_server.lua_free else 1)  # DELIFEQ too (above)
         assert len(redis_server.client().keys("hotlock:lock:{batch-*")) == len(held_elsewhere)
 
         # The same proxy counts a turn per command for single calls: it can tell.
@@ -569,8 +572,8 @@ def test_native_noscript_is_recovered_invisibly(redis_url: str, redis_server: Re
     lock = ncache.lock("a", ttl=5)
     loads = commandstat(redis_server, "script|load")
     side.script_flush()
-    lock.extend(10)  # NOSCRIPT, load all three, the same call again
-    assert commandstat(redis_server, "script|load") == loads + 3
+    lock.extend(10)  # NOSCRIPT, load every script, the same call again
+    assert commandstat(redis_server, "script|load") == loads + len(hotlock._scripts.SCRIPTS)
     assert 9_000 < side.pttl(lock_name(b"a")) <= 10_000
     side.script_flush()
     assert lock.unlock() is True
@@ -587,8 +590,8 @@ def test_native_noscript_is_recovered_invisibly(redis_url: str, redis_server: Re
 def test_native_scripts_are_loaded_at_connect(redis_url: str, redis_server: RedisServer) -> None:
     cache = hotlock.connect(redis_url, backend="native")
     try:
-        shas = [s.sha.decode() for s in (hotlock._scripts.ACQUIRE, hotlock._scripts.EXTEND, hotlock._scripts.RELEASE)]
-        assert redis_server.client().script_exists(*shas) == [True, True, True]
+        shas = [s.sha.decode() for s in hotlock._scripts.SCRIPTS]
+        assert redis_server.client().script_exists(*shas) == [True] * len(shas)
     finally:
         cache.close()
 

@@ -7,6 +7,7 @@ with cache.lock("settle:invoice-1", ttl=60):   # try once; LockNotAcquired if he
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -81,6 +82,7 @@ def connect(
     wait_timeout: float | None = None,
     scripts: str = "auto",
     metrics: Listener | None = None,
+    wakeups: bool = True,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -103,10 +105,15 @@ def connect(
 
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
     told of every acquisition, release, extension, loss and error; without one, nothing is paid.
+
+    ``wakeups=True`` lets a release wake the lock_wait callers waiting for its key (a
+    PUBLISH on ``<prefix>wake:{key}``, sent only when someone waits; one subscriber
+    connection per cache); ``wakeups=False`` keeps lock_wait on its backoff polling alone.
     """
     check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    config = _with_wakeups(config, wakeups)
     if config is None:
         return _cache(MemoryBackend(), raw_prefix, listener)
     opened, why = open_backend(config, backend)
@@ -121,6 +128,16 @@ def connect(
         opened.close()
         raise
     return _cache(opened, raw_prefix, listener)
+
+
+def _with_wakeups(config: ServerConfig | None, wakeups: object) -> ServerConfig | None:
+    """connect()'s ``wakeups`` checked and put in the config (said once when off)."""
+    if not isinstance(wakeups, bool):
+        raise TypeError(f"wakeups must be a bool, not {type(wakeups).__name__}")
+    if config is None or wakeups:
+        return config
+    log.info("wake-ups off (connect(wakeups=False)): lock_wait polls with backoff")
+    return dataclasses.replace(config, wakeups=False)
 
 
 def _cache(backend: Backend, prefix: bytes, listener: Listener | None) -> Cache:

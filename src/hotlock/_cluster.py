@@ -39,10 +39,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ._backoff import poll
 from ._config import ServerConfig, cache_error
 from ._dialect import UNDETECTED, Dialect
-from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from ._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from ._wakeup import cluster_slot, wait
 from .errors import CacheError
 
 __all__ = [
@@ -526,6 +526,9 @@ class ClusterBackend(ClusterCore):
         self._open_link = open_link
         self._links: dict[Address, Link] = {}
         self._links_mutex = threading.Lock()
+        # The wake-up subscribers (hotlock._wakeup.ClusterWakeups: sharded pub/sub, one per
+        # primary), made on the first long lock_wait.
+        self._wakeups = cluster_slot(config, self.slot_owner)
         # Connect now: a cluster none of whose seeds answers is a CacheError at connect().
         self.refresh()
         for address in self.map.primaries:
@@ -643,7 +646,9 @@ class ClusterBackend(ClusterCore):
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
         until = self.retry_until(wait_ms)
         ttl = b"%d" % ttl_ms
-        return poll(lambda: int(self._scripts("acquire", ACQUIRE, [key], [(token, ttl)], until)[0]), wait_ms)
+        return wait(
+            self._wakeups, key, lambda s: int(self._scripts("acquire", s, [key], [(token, ttl)], until)[0]), wait_ms
+        )
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         ttl = b"%d" % ttl_ms
@@ -659,10 +664,11 @@ class ClusterBackend(ClusterCore):
         return [bool(r) for r in self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
 
     def release(self, key: bytes, token: bytes) -> bool:
-        return bool(self._scripts("release", RELEASE, [key], [(token,)], self.retry_until())[0])
+        # RELEASE_SHARDED: a waiter's mark is announced by SPUBLISH, on the lock's own shard.
+        return bool(self._scripts("release", RELEASE_SHARDED, [key], [(token,)], self.retry_until())[0])
 
     def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        replies = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self.retry_until())
+        replies = self._scripts("release_many", RELEASE_SHARDED, keys, [(t,) for t in tokens], self.retry_until())
         return [bool(r) for r in replies]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -686,6 +692,8 @@ class ClusterBackend(ClusterCore):
         return self.info_summary(replies)
 
     def close(self) -> None:
+        if self._wakeups is not None:
+            self._wakeups.close()
         with self._links_mutex:
             links = list(self._links.values())
         for link in links:

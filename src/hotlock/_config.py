@@ -41,6 +41,8 @@ class ServerConfig:
     # connect(wait_replicas=N): WAIT for N replicas after each acquire, up to wait_timeout s.
     wait_replicas: int = 0
     wait_timeout: float = 0.5
+    # connect(wakeups=False): lock_wait polls only, no subscriber connection (_wakeup).
+    wakeups: bool = True
 
     def primary(self) -> tuple[str, int]:
         """The (host, port) to connect to now: under Sentinel, whatever the sentinels name

@@ -12,16 +12,35 @@ decided by K up to its first ``}``, which is how a user co-locates keys on purpo
 
 from __future__ import annotations
 
-__all__ = ["COUNT_SPACE", "LOCK_SPACE", "ONCE_SPACE", "check_prefix", "stored", "user_key"]
+__all__ = [
+    "COUNT_SPACE",
+    "LOCK_SPACE",
+    "ONCE_SPACE",
+    "WAKE_SPACE",
+    "check_prefix",
+    "stored",
+    "user_key",
+    "wake_channel",
+]
 
 LOCK_SPACE = b"lock:"
 ONCE_SPACE = b"once:"
 COUNT_SPACE = b"count:"
+# Not a key: the pub/sub channel a release announces a waited-on lock's end on (_scripts.RELEASE).
+WAKE_SPACE = b"wake:"
 
 
 def stored(space_prefix: bytes, key: bytes) -> bytes:
     """The Redis key for user key ``key`` (bytes, validated) under ``prefix + space``."""
     return space_prefix + b"{" + key + b"}"
+
+
+def wake_channel(lock_name: bytes) -> bytes:
+    """The wake-up channel of the lock stored at ``lock_name`` (``<prefix>lock:{K}`` gives
+    ``<prefix>wake:{K}``, the same hash slot); _scripts.RELEASE derives it the same way:
+    the prefix has no brace, so the first ``{`` starts the tag."""
+    i = lock_name.index(b"{")
+    return lock_name[: i - len(LOCK_SPACE)] + WAKE_SPACE + lock_name[i:]
 
 
 def user_key(space_prefix: bytes, name: bytes) -> bytes | None:

@@ -28,12 +28,12 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._backoff import poll
 from ._cluster import LinkLost, ReplyError
 from ._config import ServerConfig, cache_error
 from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
-from ._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
+from ._wakeup import slot, wait
 from .errors import CacheError
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
@@ -145,6 +145,8 @@ class RedisPyBackend:
             kind = _TLSConnection if config.tls else redis.Connection
             pool = redis.ConnectionPool(connection_class=kind, host=config.host, port=config.port, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
+        # The wake-up subscriber (hotlock._wakeup), made on the first contended lock_wait.
+        self._wakeups = slot(config)
         self._load_scripts()
 
     # -- plumbing ---------------------------------------------------------------------
@@ -249,7 +251,7 @@ class RedisPyBackend:
     def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
         # same write as the acquires it confirms: no extra round trip, no other connection.
-        if script is ACQUIRE and self._wait_replicas:
+        if self._wait_replicas and script in _ACQUIRES:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
 
@@ -287,15 +289,15 @@ class RedisPyBackend:
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
         return self._acquire(key, token, ttl_ms, self._retry_until())
 
-    def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float) -> int:
+    def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float, script: Script = ACQUIRE) -> int:
         replies = self._call(
-            "acquire", key, lambda t: self._scripts(ACQUIRE, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
+            "acquire", key, lambda t: self._scripts(script, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
         )
         return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
         retry_until = self._retry_until(wait_ms)
-        return poll(lambda: self._acquire(key, token, ttl_ms, retry_until), wait_ms)
+        return wait(self._wakeups, key, lambda s: self._acquire(key, token, ttl_ms, retry_until, s), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
@@ -309,17 +311,33 @@ class RedisPyBackend:
         return self.extend_many([key], [token], ttl_ms, "extend", key)[0]
 
     def extend_many(
-        self, keys: list[bytes], tokens: list[bytes], ttl_ms: int, what: str = "extend_many", key: bytes | None = None
+        self,
+        keys: list[bytes],
+        tokens: list[bytes],
+        ttl_ms: int,
+        what: str = "extend_many",
+        key: bytes | None = None,
+        by_script: bool = False,
     ) -> list[bool]:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not by_script:
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
-                return [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
+                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
             except CacheError as exc:
                 if not isinstance(exc.__cause__, OutOfMemoryError):
                     raise
                 # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+            else:
+                # SET IFEQ compares the whole value: one a waiter marked ('+') is extended
+                # by the script, which accepts the mark (only under contention, or when lost).
+                missed = [i for i, ok in enumerate(done) if not ok]
+                if missed:
+                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
+                    again = self.extend_many(mk, mt, ttl_ms, what, key, True)
+                    for i, ok in zip(missed, again, strict=True):
+                        done[i] = ok
+                return done
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
         return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
 
@@ -329,11 +347,25 @@ class RedisPyBackend:
         return self.release_many([key], [token], "release", key)[0]
 
     def release_many(
-        self, keys: list[bytes], tokens: list[bytes], what: str = "release_many", key: bytes | None = None
+        self,
+        keys: list[bytes],
+        tokens: list[bytes],
+        what: str = "release_many",
+        key: bytes | None = None,
+        by_script: bool = False,
     ) -> list[bool]:
-        if self.dialect.lua_free and not bare_tokens(tokens):
+        if self.dialect.lua_free and not by_script and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            replies = self._call(what, key, lambda t: self._commands(dels, t), True)
+            done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, t), True)]
+            # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
+            # by the script, which accepts the mark and wakes the waiter (only under
+            # contention, or when the lock was lost anyway).
+            missed = [i for i, ok in enumerate(done) if not ok]
+            if missed:
+                again = self.release_many([keys[i] for i in missed], [tokens[i] for i in missed], what, key, True)
+                for i, ok in zip(missed, again, strict=True):
+                    done[i] = ok
+            return done
         else:
             calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
             replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)
@@ -370,7 +402,13 @@ class RedisPyBackend:
         self.dialect = dialect
 
     def close(self) -> None:
+        if self._wakeups is not None:
+            self._wakeups.close()
         self._redis.close()
+
+
+# ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.
+_ACQUIRES = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
 
 
 class RedisPyLink:

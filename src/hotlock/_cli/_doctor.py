@@ -21,6 +21,7 @@ import redis
 
 from .. import backend_info
 from .._dialect import COMMAND_PROBE, commands_from, detect, kind_and_version
+from .._keys import LOCK_SPACE, WAKE_SPACE
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._target import Node, Target, glob_escape
 
@@ -392,6 +393,45 @@ def check_acl(target: Target) -> list[Check]:
     return [Check("acl", OK, detail)]
 
 
+def check_wakeups(target: Target) -> list[Check]:
+    """Whether a release can wake lock_wait's waiters: SUBSCRIBE, UNSUBSCRIBE and PUBLISH on
+    a scratch wake-up channel (README "Wait with a deadline"). Refused is a warning, not a
+    failure: the library then polls, as it says once in its log."""
+    sharded = target.kind == "cluster"  # sharded pub/sub there, on the channel's own node
+    tag = secrets.token_hex(8).encode()
+    channel = target.prefix + WAKE_SPACE + b"{doctor-" + tag + b"}"
+    client = target.client_for(target.prefix + LOCK_SPACE + b"{doctor-" + tag + b"}")
+    pubsub = client.pubsub()
+    try:
+        if sharded:
+            pubsub.ssubscribe(channel)
+            pubsub.get_sharded_message(timeout=2.0)  # the confirmation, or the refusal raised
+            pubsub.sunsubscribe(channel)
+            client.spublish(channel, b"")
+        else:
+            pubsub.subscribe(channel)
+            pubsub.get_message(timeout=2.0)  # the confirmation, or the refusal raised
+            pubsub.unsubscribe(channel)
+            client.publish(channel, b"")
+    except redis.ResponseError as exc:
+        shown = channel.decode("utf-8", "backslashreplace")
+        prefix = target.prefix.decode("utf-8", "backslashreplace")
+        return [
+            Check(
+                "wakeups",
+                WARN,
+                f"the server refuses the wake-up channel {shown} to this user ({exc}): lock_wait polls with backoff",
+                f"ACL SETUSER <user> resetchannels &{prefix}* "
+                + ("+spublish +ssubscribe +sunsubscribe" if sharded else "+publish +subscribe +unsubscribe"),
+            )
+        ]
+    finally:
+        with contextlib.suppress(redis.RedisError, OSError):
+            pubsub.close()
+    what = "SSUBSCRIBE and SPUBLISH" if sharded else "SUBSCRIBE and PUBLISH"
+    return [Check("wakeups", OK, f"{what} on the wake-up channels are allowed: releases wake waiters")]
+
+
 def check_library(target: Target, url: str) -> list[Check]:
     """The library itself, end to end, on a scratch prefix: connect, lock, a conflicting
     lock, extend, unlock, set_nx, incr. Catches what probing by hand would miss (what the
@@ -696,6 +736,7 @@ def run_checks(target: Target, url: str) -> list[Check]:
     run("eviction", lambda: check_eviction(target))
     run("persistence", lambda: check_persistence(target))
     run("acl", lambda: check_acl(target))
+    run("wakeups", lambda: check_wakeups(target))
     run("library", lambda: check_library(target, url))
     run("lua-free", lambda: check_dialect(target))
     measured: list[float] = []

@@ -21,6 +21,7 @@ from redis.retry import Retry
 from .. import _keys
 from .._config import ServerConfig, parse_url
 from .._ident import TOKEN_BYTES  # a lock's value starts with its token
+from .._scripts import WAITED
 from .._validate import MAX_KEY_BYTES
 from ..errors import CacheError
 
@@ -82,8 +83,10 @@ def fence_of(length: int, tail: bytes) -> int | None:
 
     The value is the 16-byte token followed by the fence in decimal; a value of exactly 16
     bytes is a lock taken before fencing (no fence). Only the tail is ever read from Redis
-    (GETRANGE key 16 -1), so the token never leaves the server.
+    (GETRANGE key 16 -1), so the token never leaves the server. A trailing ``+`` marks a
+    lock a waiter asked to be woken from (hotlock._scripts.WAITED): not part of the fence.
     """
+    tail = tail.removesuffix(WAITED)
     if length <= TOKEN_BYTES or not tail.isdigit():
         return None
     return int(tail)

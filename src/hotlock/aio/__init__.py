@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .. import _connect_config, _log_server
+from .. import _connect_config, _log_server, _with_wakeups
 from .._dialect import check_scripts, commands_from, detect, probe_needed
 from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
@@ -45,6 +45,7 @@ async def connect(
     wait_timeout: float | None = None,
     scripts: str = "auto",
     metrics: Listener | None = None,
+    wakeups: bool = True,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -56,6 +57,7 @@ async def connect(
     check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    config = _with_wakeups(config, wakeups)
     if config is None:
         return _cache(AsyncMemoryBackend(), raw_prefix, listener)
     opened, why = await open_backend(config, backend)

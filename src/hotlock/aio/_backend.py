@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 from .._backend import native_module
 from .._config import ServerConfig
@@ -36,8 +36,11 @@ class AsyncBackend(Protocol):
     # ``since`` (loop time) and ``wait_ms`` are those of the lock_wait this attempt belongs
     # to: as in sync, a lost-reply retry ends by since + max(wait, timeout) + timeout, so
     # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout.
+    # ``script`` is ACQUIRE or one of its waiting forms (ACQUIRE_WAIT, ACQUIRE_CHAIN: the
+    # same contract), chosen by AsyncCache's lock_wait loop; a backend with a ``wake_slot``
+    # (hotlock.aio._wakeup.AsyncSlot, or None) takes part in wake-ups.
     async def acquire(
-        self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0, script: Any = ...
     ) -> int: ...
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]: ...
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool: ...

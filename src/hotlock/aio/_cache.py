@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -11,8 +12,9 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from .._backoff import Backoff
 from .._cache import CacheBase
 from .._ident import new_token, new_tokens
-from .._keys import stored
+from .._keys import stored, wake_channel
 from .._lock import shown
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT
 from .._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -26,6 +28,7 @@ from .._validate import (
 )
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
+from ._wakeup import POLL_FIRST, AsyncSlot, AsyncWaiter, AsyncWakeups
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
@@ -108,6 +111,14 @@ class AsyncCache(CacheBase[AsyncLock]):
         loop = asyncio.get_running_loop()
         token = new_token()
         backoff = None if wait_for is None else Backoff(wait_for)
+        # The backend's wake-up subscriber (hotlock.aio._wakeup), for a lock_wait: after
+        # POLL_FIRST plain attempts the wait joins the key's channel and marks (see
+        # hotlock._wakeup.wait, the sync loop this one follows).
+        slot: AsyncSlot | None = None if backoff is None else getattr(self._backend, "wake_slot", None)
+        script = ACQUIRE
+        attempts = seq = 0
+        hub: AsyncWakeups | None = None
+        waiter: AsyncWaiter | None = None
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
@@ -116,19 +127,43 @@ class AsyncCache(CacheBase[AsyncLock]):
             while True:
                 sent = loop.time()
                 maybe_held = True
-                result = await self._backend.acquire(name, token, ms, since, wait_for or 0)
+                result = await self._backend.acquire(name, token, ms, since, wait_for or 0, script)
                 if result > 0:
                     lock = AsyncLock(
                         self._backend, self._release_in_background, loop, key, name, token, result, ms, sent
                     )
                     if auto:
                         self._renew([lock], hold)
+                    if waiter is not None:
+                        assert hub is not None
+                        hub.leave(waiter, True)
+                        waiter = None
                     return lock
                 maybe_held = False
+                attempts += 1
+                if slot is not None and backoff is not None:
+                    if attempts == 1:
+                        slot.get()  # start the subscriber now, so it is connected when this wait joins
+                    elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
+                        hub = slot.get()
+                        waiter = None if hub is None else hub.join(wake_channel(name))
+                        if waiter is not None:
+                            assert waiter.entry is not None
+                            seq = waiter.entry.seq
+                            script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT
+                            # Subscribed already: try now (marking). Else the confirmation wakes us.
+                            if waiter.entry.confirmed and time.monotonic() < backoff.deadline:
+                                continue
                 sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
                     raise self._not_acquired(key, result, wait_for)
-                await asyncio.sleep(sleep)
+                if waiter is None or waiter.entry is None:
+                    await asyncio.sleep(sleep)
+                    continue
+                if waiter.entry.seq == seq:  # no message came while the attempt was out
+                    await waiter.sleep(sleep)
+                seq = waiter.entry.seq
+                script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
             # taken the key: release it behind that acquire, since nobody will hold the
@@ -137,6 +172,10 @@ class AsyncCache(CacheBase[AsyncLock]):
             if maybe_held:
                 self._release_in_background([name], [token])
             raise
+        finally:
+            if waiter is not None:
+                assert hub is not None
+                hub.leave(waiter, False)
 
     async def with_lock(
         self, key: str | bytes, ttl: Seconds, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from .._cluster import _UNSERVED_REFRESH_S, MAP_ERRORS, Address, ClusterCore, LinkLost, ReplyError, Route, _map_ranges
 from .._config import ServerConfig, cache_error
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError
 from ._retry import InFlight, retry_until
 
@@ -157,7 +157,15 @@ class AsyncClusterBackend(ClusterCore):
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: Script = ACQUIRE,  # no wake-ups on a cluster yet: only ACQUIRE comes here
+    ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         work = self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], until)
         return int((await self._inflight.shielded([token], work))[0])
@@ -177,12 +185,14 @@ class AsyncClusterBackend(ClusterCore):
 
     async def release(self, key: bytes, token: bytes) -> bool:
         await self._inflight.settled([token])
-        work = self._scripts("release", RELEASE, [key], [(token,)], self._until(None, 0, self.timeout))
+        work = self._scripts("release", RELEASE_SHARDED, [key], [(token,)], self._until(None, 0, self.timeout))
         return bool((await self._inflight.shielded([token], work))[0])
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
-        work = self._scripts("release_many", RELEASE, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout))
+        work = self._scripts(
+            "release_many", RELEASE_SHARDED, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout)
+        )
         return [bool(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:

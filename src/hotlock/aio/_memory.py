@@ -22,7 +22,15 @@ class AsyncMemoryBackend:
     def __init__(self) -> None:
         self._data = MemoryBackend()
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: object = None,  # the script a Redis backend would send: nothing to send here
+    ) -> int:
         return self._data.acquire(key, token, ttl_ms)
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:

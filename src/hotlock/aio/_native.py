@@ -22,6 +22,7 @@ from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import info_fields, retry_until, unconfirmed
+from ._wakeup import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
@@ -58,6 +59,8 @@ class NativeAsyncBackend:
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
         self._config = config
+        # The wake-up subscriber (hotlock.aio._wakeup), made on the first long lock_wait.
+        self.wake_slot = async_slot(config)
         self._protocol_class = protocol_class
         self._proto: AioConnection | None = None
         # Under Sentinel: where the primary is, and the watch epoch the live connection is of.
@@ -293,23 +296,33 @@ class NativeAsyncBackend:
     # Ordering promise: every command of this backend goes through one connection in
     # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: Script = ACQUIRE,
+    ) -> int:
         if self._config.wait_replicas:
-            return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms))[0]
+            return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms, script))[0]
         until = retry_until(since, wait_ms, self._config.timeout)
-        return int(await self._script("acquire", ACQUIRE, key, token, ttl_ms, retry=True, until=until))
+        return int(await self._script("acquire", script, key, token, ttl_ms, retry=True, until=until))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         if self._config.wait_replicas:
             return await self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms)
         return [int(r) for r in await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)]
 
-    async def _acquire_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+    async def _acquire_confirmed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
+    ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one write."""
         config = self._config
         wait = (b"WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
-        *replies, confirmed = await self._script_many(what, ACQUIRE, keys, tokens, ttl_ms, retry=True, trailer=wait)
+        *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
         results = [int(r) for r in replies]
         if int(confirmed) >= config.wait_replicas:
             return results
@@ -327,7 +340,10 @@ class NativeAsyncBackend:
             if not _oom(reply):  # refused at maxmemory: the script is not (see _dialect)
                 if isinstance(reply, ReplyError):
                     raise self._refused("extend", key, reply)
-                return reply is not None
+                if reply is not None:
+                    return True
+                # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
+                # extended by the script, which accepts the mark (contended, or lost).
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
@@ -340,20 +356,43 @@ class NativeAsyncBackend:
                 for reply in replies:
                     if isinstance(reply, ReplyError):
                         raise self._refused("extend_many", None, reply)
-                return [r is not None for r in replies]
+                done = [r is not None for r in replies]
+                # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
+                missed = [i for i, ok in enumerate(done) if not ok]
+                if missed:
+                    again = await self._script_many(
+                        "extend_many", EXTEND, [keys[i] for i in missed], [tokens[i] for i in missed], ttl_ms
+                    )
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = bool(r)
+                return done
         return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
-        if self.dialect.lua_free and not bare_tokens([token]):
-            return bool(await self._command("release", key, *release_command(self.dialect, key, token), retry=True))
+        # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is released
+        # by the script, which accepts the mark and wakes the waiter.
+        if (
+            self.dialect.lua_free
+            and not bare_tokens([token])
+            and await self._command("release", key, *release_command(self.dialect, key, token), retry=True)
+        ):
+            return True
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            return [bool(r) for r in await self._commands("release_many", dels, retry=True)]
+            done = [bool(r) for r in await self._commands("release_many", dels, retry=True)]
+            missed = [i for i, ok in enumerate(done) if not ok]  # once more by script, as in release
+            if missed:
+                again = await self._script_many(
+                    "release_many", RELEASE, [keys[i] for i in missed], [tokens[i] for i in missed], retry=True
+                )
+                for i, r in zip(missed, again, strict=True):
+                    done[i] = bool(r)
+            return done
         return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
@@ -398,6 +437,8 @@ class NativeAsyncBackend:
         await self.close()
 
     async def close(self) -> None:
+        if self.wake_slot is not None:
+            await self.wake_slot.close()
         if self._connecting is not None:
             self._connecting.cancel()
         if self._proto is not None:

@@ -38,6 +38,7 @@ from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
 from ._retry import InFlight, info_fields, retry_until, unconfirmed
+from ._wakeup import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
@@ -249,6 +250,8 @@ class RedisAsyncBackend:
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
+        # The wake-up subscriber (hotlock.aio._wakeup), made on the first long lock_wait.
+        self.wake_slot = async_slot(config)
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
         # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
         self._watch: PrimaryWatch | None = None
@@ -422,14 +425,21 @@ class RedisAsyncBackend:
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
-    async def acquire(self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0) -> int:
+    async def acquire(
+        self,
+        key: bytes,
+        token: bytes,
+        ttl_ms: int,
+        since: float | None = None,
+        wait_ms: int = 0,
+        script: Script = ACQUIRE,
+    ) -> int:
         if self._config.wait_replicas:
-            return (await self._inflight.shielded([token], self._acquire_confirmed("acquire", [key], [token], ttl_ms)))[
-                0
-            ]
+            confirmed = self._acquire_confirmed("acquire", [key], [token], ttl_ms, script)
+            return (await self._inflight.shielded([token], confirmed))[0]
         until = retry_until(since, wait_ms, self._timeout)
         reply = await self._inflight.shielded(
-            [token], self._call("acquire", key, lambda: self._evalsha(ACQUIRE, key, token, ttl_ms), True, until)
+            [token], self._call("acquire", key, lambda: self._evalsha(script, key, token, ttl_ms), True, until)
         )
         return int(reply)
 
@@ -441,7 +451,9 @@ class RedisAsyncBackend:
         )
         return [int(r) for r in replies]
 
-    async def _acquire_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+    async def _acquire_confirmed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
+    ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one round trip."""
         config = self._config
@@ -449,7 +461,7 @@ class RedisAsyncBackend:
         replies = await self._call(
             what,
             keys[0] if len(keys) == 1 else None,
-            lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms, trailer=wait),
+            lambda: self._pipeline(script, keys, tokens, ttl_ms, trailer=wait),
             True,
         )
         results, confirmed = [int(r) for r in replies[:-1]], int(replies[-1])
@@ -469,7 +481,10 @@ class RedisAsyncBackend:
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
             try:
-                return bool((await self._call("extend", key, lambda: self._commands([command])))[0])
+                if (await self._call("extend", key, lambda: self._commands([command])))[0]:
+                    return True
+                # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
+                # extended by the script, which accepts the mark (contended, or lost).
             except CacheError as exc:
                 if not isinstance(exc.__cause__, OutOfMemoryError):
                     raise
@@ -480,11 +495,20 @@ class RedisAsyncBackend:
         if self.dialect.lua_free:
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
-                return [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
+                done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
             except CacheError as exc:
                 if not isinstance(exc.__cause__, OutOfMemoryError):
                     raise
                 # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+            else:
+                # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
+                missed = [i for i, ok in enumerate(done) if not ok]
+                if missed:
+                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
+                    again = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, mk, mt, ttl_ms))
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = bool(r)
+                return done
         replies = await self._call("extend_many", None, lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms))
         return [bool(r) for r in replies]
 
@@ -494,8 +518,15 @@ class RedisAsyncBackend:
         # (False) or still ours (releases it), and either way the caller sees no error.
         if self.dialect.lua_free and not bare_tokens([token]):
             command = release_command(self.dialect, key, token)
-            work = self._call("release", key, lambda: self._commands([command]), True)
-            return bool((await self._inflight.shielded([token], work))[0])
+
+            async def plain_then_script() -> bool:
+                if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
+                    return True
+                # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
+                # released by the script, which accepts the mark and wakes the waiter.
+                return bool(await self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True))
+
+            return await self._inflight.shielded([token], plain_then_script())
         work = self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True)
         return bool(await self._inflight.shielded([token], work))
 
@@ -503,7 +534,18 @@ class RedisAsyncBackend:
         await self._inflight.settled(tokens)
         if self.dialect.lua_free and not bare_tokens(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            work = self._call("release_many", None, lambda: self._commands(dels), True)
+
+            async def plain_then_script() -> list[Any]:
+                done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
+                missed = [i for i, r in enumerate(done) if not r]  # once more by script, as in release
+                if missed:
+                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
+                    again = await self._call("release_many", None, lambda: self._pipeline(RELEASE, mk, mt), True)
+                    for i, r in zip(missed, again, strict=True):
+                        done[i] = r
+                return done
+
+            work = plain_then_script()
         else:
             work = self._call("release_many", None, lambda: self._pipeline(RELEASE, keys, tokens), True)
         replies = await self._inflight.shielded(tokens, work)
@@ -539,4 +581,6 @@ class RedisAsyncBackend:
         self.dialect = dialect
 
     async def close(self) -> None:
+        if self.wake_slot is not None:
+            await self.wake_slot.close()
         await self._pool.disconnect()

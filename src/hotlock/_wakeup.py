@@ -1,0 +1,583 @@
+"""Waiters woken by the release (DESIGN §10): one subscriber connection per sync cache.
+
+A waiting attempt (_scripts.ACQUIRE_WAIT) that finds the key held marks the holder's value
+with a trailing ``+``; the release of a marked value publishes on the key's wake-up channel
+(``<prefix>wake:{K}``, _keys.wake_channel), and only then: an uncontended release sends
+and costs what it did. This module is the receiving end, shared by every thread of one
+cache and by both sync backends (the native one sleeps in C on the same file descriptors):
+
+- **One connection, one thread.** The subscriber thread does all of the connection's I/O
+  (select() on its socket and on a control pipe, so it never holds the GIL while it
+  waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
+- **Poll first, then ask to be woken.** A wait's first POLL_FIRST attempts are plain
+  polling (most contended waits end there, and a wake-up costs more than those sleeps);
+  then it joins its key's channel and every later attempt marks.
+- **Subscribe, then try.** join() never blocks: on a channel already subscribed the
+  waiter tries at once; on one being subscribed it sleeps on its backoff, and the server's
+  confirmation wakes the channel's first waiter, which tries then, so a release between a
+  failed attempt and the subscription cannot go unheard past that. A subscription
+  outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
+- **One wake per message per process.** A message wakes the longest-waiting local waiter
+  of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
+  backoff. A waiter that acquires while others of its process still wait on the key takes
+  it with ACQUIRE_CHAIN, which marks the new value at once, so its own release wakes the
+  next one. Every message also bumps ``Entry.seq``: a waiter whose attempt was in flight
+  when a message came retries at once instead of sleeping.
+- **The backoff stays the safety net.** A lost message (dropped, the subscriber
+  reconnecting) costs a waiter at most its backoff cap. After a reconnect every channel is
+  subscribed again and its first waiter woken, since releases may have gone unheard.
+- **Degrades to polling.** An ACL that refuses SUBSCRIBE or the channel turns wake-ups off
+  for this cache (said once, WARNING); lock_wait then polls as before. A forked child never
+  touches its parent's subscriber: the backends make a new one when the pid changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import select
+import socket
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._backoff import Backoff, poll
+from ._config import ServerConfig
+from ._keys import wake_channel
+from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
+from ._sentinel import PrimaryWatch
+
+__all__ = [
+    "LINGER_S",
+    "POLL_FIRST",
+    "ClusterWakeups",
+    "Entry",
+    "Slot",
+    "Waiter",
+    "Wakeups",
+    "cluster_slot",
+    "slot",
+    "wait",
+]
+
+log = logging.getLogger("hotlock")
+
+# How long a key's subscription outlives its last waiter: a hot key is subscribed once, not
+# once per wait; a key nobody waits on any more is unsubscribed within LINGER_S + TICK_S.
+LINGER_S = 5.0
+# The subscriber thread's longest sleep: how often it looks for lingering subscriptions
+# to drop and for close().
+TICK_S = 0.5
+# Attempts a lock_wait makes on its plain backoff before it asks to be woken (see wait()):
+# with the 1 ms first step doubling, about 1.5 ms of waiting on average, 3 ms at most.
+POLL_FIRST = 3
+_ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
+
+
+class Waiter:
+    """One thread's wake-up file descriptor, reused for each of its waits: the subscriber
+    writes it, the wait loop sleeps in select()/poll() on it (the GIL released)."""
+
+    __slots__ = ("_wfd", "entry", "fd", "owner", "pid")
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            self.fd = self._wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:  # no eventfd (not Linux): a pipe works the same for poll()
+            self.fd, self._wfd = os.pipe()
+            os.set_blocking(self.fd, False)
+            os.set_blocking(self._wfd, False)
+        self.pid = os.getpid()
+        self.entry: Entry | None = None
+        self.owner: Wakeups | None = None  # the subscriber it is registered with (a cluster has several)
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a wake already pending is enough
+            os.write(self._wfd, _ONE)
+
+    def drain(self) -> bool:
+        """Take a pending wake; True if there was one."""
+        try:
+            return bool(os.read(self.fd, 64))
+        except BlockingIOError:
+            return False
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less if woken (the pure-Python loop's; the native one polls in C)."""
+        ready, _, _ = select.select([self.fd], [], [], seconds)
+        if ready:
+            self.drain()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self.fd)
+            if self._wfd != self.fd:
+                os.close(self._wfd)
+
+
+class Entry:
+    """One channel: its subscription's state and the waiters of this process on it."""
+
+    __slots__ = ("channel", "confirmed", "idle_since", "seq", "waiters")
+
+    def __init__(self, channel: bytes) -> None:
+        self.channel = channel
+        self.seq = 0  # messages received (and resubscriptions): see the module docstring
+        self.waiters: list[Waiter] = []  # in the order they came: [0] is woken first
+        self.confirmed = False
+        self.idle_since = time.monotonic()
+
+
+def _command(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+class Wakeups:
+    """The subscriber of one cache (see the module docstring). Made by a backend on the
+    first lock_wait that finds its key held; ``off`` tells why wake-ups stopped, if they did."""
+
+    def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
+        self.pid = os.getpid()
+        self.off: str | None = None
+        # On a Redis Cluster node: sharded pub/sub (SSUBSCRIBE, the releases' SPUBLISH).
+        self._sub, self._unsub = (b"SSUBSCRIBE", b"SUNSUBSCRIBE") if sharded else (b"SUBSCRIBE", b"UNSUBSCRIBE")
+        self._kinds = (b"smessage", b"sunsubscribe") if sharded else (b"message", b"unsubscribe")
+        self._config = config
+        self._server = config.display
+        self._timeout = config.timeout
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, Entry] = {}
+        self._outbox: list[Entry] = []  # entries whose SUBSCRIBE the thread is to send
+        self._local = threading.local()
+        self._closed = False
+        # Under Sentinel: the primary to connect to, and the epoch the connection is of (a
+        # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
+        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
+        self._epoch = 0
+        self._ctl_r, self._ctl_w = os.pipe()
+        os.set_blocking(self._ctl_r, False)
+        os.set_blocking(self._ctl_w, False)
+        self._thread = threading.Thread(target=self._run, name="hotlock-wakeups", daemon=True)
+        self._thread.start()
+
+    # -- the waiting side (any thread) --------------------------------------------------
+
+    def subscribed(self, channel: bytes) -> Entry | None:
+        """The channel's entry when its subscription is confirmed (a waiter may mark at once)."""
+        entry = self._entries.get(channel)
+        return entry if entry is not None and entry.confirmed else None
+
+    def join(self, channel: bytes) -> Waiter | None:
+        """Register this thread as a waiter on ``channel``, asking for its subscription if
+        there is none. Returns at once: a waiter on a confirmed channel tries now; one on a
+        channel still being subscribed sleeps on its backoff, and the server's confirmation
+        wakes the channel's first waiter, which then tries (subscribe, then try) without
+        having stood still meanwhile. None when wake-ups are off: the caller polls."""
+        if self.off is not None or self._closed:
+            return None
+        waiter = getattr(self._local, "waiter", None)
+        if waiter is None:
+            waiter = self._local.waiter = Waiter()
+        waiter.drain()  # a wake left over from this thread's previous wait
+        with self._lock:
+            entry = self._entries.get(channel)
+            if entry is None:
+                entry = self._entries[channel] = Entry(channel)
+                self._outbox.append(entry)
+                self._poke()
+            entry.waiters.append(waiter)
+            waiter.entry = entry
+            waiter.owner = self
+        return waiter
+
+    def leave(self, waiter: Waiter, acquired: bool) -> None:
+        """The wait is over. A wake it did not use goes to the next waiter of the key."""
+        with self._lock:
+            entry = waiter.entry
+            if entry is None:
+                return
+            waiter.entry = None
+            entry.waiters.remove(waiter)
+            if not entry.waiters:
+                entry.idle_since = time.monotonic()
+            if waiter.drain() and not acquired and entry.waiters:
+                entry.waiters[0].wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._poke()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._ctl_w, b"x")
+
+    # -- the subscriber thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        import hiredis  # here, not at import: the native path never pays for it unless it waits
+
+        delay = 0.05
+        while not self._closed and self.off is None:
+            try:
+                sock, close = self._connect()
+            except Exception as exc:  # OSError, or redis-py's errors on its path: try again
+                log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
+                self._nap(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            delay = 0.05
+            try:
+                self._serve(sock)
+            except (OSError, hiredis.ProtocolError) as exc:
+                log.debug("wake-ups: connection to %s lost: %s", self._server, exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    close()
+                self._lost()
+        with contextlib.suppress(OSError):
+            os.close(self._ctl_r)
+            os.close(self._ctl_w)
+
+    def _nap(self, seconds: float) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            select.select([self._ctl_r], [], [], seconds)
+            self._drain_ctl()
+
+    def _drain_ctl(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._ctl_r, 4096)
+
+    def _connect(self) -> tuple[socket.socket, Callable[[], object]]:
+        """A connected, authenticated socket and how to close it, opened here rather than
+        by redis-py (the native path must not pay its import on the first contended wait
+        of a process). Under Sentinel, to whichever primary the sentinels name now."""
+        import hiredis
+
+        config = self._config
+        host, port = config.host, config.port
+        if self._watch is not None:
+            host, port = self._watch.address()
+            self._epoch = self._watch.epoch
+        sock: socket.socket
+        if config.unix_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(config.connect_timeout)
+            try:
+                sock.connect(config.unix_path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((host, port), timeout=config.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if config.tls:
+                # As redis-py's defaults for rediss://: the certificate and the hostname
+                # checked (a private CA in SSL_CERT_FILE).
+                try:
+                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                except BaseException:
+                    sock.close()
+                    raise
+        try:
+            sock.settimeout(config.timeout)
+            if config.password is not None or config.username:
+                auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
+                auth.append((config.password or "").encode())
+                sock.sendall(_command(*auth))
+                reader = hiredis.Reader()
+                reply: Any = False
+                while reply is False:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise ConnectionError("the server closed the connection during AUTH")
+                    reader.feed(data)
+                    reply = reader.gets()
+                if isinstance(reply, hiredis.ReplyError):
+                    raise ConnectionError(f"AUTH refused: {reply}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock, sock.close
+
+    def _serve(self, sock: socket.socket) -> None:
+        import hiredis
+
+        reader = hiredis.Reader()
+        # The commands sent whose reply is due, in order: an Entry for a SUBSCRIBE, a channel
+        # (bytes) for an UNSUBSCRIBE. Each has one reply (its push, or an error).
+        pending: collections.deque[Entry | bytes] = collections.deque()
+        with self._lock:
+            self._outbox = list(self._entries.values())  # after a reconnect: all of them again
+        next_tick = time.monotonic() + TICK_S
+        tls = hasattr(sock, "pending")
+        while not self._closed:
+            with self._lock:
+                out, self._outbox = self._outbox, []
+            if out:
+                pending.extend(out)
+                sock.sendall(b"".join(_command(self._sub, e.channel) for e in out))
+            readable: list[Any]
+            if tls and sock.pending():  # type: ignore[attr-defined]
+                readable = [sock]
+            else:
+                watched: list[Any] = [sock, self._ctl_r]
+                readable, _, _ = select.select(watched, [], [], max(0.0, next_tick - time.monotonic()))
+            if self._ctl_r in readable:
+                self._drain_ctl()
+            if sock in readable:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                reader.feed(data)
+                while (reply := reader.gets()) is not False:
+                    if not self._on_reply(reply, pending):
+                        return
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                if self._watch is not None and self._watch.refresh() != self._epoch:
+                    raise ConnectionError("the sentinels name another primary")
+                idle = self._idle(now)
+                if idle:
+                    pending.extend(idle)
+                    sock.sendall(b"".join(_command(self._unsub, ch) for ch in idle))
+
+    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes]) -> bool:
+        """Handle one reply or message; False when wake-ups are now off."""
+        import hiredis
+
+        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == self._kinds[0]:
+            with self._lock:
+                entry = self._entries.get(reply[1])
+                if entry is not None:
+                    entry.seq += 1
+                    if entry.waiters:
+                        entry.waiters[0].wake()
+            return True
+        if (
+            isinstance(reply, list)
+            and len(reply) >= 2
+            and reply[0] == self._kinds[1]
+            and not (pending and pending[0] == reply[1])
+        ):
+            # An unsubscription we did not ask for: the slot moved to another node (sharded
+            # pub/sub). Its waiters try now and poll; the next wait on it joins the new owner.
+            self._forget(reply[1])
+            return True
+        # Otherwise the reply to the oldest command sent.
+        sent = pending.popleft() if pending else None
+        if isinstance(reply, hiredis.ReplyError):
+            if isinstance(sent, Entry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
+                # The channel's slot is not (or not yet) this node's: as a moved slot.
+                self._forget(sent.channel)
+            elif isinstance(sent, Entry):
+                # NOPERM from an ACL without +subscribe or the channel, most likely.
+                self._turn_off(f"the server refused SUBSCRIBE {sent.channel.decode('utf-8', 'replace')}: {reply}")
+                return False
+            # A refused UNSUBSCRIBE: the channel stays subscribed, its messages unheard.
+            log.debug("wake-ups: UNSUBSCRIBE refused by %s: %s", self._server, reply)
+        elif isinstance(sent, Entry):
+            with self._lock:
+                # From now on no release goes unheard; one before it may have (a reconnect,
+                # or the waiters' attempts made while it was on its way): the first waiter
+                # tries again now.
+                sent.confirmed = True
+                sent.seq += 1
+                if sent.waiters:
+                    sent.waiters[0].wake()
+        return True
+
+    def _forget(self, channel: bytes) -> None:
+        with self._lock:
+            entry = self._entries.pop(channel, None)
+            if entry is not None:
+                entry.confirmed = False
+                entry.seq += 1
+                for waiter in entry.waiters:
+                    waiter.wake()
+
+    def _idle(self, now: float) -> list[bytes]:
+        """Drop the subscriptions nobody waited on for LINGER_S; their channels."""
+        with self._lock:
+            idle = [
+                ch
+                for ch, e in self._entries.items()
+                if e.confirmed and not e.waiters and now - e.idle_since >= LINGER_S
+            ]
+            for ch in idle:
+                del self._entries[ch]
+        return idle
+
+    def _lost(self) -> None:
+        """The connection is gone: every subscription is to be made again (on the next
+        connection), and every waiter tries now (a release meanwhile may go unheard)."""
+        with self._lock:
+            for entry in self._entries.values():  # lingering ones too: a hot key stays subscribed
+                entry.confirmed = False
+                entry.seq += 1
+                for waiter in entry.waiters:
+                    waiter.wake()
+            self._outbox = []
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
+
+
+_slot_lock = threading.Lock()
+
+
+def _reinit_after_fork() -> None:
+    # A lock another thread held at the fork stays held in the child: make a new one.
+    global _slot_lock
+    _slot_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+class Slot:
+    """A sync backend's subscriber: made on the first wait that needs it, and made anew in
+    a forked child (which never uses or closes its parent's)."""
+
+    __slots__ = ("_hub", "_make")
+
+    def __init__(self, make: Callable[[], Wakeups]) -> None:
+        self._make = make
+        self._hub: Wakeups | None = None
+
+    def get(self) -> Wakeups | None:
+        """The live subscriber, made now if need be; None when wake-ups are off."""
+        hub = self._hub
+        if hub is None or hub.pid != os.getpid():
+            with _slot_lock:
+                hub = self._hub
+                if hub is None or hub.pid != os.getpid():
+                    hub = self._hub = self._make()
+        return hub if hub.off is None else None
+
+    def close(self) -> None:
+        hub = self._hub
+        if hub is not None and hub.pid == os.getpid():
+            hub.close()
+        self._hub = None
+
+    def __del__(self) -> None:
+        # A backend dropped without close(): its subscriber thread stops too (the thread
+        # holds the hub, not the slot, so the slot can go). Quietly at interpreter exit.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def slot(config: ServerConfig) -> Slot | None:
+    """A backend's Slot, or None under connect(wakeups=False)."""
+    return Slot(lambda: Wakeups(config)) if config.wakeups else None
+
+
+class ClusterWakeups(Wakeups):
+    """A Redis Cluster's subscribers: one sharded-pub/sub connection per primary, made when
+    a wait first needs it, each channel joined at its slot's owner (``owner(channel)``, the
+    cluster backend's slot map). A slot that moves unsubscribes its channel on the old
+    node; its waiters then poll, and the next wait on it joins the new owner."""
+
+    def __init__(self, config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> None:
+        # No thread or connection of its own: only the per-node ones.
+        self.pid = os.getpid()
+        self.off = None
+        self._config = config
+        self._owner = owner
+        self._nodes: dict[tuple[str, int], Wakeups] = {}
+        self._nodes_lock = threading.Lock()
+
+    def join(self, channel: bytes) -> Waiter | None:
+        address = self._owner(channel)
+        if address is None:
+            return None  # no primary for the slot right now: poll
+        hub = self._nodes.get(address)
+        if hub is None or hub._closed:
+            with self._nodes_lock:
+                hub = self._nodes.get(address)
+                if hub is None or hub._closed:
+                    hub = self._nodes[address] = Wakeups(self._config.node(*address), sharded=True)
+        if hub.off is not None:
+            self.off = hub.off
+            return None
+        return hub.join(channel)
+
+    def leave(self, waiter: Waiter, acquired: bool) -> None:
+        if waiter.owner is not None:
+            waiter.owner.leave(waiter, acquired)
+
+    def close(self) -> None:
+        with self._nodes_lock:
+            hubs = list(self._nodes.values())
+        for hub in hubs:
+            hub.close()
+
+
+def cluster_slot(config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> Slot | None:
+    """A cluster backend's Slot (see ClusterWakeups), or None under connect(wakeups=False)."""
+    return Slot(lambda: ClusterWakeups(config, owner)) if config.wakeups else None
+
+
+def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float]:
+    """_backoff.poll with wake-ups: ``acquire(script)`` attempts with ACQUIRE or one of its
+    waiting forms until it returns a fence (> 0) or ``wait_ms`` has passed. Returns the last
+    result and the time.monotonic() that attempt was sent. The loop of the pure-Python
+    backend; NativeBackend.acquire_wait runs the same one in C.
+
+    The first POLL_FIRST attempts are plain polling: most contended waits end within them,
+    and asking to be woken (a mark, a PUBLISH, a wake-up in every subscribed process) costs
+    more than the short sleeps it would save. A wait that lasts longer joins the key's
+    channel, then tries at once with the marking form, and from then on sleeps on its
+    wake-up fd."""
+    if slot is None:
+        return poll(lambda: acquire(ACQUIRE), wait_ms)
+    backoff = Backoff(wait_ms)
+    script = ACQUIRE
+    attempts = 0
+    hub = waiter = current = None
+    seq = 0
+    acquired = False
+    try:
+        while True:
+            sent = time.monotonic()
+            result = acquire(script)
+            if result > 0:
+                acquired = True
+                return result, sent
+            attempts += 1
+            if attempts == 1:
+                slot.get()  # start the subscriber now, so it is connected when this wait joins
+            elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
+                hub = slot.get()
+                waiter = None if hub is None else hub.join(wake_channel(key))
+                if waiter is not None:
+                    current = waiter.entry
+                    assert current is not None
+                    seq = current.seq
+                    script = ACQUIRE_CHAIN if len(current.waiters) > 1 else ACQUIRE_WAIT
+                    # Subscribed already: try now (marking). Else the confirmation wakes us.
+                    if current.confirmed and time.monotonic() < backoff.deadline:
+                        continue
+            sleep = backoff.next_sleep(-result)
+            if sleep is None:
+                return result, sent
+            if waiter is None:
+                time.sleep(sleep)
+                continue
+            assert current is not None
+            if current.seq == seq:  # no message came while the attempt was out
+                waiter.sleep(sleep)
+            seq = current.seq
+            script = ACQUIRE_CHAIN if len(current.waiters) > 1 else ACQUIRE_WAIT
+    finally:
+        if waiter is not None:
+            assert hub is not None
+            hub.leave(waiter, acquired)

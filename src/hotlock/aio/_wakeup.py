@@ -1,0 +1,271 @@
+"""Waiters woken by the release, for the async API: hotlock._wakeup's design on one event
+loop (read its docstring first).
+
+One subscriber connection per async cache, read by one task on the cache's loop; waiting
+tasks write their SUBSCRIBE on it directly (one thread: no hand-over needed) and sleep on
+an asyncio.Event instead of an fd. The rest is the sync design unchanged: a wait polls
+POLL_FIRST times, then joins the key's channel (subscribe, then try) and marks with
+ACQUIRE_WAIT / ACQUIRE_CHAIN; a message wakes the longest-waiting local waiter; the
+backoff stays the safety net; an ACL refusing SUBSCRIBE turns wake-ups off, said once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import ssl
+import time
+from typing import Any
+
+from .._config import ServerConfig
+from .._sentinel import PrimaryWatch
+from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
+
+__all__ = ["POLL_FIRST", "AsyncEntry", "AsyncSlot", "AsyncWaiter", "AsyncWakeups", "async_slot"]
+
+log = logging.getLogger("hotlock")
+
+
+class AsyncWaiter:
+    """One waiting task: the subscriber sets its event."""
+
+    __slots__ = ("entry", "event")
+
+    def __init__(self, entry: AsyncEntry) -> None:
+        self.entry: AsyncEntry | None = entry
+        self.event = asyncio.Event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less if woken."""
+        if not self.event.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.event.wait(), seconds)
+        self.event.clear()
+
+
+class AsyncEntry:
+    __slots__ = ("channel", "confirmed", "idle_since", "seq", "waiters")
+
+    def __init__(self, channel: bytes) -> None:
+        self.channel = channel
+        self.seq = 0
+        self.waiters: list[AsyncWaiter] = []
+        self.confirmed = False
+        self.idle_since = time.monotonic()
+
+
+class AsyncWakeups:
+    """The subscriber of one async cache, on the loop it was made in."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.pid = os.getpid()
+        self.off: str | None = None
+        self._config = config
+        self._server = config.display
+        self._entries: dict[bytes, AsyncEntry] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: collections.deque[AsyncEntry | bytes] = collections.deque()
+        self._closed = False
+        # Under Sentinel, as in sync: reconnect to the new primary after a failover.
+        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
+        self._epoch = 0
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    # -- the waiting side -------------------------------------------------------------
+
+    def subscribed(self, channel: bytes) -> AsyncEntry | None:
+        entry = self._entries.get(channel)
+        return entry if entry is not None and entry.confirmed else None
+
+    def join(self, channel: bytes) -> AsyncWaiter | None:
+        """As hotlock._wakeup.Wakeups.join: returns at once."""
+        if self.off is not None or self._closed:
+            return None
+        entry = self._entries.get(channel)
+        if entry is None:
+            entry = self._entries[channel] = AsyncEntry(channel)
+            self._subscribe(entry)
+        waiter = AsyncWaiter(entry)
+        entry.waiters.append(waiter)
+        return waiter
+
+    def leave(self, waiter: AsyncWaiter, acquired: bool) -> None:
+        entry = waiter.entry
+        if entry is None:
+            return
+        waiter.entry = None
+        entry.waiters.remove(waiter)
+        if not entry.waiters:
+            entry.idle_since = time.monotonic()
+        if waiter.event.is_set() and not acquired and entry.waiters:
+            entry.waiters[0].wake()  # a wake it did not use goes to the next waiter
+
+    async def close(self) -> None:
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+    def _subscribe(self, entry: AsyncEntry) -> None:
+        # Not connected: the next connection subscribes every entry.
+        if self._writer is not None and not self._writer.is_closing():
+            self._pending.append(entry)
+            self._writer.write(_command(b"SUBSCRIBE", entry.channel))
+
+    # -- the subscriber task --------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = 0.05
+        while not self._closed and self.off is None:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    self._connect(), self._config.connect_timeout + self._config.timeout
+                )
+            except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            delay = 0.05
+            try:
+                await self._serve(reader, writer)
+            except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
+                log.debug("wake-ups: connection to %s lost: %s", self._server, exc)
+            finally:
+                self._writer = None
+                writer.close()
+                self._lost()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        import hiredis
+
+        config = self._config
+        if config.unix_path is not None:
+            reader, writer = await asyncio.open_unix_connection(config.unix_path)
+        else:
+            host, port = config.host, config.port
+            if self._watch is not None:
+                # The sentinels' answer is a blocking lookup: off the loop.
+                host, port = await asyncio.get_running_loop().run_in_executor(None, self._watch.address)
+                self._epoch = self._watch.epoch
+            # TLS as redis-py's defaults: the certificate and the hostname checked.
+            tls = ssl.create_default_context() if config.tls else None
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
+        if config.password is not None or config.username:
+            auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
+            auth.append((config.password or "").encode())
+            writer.write(_command(*auth))
+            parse = hiredis.Reader()
+            reply: Any = False
+            while reply is False:
+                data = await asyncio.wait_for(reader.read(65536), config.timeout)
+                if not data:
+                    raise ConnectionError("the server closed the connection during AUTH")
+                parse.feed(data)
+                reply = parse.gets()
+            if isinstance(reply, hiredis.ReplyError):
+                writer.close()
+                raise ConnectionError(f"AUTH refused: {reply}")
+        return reader, writer
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import hiredis
+
+        parse = hiredis.Reader()
+        self._pending.clear()
+        self._writer = writer
+        for entry in self._entries.values():  # after a reconnect: all of them again
+            self._subscribe(entry)
+        next_tick = time.monotonic() + TICK_S
+        while not self._closed:
+            try:
+                data = await asyncio.wait_for(reader.read(65536), max(0.0, next_tick - time.monotonic()))
+            except asyncio.TimeoutError:
+                data = None
+            if data is not None:
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                parse.feed(data)
+                while (reply := parse.gets()) is not False:
+                    if not self._on_reply(reply, hiredis.ReplyError):
+                        return
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                if self._watch is not None and self._watch.due():
+                    epoch = await asyncio.get_running_loop().run_in_executor(None, self._watch.refresh)
+                    if epoch != self._epoch:
+                        raise ConnectionError("the sentinels name another primary")
+                idle = [
+                    ch
+                    for ch, e in self._entries.items()
+                    if e.confirmed and not e.waiters and now - e.idle_since >= LINGER_S
+                ]
+                for ch in idle:
+                    del self._entries[ch]
+                    self._pending.append(ch)
+                    writer.write(_command(b"UNSUBSCRIBE", ch))
+
+    def _on_reply(self, reply: Any, error_type: type[Exception]) -> bool:
+        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == b"message":
+            entry = self._entries.get(reply[1])
+            if entry is not None:
+                entry.seq += 1
+                if entry.waiters:
+                    entry.waiters[0].wake()
+            return True
+        sent = self._pending.popleft() if self._pending else None
+        if isinstance(reply, error_type):
+            if isinstance(sent, AsyncEntry):
+                self._turn_off(f"the server refused SUBSCRIBE {sent.channel.decode('utf-8', 'replace')}: {reply}")
+                return False
+            log.debug("wake-ups: UNSUBSCRIBE refused by %s: %s", self._server, reply)
+        elif isinstance(sent, AsyncEntry):
+            sent.confirmed = True
+            sent.seq += 1
+            if sent.waiters:
+                sent.waiters[0].wake()
+        return True
+
+    def _lost(self) -> None:
+        for entry in self._entries.values():
+            entry.confirmed = False
+            entry.seq += 1
+            for waiter in entry.waiters:
+                waiter.wake()
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
+
+
+class AsyncSlot:
+    """An async backend's subscriber, made on the first wait that needs it."""
+
+    __slots__ = ("_config", "_hub")
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._config = config
+        self._hub: AsyncWakeups | None = None
+
+    def get(self) -> AsyncWakeups | None:
+        """The live subscriber, made now if need be (on the running loop); None when off."""
+        hub = self._hub
+        if hub is None or hub.pid != os.getpid():
+            hub = self._hub = AsyncWakeups(self._config)
+        return hub if hub.off is None else None
+
+    async def close(self) -> None:
+        hub, self._hub = self._hub, None
+        if hub is not None and hub.pid == os.getpid():
+            await hub.close()
+
+
+def async_slot(config: ServerConfig) -> AsyncSlot | None:
+    return AsyncSlot(config) if config.wakeups else None

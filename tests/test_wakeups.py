@@ -1,0 +1,593 @@
+"""Waiters woken by the release (issue 13, DESIGN §10), on the sync Redis backends.
+
+A waiting attempt marks the holder's value with a trailing '+'; the release of a marked
+value publishes on <prefix>wake:{K}; the cache's one subscriber wakes a waiter, which
+retries at once. The backoff stays the safety net. Bounds here are loose (a loaded CI
+machine must pass them); the exact figures are in the bench (python -m bench --only handoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import hotlock
+import hotlock.aio
+from hotlock import _backoff
+from hotlock._cli._target import fence_of
+from hotlock._cluster import key_slot
+from hotlock._config import parse_url
+from hotlock._keys import wake_channel
+from hotlock._wakeup import Wakeups
+from hotlock.aio import AsyncCache
+
+from .cluster import Cluster
+from .conftest import RedisServer, lock_name, open_cache, start_redis
+from .faultproxy import FaultProxy
+from .overlap import OverlapChecker
+from .test_aio import Aio
+from .test_aio import loop_kind as loop_kind  # a fixture
+from .test_aio import raio as raio  # a fixture
+from .test_cluster import keys_on
+from .test_faults import restart
+from .test_security import tls_server as tls_server  # a fixture
+from .test_sentinel import SERVICE, TIMEOUT, Topology, _check_resumed, _lock_until_on_new_primary
+from .test_sentinel import topology as topology  # a fixture
+
+CAP_S = _backoff.CAP_MS / 1000.0
+USER = "hotlock_wake"
+PASSWORD = "pw-wake-9"
+# What the key operations need on either path (tests/test_security.py has the lists).
+COMMANDS = ["+evalsha", "+script|load", "+get", "+set", "+pttl", "+pexpire", "+del", "+time", "+info"]
+VALKEY_EXTRA = ["+delifeq", "+command|info"]
+# The wake-up entries: the channel pattern and the commands.
+WAKE_ACL = ["&hotlock:*", "+publish", "+subscribe", "+unsubscribe"]
+
+
+def calls(server: RedisServer, command: str) -> int:
+    """How many times the server ran ``command``, scripts' calls included (INFO commandstats)."""
+    entry = server.client().info("commandstats").get(f"cmdstat_{command}")
+    return int(entry["calls"]) if entry else 0
+
+
+def hub_of(cache: hotlock.Cache) -> object:
+    return cache._backend._wakeups._hub  # type: ignore[attr-defined]
+
+
+def subscribed(cache: hotlock.Cache, key: str, timeout: float = 5.0) -> None:
+    """Wait until the cache's subscriber has the key's channel confirmed."""
+    channel = wake_channel(lock_name(key))
+    deadline = time.monotonic() + timeout
+    while True:
+        hub = hub_of(cache)
+        if hub is not None and hub.subscribed(channel) is not None:  # type: ignore[attr-defined]
+            return
+        assert time.monotonic() < deadline, "the key's channel was never subscribed"
+        time.sleep(0.005)
+
+
+def handoffs(holder: hotlock.Cache, waiter: hotlock.Cache, key: str, rounds: int, hold: float) -> list[float]:
+    """Release -> the waiting thread holding the lock, in seconds, ``rounds`` times. The
+    holder keeps the key ``hold`` seconds, so the waiter's backoff has reached its cap."""
+    out: list[float] = []
+    for _ in range(rounds):
+        lock = holder.lock(key, ttl=30)
+        got: list[float] = []
+
+        def wait(got: list[float] = got) -> None:
+            lk = waiter.lock_wait(key, ttl=30, wait=10)
+            got.append(time.monotonic())
+            lk.unlock()
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(hold)
+        released = time.monotonic()
+        lock.unlock()
+        t.join(15)
+        assert got, "the waiter did not get the lock"
+        out.append(got[0] - released)
+    return out
+
+
+def test_a_waiter_is_woken_by_the_release(redis_backend: str, redis_url: str, redis_server: RedisServer) -> None:
+    """With the waiter's backoff at its 50 ms cap, polling alone notices a release about
+    17 ms later on average (median over 9 rounds under 5 ms: about 3% by chance); a wake-up
+    takes about one round trip. And the release that woke it published, once per round."""
+    with open_cache(redis_backend, redis_url) as holder, open_cache(redis_backend, redis_url) as waiter:
+        handoffs(holder, waiter, "woken", 1, 0.05)  # subscribes the key
+        published = calls(redis_server, "publish")
+        took = handoffs(holder, waiter, "woken", 9, 0.2)
+        assert statistics.median(took) < 0.005, took
+        assert max(took) < CAP_S + 0.5, took  # never past the safety net (plus scheduling slack)
+        assert calls(redis_server, "publish") - published >= 9
+
+
+def test_an_uncontended_release_publishes_nothing(
+    redis_backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    with open_cache(redis_backend, redis_url) as cache:
+        handoffs(cache, cache, "hot", 1, 0.05)  # a subscriber exists, the key is subscribed
+        published, evalsha = calls(redis_server, "publish"), calls(redis_server, "evalsha")
+        for _ in range(20):
+            cache.lock("hot", ttl=5).unlock()
+            cache.lock_wait("hot", ttl=5, wait=1).unlock()
+            assert redis_server.client().get(lock_name("hot")) is None
+        assert calls(redis_server, "publish") == published
+        # Each acquire one EVALSHA, each release one command (EVALSHA, or DELIFEQ on Valkey).
+        lua_free = redis_server.lua_free
+        assert calls(redis_server, "evalsha") - evalsha == (40 if lua_free else 80)
+
+
+def test_a_marked_lock_extends_releases_and_keeps_its_fence(
+    redis_backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    """The '+' a waiter leaves: extend and release still recognise the lock (script and
+    Lua-free paths), the release publishes on the key's channel, the CLI's fence reading
+    ignores it."""
+    side = redis_server.client()
+    with open_cache(redis_backend, redis_url) as cache:
+        lock = cache.lock("marked", ttl=5)
+        name = lock_name("marked")
+        side.set(name, side.get(name) + b"+", keepttl=True)
+        value = side.get(name)
+        assert fence_of(len(value), value[16:]) == lock.fence
+        lock.extend(20)
+        assert 19_000 < side.pttl(name) <= 20_000
+        assert cache.extend_many([lock], 20) == [True]
+        published = calls(redis_server, "publish")
+        assert lock.unlock() is True
+        assert side.get(name) is None
+        assert calls(redis_server, "publish") == published + 1
+        # Batched too.
+        locks = cache.lock_many(["m1", "m2"], ttl=5)
+        side.set(lock_name("m1"), side.get(lock_name("m1")) + b"+", keepttl=True)
+        assert cache.extend_many(locks, 5) == [True, True]
+        assert cache.unlock_many(locks) == [True, True]
+        assert side.keys("hotlock:lock:*") == []
+        # Someone else's marked value is never ours.
+        other = cache.lock("theirs", ttl=5)
+        side.set(lock_name("theirs"), b"x" * 16 + b"123+", keepttl=True)
+        assert other.unlock() is False
+        assert side.get(lock_name("theirs")) == b"x" * 16 + b"123+"
+
+
+def test_a_dropped_wake_up_still_acquires_within_the_backoff_cap(
+    redis_backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    """The subscriber's connection goes through a fault proxy that drops the message: the
+    waiter's backoff (capped at 50 ms) finds the free key, long before its 10 s deadline."""
+    with FaultProxy(redis_server.port) as proxy, open_cache(redis_backend, redis_url) as cache:
+        # The subscriber (only) connects through the proxy.
+        config = parse_url(proxy.url, connect_timeout=2.0, timeout=2.0)
+        cache._backend._wakeups._make = lambda: Wakeups(config)  # type: ignore[attr-defined]
+        handoffs(cache, cache, "dropped", 1, 0.05)
+        subscribed(cache, "dropped")
+        lock = cache.lock("dropped", ttl=30)
+        got: list[float] = []
+
+        def wait() -> None:
+            got.append(time.monotonic())
+            cache.lock_wait("dropped", ttl=30, wait=10).unlock()
+            got.append(time.monotonic())
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.3)
+        proxy.drop_replies(1)  # only the subscriber's connection passes the proxy
+        released = time.monotonic()
+        lock.unlock()
+        t.join(15)
+        assert proxy.dropped_replies == 1
+        assert len(got) == 2
+        assert got[1] - released < CAP_S + 1.0  # the cap, plus scheduling slack: not the deadline
+
+
+def _waiters_in_child(url: str, backend: str, checker: OverlapChecker, threads: int, errors: object) -> None:
+    cache = hotlock.connect(url, backend=backend)
+    failed: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            lock = cache.lock_wait("crowd", ttl=30, wait=60)
+            checker.enter(0)
+            time.sleep(0.0005)
+            checker.exit(0)
+            lock.unlock()
+        except BaseException as exc:  # reported to the parent
+            failed.append(exc)
+
+    pool = [threading.Thread(target=one) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(90)
+    cache.close()
+    errors.value += len(failed) + sum(t.is_alive() for t in pool)  # type: ignore[attr-defined]
+
+
+def test_200_waiters_on_one_key_all_get_their_turn_with_no_overlap(redis_backend: str, redis_url: str) -> None:
+    """4 processes x 50 threads wait on one key held at the start: each gets it once (each
+    wake wakes one waiter per process, the chain passes it on), and no two hold it at once."""
+    ctx = multiprocessing.get_context("fork")
+    checker = OverlapChecker(1)
+    errors = ctx.Value("i", 0)
+    with open_cache(redis_backend, redis_url) as cache:
+        first = cache.lock("crowd", ttl=30)
+        procs = [
+            ctx.Process(target=_waiters_in_child, args=(redis_url, redis_backend, checker, 50, errors))
+            for _ in range(4)
+        ]
+        for p in procs:
+            p.start()
+        time.sleep(0.5)
+        first.unlock()
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+    assert errors.value == 0
+    assert checker.sections == 200
+    assert checker.overlaps == 0
+
+
+@pytest.fixture
+def acl_url(redis_server: RedisServer) -> Iterator[tuple[str, list[str]]]:
+    """A restricted user's URL, and the commands it has (set by the test)."""
+    commands = COMMANDS + (VALKEY_EXTRA if redis_server.kind == "valkey" else [])
+    yield f"redis://{USER}:{PASSWORD}@127.0.0.1:{redis_server.port}/0", commands
+    redis_server.client().execute_command("ACL", "DELUSER", USER)
+
+
+@pytest.mark.parametrize("granted", ["none", "commands-only", "channel-only"])
+def test_acl_without_channel_rights_falls_back_to_polling_said_once(
+    redis_backend: str,
+    redis_url: str,
+    redis_server: RedisServer,
+    acl_url: tuple[str, list[str]],
+    granted: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, commands = acl_url
+    extra = {"none": [], "commands-only": WAKE_ACL[1:], "channel-only": WAKE_ACL[:1]}[granted]
+    redis_server.client().execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", "resetkeys", "~hotlock:*", "resetchannels",
+        "-@all", *commands, *extra,
+    )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="hotlock")
+    with open_cache(redis_backend, url) as cache, open_cache(redis_backend, redis_url) as holder:
+        took = handoffs(holder, cache, "acl", 3, 0.1)
+        assert all(t < CAP_S + 1.0 for t in took), took  # polling: within the cap
+        assert hub_of(cache).off is not None  # type: ignore[attr-defined]
+    said = [r for r in caplog.records if "wake-ups are off" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert said[0].levelno == logging.WARNING
+
+
+def test_acl_with_the_wake_up_entries_is_woken(
+    redis_backend: str, redis_server: RedisServer, acl_url: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, commands = acl_url
+    redis_server.client().execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", "resetkeys", "~hotlock:*", "resetchannels",
+        "-@all", *commands, *WAKE_ACL,
+    )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="hotlock")
+    with open_cache(redis_backend, url) as cache:
+        handoffs(cache, cache, "acl-ok", 1, 0.05)
+        took = handoffs(cache, cache, "acl-ok", 9, 0.2)
+        assert statistics.median(took) < 0.005, took
+        assert hub_of(cache).off is None  # type: ignore[attr-defined]
+    assert "wake-ups are off" not in caplog.text
+
+
+@pytest.fixture
+def own_server(server_kind: str) -> Iterator[RedisServer]:
+    server = start_redis(kind=server_kind)
+    yield server
+    server.stop()
+
+
+def test_the_subscriber_survives_a_server_restart(redis_backend: str, own_server: RedisServer) -> None:
+    with open_cache(redis_backend, own_server.url, timeout=0.5) as cache:
+        handoffs(cache, cache, "restarted", 2, 0.05)
+        restart(own_server)
+        cache.lock("warm-up", ttl=5).unlock()  # the lock connection reconnects (a lost-reply retry)
+        subscribed(cache, "restarted")  # the subscriber is back and subscribed again
+        took = handoffs(cache, cache, "restarted", 9, 0.2)
+        assert statistics.median(took) < 0.005, took
+        assert calls(own_server, "publish") >= 9
+
+
+def test_wakeups_false_polls_with_no_subscriber(
+    redis_backend: str, redis_url: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hotlock")
+    with pytest.raises(TypeError, match="wakeups must be a bool"):
+        hotlock.connect(redis_url, backend=redis_backend, wakeups=1)  # type: ignore[arg-type]
+    with open_cache(redis_backend, redis_url, wakeups=False) as cache:
+        assert cache._backend._wakeups is None  # type: ignore[attr-defined]
+        published = calls(redis_server, "publish")
+        took = handoffs(cache, cache, "polled", 3, 0.1)
+        assert all(t < CAP_S + 1.0 for t in took), took
+        # Nobody marked the value: the releases published nothing.
+        assert calls(redis_server, "publish") == published
+        assert not [t for t in threading.enumerate() if t.name == "hotlock-wakeups"]
+    assert caplog.text.count("wake-ups off (connect(wakeups=False))") == 1
+
+
+def _child_waits(cache: hotlock.Cache, parent_hub_id: int, out: object) -> None:
+    handoffs(cache, cache, "forked", 3, 0.05)
+    hub = hub_of(cache)
+    out.value = int(id(hub) != parent_hub_id and hub.pid != 0)  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_never_uses_its_parents_subscriber(
+    redis_backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    ctx = multiprocessing.get_context("fork")
+    with open_cache(redis_backend, redis_url) as cache:
+        handoffs(cache, cache, "forked", 2, 0.05)
+        parent_hub = hub_of(cache)
+        before = redis_server.client().execute_command("CLIENT", "LIST", "TYPE", "pubsub")
+        out = ctx.Value("i", -1)
+        p = ctx.Process(target=_child_waits, args=(cache, id(parent_hub), out))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0 and out.value == 1
+        # The parent's subscriber still works: woken, not polled.
+        assert hub_of(cache) is parent_hub
+        took = handoffs(cache, cache, "forked", 9, 0.2)
+        assert statistics.median(took) < 0.005, took
+        after = redis_server.client().execute_command("CLIENT", "LIST", "TYPE", "pubsub")
+        assert len(before.splitlines()) == len(after.splitlines())  # the child's own came and went
+
+
+# -- the async API (hotlock.aio._wakeup): the same promises on asyncio and uvloop -----------
+
+
+async def async_handoffs(holder: AsyncCache, waiter: AsyncCache, key: str, rounds: int, hold: float) -> list[float]:
+    """handoffs() for the async API: a waiting task, the holder's release, the time between."""
+    out: list[float] = []
+    for _ in range(rounds):
+        lock = await holder.lock(key, ttl=30)
+        got: list[float] = []
+
+        async def wait(got: list[float] = got) -> None:
+            lk = await waiter.lock_wait(key, ttl=30, wait=10)
+            got.append(time.monotonic())
+            await lk.unlock()
+
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(hold)
+        released = time.monotonic()
+        await lock.unlock()
+        await asyncio.wait_for(task, 15)
+        out.append(got[0] - released)
+    return out
+
+
+def test_async_a_waiter_is_woken_by_the_release(raio: Aio) -> None:
+    async def main() -> None:
+        published = calls(raio.server, "publish")
+        async with await raio.connect() as holder, await raio.connect() as waiter:
+            await async_handoffs(holder, waiter, "a-woken", 1, 0.05)
+            took = await async_handoffs(holder, waiter, "a-woken", 9, 0.2)
+            assert statistics.median(took) < 0.005, took
+            assert max(took) < CAP_S + 0.5, took
+        assert calls(raio.server, "publish") - published >= 9
+
+    raio.run(main())
+
+
+def test_async_an_uncontended_release_publishes_nothing(raio: Aio) -> None:
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            await async_handoffs(cache, cache, "a-hot", 1, 0.05)
+            published = calls(raio.server, "publish")
+            for _ in range(20):
+                await (await cache.lock("a-hot", ttl=5)).unlock()
+                await (await cache.lock_wait("a-hot", ttl=5, wait=1)).unlock()
+            assert calls(raio.server, "publish") == published
+
+    raio.run(main())
+
+
+def test_async_200_waiting_tasks_on_one_key_with_no_overlap(raio: Aio) -> None:
+    async def main() -> None:
+        inside = overlaps = done = 0
+        async with await raio.connect() as cache, await raio.connect() as other:
+            first = await cache.lock("a-crowd", ttl=30)
+
+            async def one(c: AsyncCache) -> None:
+                nonlocal inside, overlaps, done
+                lock = await c.lock_wait("a-crowd", ttl=30, wait=60)
+                inside += 1
+                overlaps += inside > 1
+                await asyncio.sleep(0.0005)
+                inside -= 1
+                await lock.unlock()
+                done += 1
+
+            tasks = [asyncio.ensure_future(one(cache if i % 2 else other)) for i in range(200)]
+            await asyncio.sleep(0.3)
+            await first.unlock()
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert done == 200 and overlaps == 0
+
+    raio.run(main())
+
+
+def test_async_wakeups_false_and_acl_fall_back_to_polling(
+    raio: Aio, acl_url: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, commands = acl_url
+    raio.server.client().execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", "resetkeys", "~hotlock:*", "resetchannels",
+        "-@all", *commands,
+    )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="hotlock")
+
+    async def main() -> None:
+        published = calls(raio.server, "publish")
+        async with await raio.connect(wakeups=False) as cache:
+            assert cache._backend.wake_slot is None  # type: ignore[attr-defined]
+            took = await async_handoffs(cache, cache, "a-polled", 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+        assert calls(raio.server, "publish") == published
+        async with (
+            await hotlock.aio.connect(url, backend=raio.backend) as refused,
+            await raio.connect() as holder,
+        ):
+            took = await async_handoffs(holder, refused, "a-acl", 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+            assert refused._backend.wake_slot._hub.off is not None  # type: ignore[attr-defined]
+
+    raio.run(main())
+    assert caplog.text.count("wake-ups off (connect(wakeups=False))") == 1
+    assert len([r for r in caplog.records if "wake-ups are off" in r.getMessage()]) == 1
+
+
+def test_async_the_subscriber_survives_a_server_restart(raio: Aio, own_server: RedisServer) -> None:
+    async def main() -> None:
+        async with await hotlock.aio.connect(own_server.url, backend=raio.backend, timeout=0.5) as cache:
+            await async_handoffs(cache, cache, "a-restarted", 2, 0.05)
+            restart(own_server)
+            with contextlib.suppress(hotlock.CacheError):
+                await (await cache.lock("warm-up", ttl=5)).unlock()
+            channel = wake_channel(lock_name("a-restarted"))
+            deadline = time.monotonic() + 5
+            slot = cache._backend.wake_slot  # type: ignore[attr-defined]
+            while slot._hub.subscribed(channel) is None:
+                assert time.monotonic() < deadline, "never subscribed again"
+                await asyncio.sleep(0.005)
+            took = await async_handoffs(cache, cache, "a-restarted", 9, 0.2)
+            assert statistics.median(took) < 0.005, took
+
+    raio.run(main())
+
+
+# -- Sentinel: the subscriber follows the primary ------------------------------------------
+
+
+def _pubsub_clients(topology: Topology, port: int) -> int:
+    return len(topology.node(port).execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
+
+
+def test_sentinel_waiters_are_woken_before_and_after_a_failover(redis_backend: str, topology: Topology) -> None:
+    old = topology.primary_port()
+    with hotlock.connect(topology.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT) as cache:
+        handoffs(cache, cache, "s-woken", 1, 0.05)
+        assert statistics.median(handoffs(cache, cache, "s-woken", 5, 0.2)) < 0.005
+        with topology.sentinel() as s:
+            s.execute_command("SENTINEL", "FAILOVER", SERVICE)
+        _check_resumed(_lock_until_on_new_primary(cache, topology, old, budget=15))
+        new = topology.primary_port()
+        deadline = time.monotonic() + 10
+        while _pubsub_clients(topology, new) == 0:  # the subscriber moved to the new primary
+            assert time.monotonic() < deadline, "the subscriber never reconnected to the new primary"
+            time.sleep(0.05)
+        subscribed(cache, "s-woken")
+        assert statistics.median(handoffs(cache, cache, "s-woken", 5, 0.2)) < 0.005
+
+
+def test_async_sentinel_waiters_are_woken_after_a_failover(loop_kind: str, topology: Topology) -> None:
+    backends = [b for b in ("native", "redis-py") if b != "native" or hotlock.aio.backend_info()["backend"] == "native"]
+    old = topology.primary_port()
+    with topology.sentinel() as s:
+        s.execute_command("SENTINEL", "FAILOVER", SERVICE)
+    deadline = time.monotonic() + 15
+    while topology.primary_port() == old:
+        assert time.monotonic() < deadline, "no failover"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the sentinels' switch settles
+
+    async def main() -> None:
+        for backend in backends:
+            async with await hotlock.aio.connect(topology.url, backend=backend, timeout=TIMEOUT) as cache:
+                await async_handoffs(cache, cache, "as-woken", 1, 0.05)
+                took = await async_handoffs(cache, cache, "as-woken", 5, 0.2)
+                assert statistics.median(took) < 0.005, (backend, took)
+
+    Aio("redis-py", loop_kind, topology.url, topology.primary).run(main())
+
+
+# -- TLS: the subscriber checks the certificate and the name, as the lock connections do --
+
+
+def test_rediss_waiters_are_woken(tls_server: tuple[int, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    port, ca = tls_server
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    url = f"rediss://localhost:{port}/0"
+    with hotlock.connect(url, timeout=2) as cache:
+        handoffs(cache, cache, "tls-woken", 1, 0.05)
+        subscribed(cache, "tls-woken")
+        assert statistics.median(handoffs(cache, cache, "tls-woken", 5, 0.2)) < 0.005
+
+    async def main() -> None:
+        for backend in ("native", "redis-py"):
+            async with await hotlock.aio.connect(url, backend=backend, timeout=2) as acache:
+                await async_handoffs(acache, acache, "atls-woken", 1, 0.05)
+                took = await async_handoffs(acache, acache, "atls-woken", 5, 0.2)
+                assert statistics.median(took) < 0.005, (backend, took)
+
+    asyncio.run(main())
+
+
+# -- Redis Cluster: sharded pub/sub, one subscriber connection per primary -----------------
+
+
+def _cluster_calls(cluster: Cluster, command: str) -> dict[int, int]:
+    out = {}
+    for port in cluster.primary_ports():
+        entry = cluster.client(port).info("commandstats").get(f"cmdstat_{command}")
+        out[port] = int(entry["calls"]) if entry else 0
+    return out
+
+
+def test_cluster_waiters_are_woken_by_sharded_pub_sub(redis_backend: str, redis_cluster: Cluster) -> None:
+    """On every shard: woken (a handoff well under the cap), each release announced by
+    SPUBLISH on the lock's own shard, never a cluster-wide PUBLISH."""
+    url = redis_cluster.url
+    redis_cluster.flush()
+    with hotlock.connect(url, backend=redis_backend) as cache:
+        for port in redis_cluster.primary_ports():
+            key = keys_on(redis_cluster, port, 1, prefix="wake-")[0]
+            handoffs(cache, cache, key, 1, 0.05)
+            spublish, publish = _cluster_calls(redis_cluster, "spublish"), _cluster_calls(redis_cluster, "publish")
+            took = handoffs(cache, cache, key, 5, 0.2)
+            assert statistics.median(took) < 0.005, (port, took)
+            after = _cluster_calls(redis_cluster, "spublish")
+            assert after[port] - spublish[port] >= 5
+            assert all(after[p] == spublish[p] for p in after if p != port)
+            assert _cluster_calls(redis_cluster, "publish") == publish
+        hub = cache._backend._wakeups._hub  # type: ignore[attr-defined]
+        assert len(hub._nodes) == len(redis_cluster.primary_ports())  # one subscriber per primary
+
+
+def test_cluster_a_moved_slot_still_acquires_within_the_cap(redis_backend: str, redis_cluster: Cluster) -> None:
+    """The waited-on key's slot moves to another primary while it is subscribed: the old
+    node unsubscribes the channel, the waiters poll (the safety net), and the next waits
+    join the new owner and are woken again."""
+    redis_cluster.flush()
+    ports = redis_cluster.primary_ports()
+    key = keys_on(redis_cluster, ports[0], 1, prefix="moving-")[0]
+    slot = key_slot(lock_name(key))
+    with hotlock.connect(redis_cluster.url, backend=redis_backend) as cache:
+        try:
+            handoffs(cache, cache, key, 2, 0.05)
+            redis_cluster.move_slot(slot, ports[1])
+            took = handoffs(cache, cache, key, 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+            took = handoffs(cache, cache, key, 5, 0.2)
+            assert statistics.median(took) < 0.005, took
+        finally:
+            redis_cluster.move_slot(slot, ports[0])
