@@ -100,7 +100,15 @@ def _short(obj: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.splitlines()[0])
     ap.add_argument("--child", nargs=3, metavar=("URL", "WORKLOAD", "N"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--only",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated workloads (default: all of {', '.join(WORKLOADS)})",
+    )
     args = ap.parse_args(argv)
+    only = args.only.split(",")
+    if unknown := set(only) - set(WORKLOADS):
+        ap.error(f"unknown workload(s): {', '.join(sorted(unknown))}")
     if args.child:
         _workload(args.child[0], args.child[1], int(args.child[2]))
         return 0
@@ -118,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             ("batch", 10),
             ("python-layer", 2000),
         ):
+            if what not in only:
+                continue
             py = [sys.executable, "-m", "bench.instructions", "--child", server.url, what]
             rows[f"hotlock native {what}" if what != "python-layer" else "public layer, no-op backend"] = _per_op(
                 lambda k, py=py: [*py, str(k)], n, env

@@ -39,7 +39,7 @@ cdef extern from "Python.h":
 cdef Py_ssize_t _MAX_KEY = MAX_KEY_BYTES
 cdef long long _MAX_TTL_MS = MAX_TTL_MS
 # The fields a new lease gets from its acquisition; Lease.__init__ sets the same ones.
-cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_pid", "_deadline")
+cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_pid", "_deadline", "_since")
 DEF _MAX_SLOTS = 64
 
 
@@ -109,7 +109,7 @@ cdef class _Taker:
     cdef _Type *_cls
     cdef Py_ssize_t _n_rest
     cdef Py_ssize_t _rest[_MAX_SLOTS]  # the template's slots copied as they are (_meter, ...)
-    cdef Py_ssize_t _own[8]  # the offsets of _OWN's slots, in that order
+    cdef Py_ssize_t _own[9]  # the offsets of _OWN's slots, in that order
     cdef object _pop  # hotlock._ident's token pool, popleft
     cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
     cdef long long _ms_value
@@ -210,6 +210,7 @@ cdef class _Taker:
         _put(obj, self._own[5], self._ms)
         _put(obj, self._own[6], _pid_now())
         _put(obj, self._own[7], sent + <double>ms / 1000.0)
+        _put(obj, self._own[8], sent)
         return lease
 
 

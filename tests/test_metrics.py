@@ -244,6 +244,57 @@ def test_two_adapters_on_one_registry_collide_loudly() -> None:
     PrometheusMetrics(registry, namespace="billing_locks")  # another namespace is fine
 
 
+def test_histograms_read_as_prometheus_clients_own() -> None:
+    """The adapter is a custom collector: its histograms must expose exactly what a
+    prometheus_client Histogram with the same buckets exposes for the same values (bucket
+    edges included: a value equal to a bound falls in that bound's bucket)."""
+    from prometheus_client import Histogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    metrics = PrometheusMetrics(ours, hold_buckets=(0.01, 0.1, 1.0))
+    reference = Histogram("hotlock_hold_seconds", "reference", registry=theirs, buckets=(0.01, 0.1, 1.0))
+    for held in (0.0, 0.005, 0.01, 0.0100001, 0.1, 0.5, 1.0, 2.0, 1e9):
+        metrics.released("k", held)
+        reference.observe(held)
+    mine = {k: v for k, v in scrape(ours).items() if k[0].startswith("hotlock_hold_seconds")}
+    reference_samples = {k: v for k, v in scrape(theirs).items() if not k[0].endswith("_created")}
+    assert mine == reference_samples
+    assert value(mine, "hotlock_hold_seconds_bucket", le="0.01") == 3
+
+
+def test_counts_are_exact_under_threads() -> None:
+    """Events from many threads at once are all counted (each one is an add under a lock)."""
+    import threading
+
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    per_thread, threads = 20_000, 8
+
+    def events() -> None:
+        for _ in range(per_thread):
+            metrics.acquired("k", 0.001, 1)
+            metrics.released("k", 0.002)
+            metrics.extended("k", True)
+
+    workers = [threading.Thread(target=events) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    s = scrape(registry)
+    n = per_thread * threads
+    assert value(s, "hotlock_acquisitions_total", outcome="acquired") == n
+    assert value(s, "hotlock_acquire_wait_seconds_count") == n
+    assert value(s, "hotlock_hold_seconds_count") == n
+    assert value(s, "hotlock_extensions_total", outcome="ok") == n
+    assert value(s, "hotlock_hold_seconds_sum") == pytest.approx(0.002 * n)
+
+
+def test_unsorted_buckets_are_refused() -> None:
+    with pytest.raises(ValueError, match="increasing order"):
+        PrometheusMetrics(CollectorRegistry(), wait_buckets=(1.0, 0.5))
+
+
 def test_error_kind_names() -> None:
     cases = {
         "acquire failed: no reply within the timeout on key 'k' (server s)": "timeout",

@@ -46,7 +46,7 @@ def shown(key: str | bytes) -> str:
 
 class LeaseHooks(Protocol):
     """What a lease taken on a cache made with connect(metrics=...) reports to
-    (hotlock._metered.LeaseMeter); a plain lease has none."""
+    (hotlock._metered.Meter, shared by the cache's leases); a plain lease has none."""
 
     def extended(self, lease: Lease, ok: bool) -> None: ...
     def released(self, lease: Lease, ok: bool) -> None: ...
@@ -72,6 +72,7 @@ class Lease:
         "_meter",
         "_name",
         "_pid",
+        "_since",
         "_token",
         "_ttl_ms",
         "fence",
@@ -91,7 +92,9 @@ class Lease:
         self._token = _held_value(token, fence)
         self._ttl_ms = ttl
         self._pid = _ident.pid
-        # The TTL runs from when the acquire was sent, not from when its reply came back.
+        # When the acquire was sent: the TTL runs from then, not from when its reply came
+        # back (so does max_hold, and the hold time metrics report).
+        self._since = sent_at
         self._deadline = sent_at + ttl / 1000.0
         # connect(metrics=...): set by the metered cache that took it; None costs one test.
         self._meter: LeaseHooks | None = None

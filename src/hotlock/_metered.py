@@ -3,7 +3,7 @@
 connect(metrics=listener) returns a MeteredCache instead of a Cache. It observes the public
 methods from outside (their results and exceptions already say every outcome), so a cache
 without a listener runs the plain Cache code with not even a check on the acquire path.
-Each lock it hands out carries a LeaseMeter (``Lease._meter``), which Lock.extend/unlock
+Each lock it hands out carries the cache's Meter (``Lease._meter``), which Lock.extend/unlock
 call through a single ``is None`` test that is all an unmetered lock pays.
 """
 
@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._cache import Cache
 from ._lock import Lease, Lock
+from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, LockNotAcquired
 from .metrics import LISTENER_METHODS, Listener, NotAcquired, Op
 
 if TYPE_CHECKING:
     from ._backend import Backend
 
-__all__ = ["LeaseMeter", "Meter", "MeteredCache", "as_list", "check_listener", "sendable"]
+__all__ = ["Batch", "Meter", "MeteredCache", "as_list", "check_listener"]
 
 log = logging.getLogger("hotlock")
 
@@ -45,7 +46,9 @@ def check_listener(metrics: object) -> Listener | None:
 
 
 class Meter:
-    """One cache's listener, called so that it can never change a lock call's outcome.
+    """One cache's listener, called so that it can never change a lock call's outcome; and
+    the LeaseHooks of every lease that cache hands out (one object for all of them: a
+    lease's hold time runs from its own ``_since``, when its acquire was sent).
 
     The listener's methods are looked up once, here (at connect): an event then costs
     one call of the bound method inside a try, nothing more."""
@@ -76,60 +79,47 @@ class Meter:
         except Exception:
             self.raised()
 
-    def attach(self, lease: Lease) -> None:
-        """Give a just-acquired lease its LeaseMeter. The hold time runs from when its
-        acquire was sent, as its TTL does (the deadline is that moment plus the TTL)."""
-        lease._meter = LeaseMeter(self, lease._deadline - lease._ttl_ms / 1000.0)
-
-    def acquired(self, key: str | bytes, started: float, now: float, attempts: int | None) -> None:
+    def took(self, lease: Lease, wait_s: float, attempts: int | None) -> None:
+        """A lock was acquired: it reports to this meter from now on."""
+        lease._meter = self
         try:
-            self._acquired(key, now - started, attempts)
+            self._acquired(lease.key, wait_s, attempts)
         except Exception:
             self.raised()
 
-    def took(self, lease: Lease, started: float, now: float, attempts: int | None) -> None:
-        """attach() and acquired() in one: the try-once acquire's path."""
-        lease._meter = LeaseMeter(self, lease._deadline - lease._ttl_ms / 1000.0)
-        try:
-            self._acquired(lease.key, now - started, attempts)
-        except Exception:
-            self.raised()
+    def took_many(self, keys: list[str | bytes], leases: Sequence[Lease | None], wait_s: float) -> None:
+        """A lock_many's outcomes, key by key."""
+        for key, lease in zip(keys, leases, strict=True):
+            if lease is None:
+                self.not_acquired(key, "held", wait_s)
+            else:
+                self.took(lease, wait_s, 1)
 
-    def not_acquired(self, key: str | bytes, outcome: NotAcquired, started: float, now: float) -> None:
-        self.call(self._not_acquired, key, outcome, now - started)
+    def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
+        self.call(self._not_acquired, key, outcome, wait_s)
 
     def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
         self.call(self._error, key, op, error)
 
-
-class LeaseMeter:
-    """What one metered lease reports: extend and release outcomes, losses, hold time."""
-
-    __slots__ = ("meter", "taken_at")
-
-    def __init__(self, meter: Meter, taken_at: float) -> None:
-        self.meter = meter
-        self.taken_at = taken_at  # on the lease's own clock (Lease._now)
+    # -- LeaseHooks: what a lease reports (Lock.extend/unlock, the renewer) ----------------
 
     def extended(self, lease: Lease, ok: bool) -> None:
-        meter = self.meter
-        meter.call(meter._extended, lease.key, ok)
+        self.call(self._extended, lease.key, ok)
         if not ok:
-            meter.call(meter._lost, lease.key, lease._now() - self.taken_at)
+            self.call(self._lost, lease.key, lease._now() - lease._since)
 
     def released(self, lease: Lease, ok: bool) -> None:
-        meter = self.meter
         try:
             if ok:
-                meter._released(lease.key, lease._now() - self.taken_at)
+                self._released(lease.key, lease._now() - lease._since)
             else:
                 # The release found another token or none: the lease had been lost already.
-                meter._lost(lease.key, lease._now() - self.taken_at)
+                self._lost(lease.key, lease._now() - lease._since)
         except Exception:
-            meter.raised()
+            self.raised()
 
     def failed(self, lease: Lease, op: Op, error: CacheError) -> None:
-        self.meter.call(self.meter._error, lease.key, op, error)
+        self.call(self._error, lease.key, op, error)
 
 
 def as_list(items: Any) -> Any:
@@ -140,11 +130,35 @@ def as_list(items: Any) -> Any:
     return list(items)
 
 
-def sendable(locks: Any) -> dict[int, Lease]:
-    """The locks of a *_many call that it will send for (and so report on), by id()."""
-    if not isinstance(locks, list):
-        return {}  # refused by the call itself
-    return {id(lk): lk for lk in locks if isinstance(lk, Lease) and lk._sendable()}
+class Batch:
+    """The locks given to an extend_many or unlock_many, and the report of its outcome for
+    those it sends for (sync and async alike)."""
+
+    __slots__ = ("items", "op", "sent")
+
+    def __init__(self, locks: Any, op: Literal["extend", "release"]) -> None:
+        self.items = as_list(locks)
+        self.op = op
+        # The locks the call will send for, by id(): the others have nothing to report.
+        self.sent: dict[int, Lease] = (
+            {id(lk): lk for lk in self.items if isinstance(lk, Lease) and lk._sendable()}
+            if isinstance(self.items, list)
+            else {}  # refused by the call itself
+        )
+
+    def failed(self, error: CacheError) -> None:
+        for lease in self.sent.values():
+            if lease._meter is not None:
+                lease._meter.failed(lease, self.op, error)
+
+    def done(self, results: list[bool]) -> None:
+        for item, ok in zip(self.items, results, strict=True):
+            lease = self.sent.get(id(item))
+            if lease is not None and lease._meter is not None:
+                if self.op == "extend":
+                    lease._meter.extended(lease, ok)
+                else:
+                    lease._meter.released(lease, ok)
 
 
 class MeteredCache(Cache):
@@ -154,21 +168,34 @@ class MeteredCache(Cache):
     __slots__ = ("_meter",)
 
     def __init__(self, backend: Backend, prefix: bytes, listener: Listener) -> None:
+        self._meter = Meter(listener)  # before Cache.__init__, which asks for the template
         super().__init__(backend, prefix)
-        self._meter = Meter(listener)
 
-    def lock(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
-        # The hot path, written out (no _observe, no super()): metrics cost little here.
+    def _lease_template(self) -> Lock:
+        # The native one-call lock() copies _meter from here into every lease it makes.
+        template = super()._lease_template()
+        template._meter = self._meter
+        return template
+
+    def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, **options: Any) -> Lock:
+        # The hot path, written out (no _observe, no super(), no Meter.took, ttl passed
+        # on by position): metrics cost little here (bench/results.md "Metrics: what the
+        # listener costs").
+        meter = self._meter
         started = _monotonic()
         try:
-            lock = _plain_lock(self, key, *args, **kwargs)
+            lock = _plain_lock(self, key, ttl, **options) if options else _plain_lock(self, key, ttl)
         except LockNotAcquired:
-            self._meter.not_acquired(key, "held", started, _monotonic())
+            meter.not_acquired(key, "held", _monotonic() - started)
             raise
         except CacheError as error:
-            self._meter.error(key, "acquire", error)
+            meter.error(key, "acquire", error)
             raise
-        self._meter.took(lock, started, _monotonic(), 1)
+        lock._meter = meter  # set already by the native template; a store costs less than a test
+        try:
+            meter._acquired(key, _monotonic() - started, 1)
+        except Exception:
+            meter.raised()
         return lock
 
     def lock_wait(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
@@ -184,65 +211,47 @@ class MeteredCache(Cache):
         attempts: int | None = 1,
     ) -> Lock:
         meter = self._meter
-        started = time.monotonic()
+        started = _monotonic()
         try:
             lock = acquire(key, *args, **kwargs)
         except LockNotAcquired:
-            meter.not_acquired(key, conflict, started, time.monotonic())
+            meter.not_acquired(key, conflict, _monotonic() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.took(lock, started, time.monotonic(), attempts)
+        meter.took(lock, _monotonic() - started, attempts)
         return lock
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:
         meter = self._meter
         given = as_list(keys)
-        started = time.monotonic()
+        started = _monotonic()
         try:
             locks = super().lock_many(given, *args, **kwargs)
         except CacheError as error:
             for key in given:
                 meter.error(key, "acquire", error)
             raise
-        now = time.monotonic()
-        for key, lock in zip(given, locks, strict=True):
-            if lock is None:
-                meter.not_acquired(key, "held", started, now)
-            else:
-                meter.attach(lock)
-                meter.acquired(key, started, now, 1)
+        meter.took_many(given, locks, _monotonic() - started)
         return locks
 
     def extend_many(self, locks: Iterable[Lock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "extend")
         try:
-            results = super().extend_many(items, *args, **kwargs)
+            results = super().extend_many(batch.items, *args, **kwargs)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "extend", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.extended(lease, ok)
+        batch.done(results)
         return results
 
     def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "release")
         try:
-            results = super().unlock_many(items)
+            results = super().unlock_many(batch.items)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "release", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.released(lease, ok)
+        batch.done(results)
         return results

@@ -76,8 +76,7 @@ class Held:
         self.lease = lease
         self.max_hold = None if max_hold_ms is None else max_hold_ms / 1000.0
         # max_hold runs from when the acquire was sent, as the TTL does.
-        sent = lease._deadline - lease._ttl_ms / 1000.0
-        self.hold_until = None if self.max_hold is None else sent + self.max_hold
+        self.hold_until = None if self.max_hold is None else lease._since + self.max_hold
         self.gen = 0  # the renewal entry that counts (older ones in the heap are stale)
         self.sending = False  # queued for, or in, a round trip
         self.gone = False  # released: never extended again, its replies ignored

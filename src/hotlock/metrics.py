@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ._lock import shown
@@ -151,42 +152,47 @@ _ACQUIRE_OUTCOMES = ("acquired", "held", "timeout", "error")
 _EXTEND_OUTCOMES = ("ok", "lost", "error")
 
 
-def _fast_inc(counter: Any) -> Callable[[], None]:
-    """``counter.inc`` for an unlabelled counter (or a bound child), as a call of its value's
-    own inc (thread-safe, under the value's lock) without Counter.inc's checks for a
-    negative amount, an exemplar and an unbound parent, which cannot apply here. Falls
-    back to the public method where prometheus_client's insides are not as expected."""
-    add = getattr(getattr(counter, "_value", None), "inc", None)
-    if not callable(add):
-        return counter.inc  # type: ignore[no-any-return]
-    return partial(add, 1)
+def _bounds(buckets: Sequence[float]) -> list[float]:
+    """Histogram upper bounds as prometheus_client's Histogram takes them: sorted, with
+    +Inf added when missing."""
+    bounds = [float(b) for b in buckets]
+    if bounds != sorted(bounds):
+        raise ValueError(f"histogram buckets must be in increasing order, not {tuple(buckets)!r}")
+    if not bounds or bounds[-1] != math.inf:
+        bounds.append(math.inf)
+    return bounds
 
 
-def _fast_observe(histogram: Any) -> Callable[[float], None]:
-    """``histogram.observe`` for an unlabelled histogram: add to its sum and to the one
-    bucket the amount falls in (prometheus_client keeps the buckets non-cumulative and sums
-    them at collection), found by bisection instead of Histogram.observe's linear scan and
-    per-call checks. Falls back to the public method where the insides are not as expected."""
-    try:
-        bounds = [float(b) for b in histogram._upper_bounds]
-        adds = [b.inc for b in histogram._buckets]
-        add_sum = histogram._sum.inc
-    except (AttributeError, TypeError, ValueError):
-        return histogram.observe  # type: ignore[no-any-return]
-    if not bounds or len(bounds) != len(adds) or bounds[-1] != math.inf or bounds != sorted(bounds):
-        return histogram.observe  # type: ignore[no-any-return]
+class _Series:
+    """The numbers of one key_space (of every key when there is none), added to under the
+    adapter's lock and copied out by collect(). "acquired" is not counted apart: it is the
+    wait histogram's count."""
 
-    def observe(amount: float) -> None:
-        add_sum(amount)
-        # The first bucket whose upper bound is >= amount (Histogram.observe's own rule).
-        adds[bisect_left(bounds, amount)](1)
+    __slots__ = ("acquisitions", "errors", "extensions", "hold", "hold_sum", "lost", "wait", "wait_sum")
 
-    return observe
+    def __init__(self, wait_bins: int, hold_bins: int) -> None:
+        self.acquisitions = dict.fromkeys(_ACQUIRE_OUTCOMES[1:], 0)
+        self.wait = [0] * wait_bins  # per bucket, not cumulative: one add per event
+        self.wait_sum = 0.0
+        self.hold = [0] * hold_bins
+        self.hold_sum = 0.0
+        self.extensions = dict.fromkeys(_EXTEND_OUTCOMES, 0)
+        self.lost = 0
+        self.errors: dict[tuple[str, str], int] = {}
+
+    def copy(self) -> _Series:
+        other = _Series(0, 0)
+        other.acquisitions = dict(self.acquisitions)
+        other.wait, other.wait_sum = list(self.wait), self.wait_sum
+        other.hold, other.hold_sum = list(self.hold), self.hold_sum
+        other.extensions = dict(self.extensions)
+        other.lost = self.lost
+        other.errors = dict(self.errors)
+        return other
 
 
 class PrometheusMetrics(BaseListener):
-    """A Listener that keeps prometheus_client counters and histograms
-    (``pip install hotlock[prometheus]``):
+    """A Listener that a prometheus_client registry collects (``pip install hotlock[prometheus]``):
 
     ================================================  ===========================================
     ``<ns>_acquisitions_total{outcome}``               acquired, held, timeout, error
@@ -205,6 +211,12 @@ class PrometheusMetrics(BaseListener):
     a time series kept forever by the client and the server, and lock keys carry ids
     (invoice, tenant, account), so one series per key grows without bound and takes the
     monitoring down with it. ``key_space`` must map keys to a small fixed set.
+
+    It is a custom collector (prometheus_client's documented ``collect()`` interface), not a
+    set of Counter and Histogram objects: those take a lock per value per update and check
+    their arguments each time, three times per lock cycle, which would cost more than the
+    cycle's own Python. Here an event is one add under one lock; the exposition, built at
+    scrape time with prometheus_client's metric families, is the same.
     """
 
     def __init__(
@@ -224,96 +236,137 @@ class PrometheusMetrics(BaseListener):
             ) from exc
         if key_space is not None and not callable(key_space):
             raise TypeError(f"key_space must be callable or None, not {type(key_space).__name__}")
-        if registry is None:
-            registry = prom.REGISTRY
         self._key_space = key_space
-        space: tuple[str, ...] = () if key_space is None else ("key_space",)
-        common: dict[str, Any] = {"namespace": namespace, "registry": registry}
-        self.acquisitions = prom.Counter("acquisitions", "Lock acquisitions by outcome", [*space, "outcome"], **common)
-        self.acquire_wait = prom.Histogram(
-            "acquire_wait_seconds",
-            "Time from the acquire call until the lock was acquired",
-            space,
-            buckets=tuple(wait_buckets),
-            **common,
-        )
-        self.hold = prom.Histogram(
-            "hold_seconds",
-            "Time from the acquire until the release of each released lock",
-            space,
-            buckets=tuple(hold_buckets),
-            **common,
-        )
-        self.extensions = prom.Counter("extensions", "Lock extensions by outcome", [*space, "outcome"], **common)
-        self.losses = prom.Counter("lost", "Leases found lost (by extend or release)", space, **common)
-        self.errors = prom.Counter("errors", "Cache errors by operation and kind", [*space, "op", "kind"], **common)
-        if key_space is None:
-            # No labels to look up per event: resolve each child once, so an event costs
-            # one inc() or observe() (prometheus_client's labels() is a dict lookup under a lock).
-            self._acq = {o: self.acquisitions.labels(outcome=o) for o in _ACQUIRE_OUTCOMES}
-            self._ext = {o: self.extensions.labels(outcome=o) for o in _EXTEND_OUTCOMES}
-            # And the per-cycle events (acquired + released) bound to the values they add
-            # to, so a lock cycle costs no lookups and no per-call checks (bench/results.md
-            # "Metrics: what the listener costs").
-            self._count_acquired = _fast_inc(self._acq["acquired"])
-            self._observe_wait = _fast_observe(self.acquire_wait)
-            self._observe_hold = _fast_observe(self.hold)
+        self._prefix = f"{namespace}_" if namespace else ""
+        self._wait_bounds = _bounds(wait_buckets)
+        self._hold_bounds = _bounds(hold_buckets)
+        # The bounds as the exposition's ``le`` labels, formatted as prometheus_client's own
+        # Histogram does ("0.005", "+Inf").
+        from prometheus_client.utils import floatToGoString
 
-    # Each method has a fast path (no key_space: pre-resolved children) and a labelled one.
+        float_to_go: Callable[[float], str] = floatToGoString
+        self._wait_le = [float_to_go(b) for b in self._wait_bounds]
+        self._hold_le = [float_to_go(b) for b in self._hold_bounds]
+        self._lock = threading.Lock()
+        # Without key_space every event adds to the one series (no lookup); with it, to
+        # the series of the key's space, made on its first event.
+        self._all = None if key_space is not None else self._new_series()
+        self._spaces: dict[str, _Series] = {}
+        (prom.REGISTRY if registry is None else registry).register(self)
+
+    def _new_series(self) -> _Series:
+        return _Series(len(self._wait_bounds), len(self._hold_bounds))
+
+    def _of(self, key: str | bytes) -> _Series:
+        """The series of ``key``'s space (with key_space only)."""
+        assert self._key_space is not None
+        space = str(self._key_space(shown(key)))
+        series = self._spaces.get(space)
+        if series is None:
+            with self._lock:
+                series = self._spaces.setdefault(space, self._new_series())
+        return series
+
+    # -- the listener: each event is one add under the lock ----------------------------
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
-        if self._key_space is None:
-            self._count_acquired()
-            self._observe_wait(wait_s)
-        else:
-            space = self._space(key)
-            self.acquisitions.labels(space, "acquired").inc()
-            self.acquire_wait.labels(space).observe(wait_s)
+        series = self._all or self._of(key)
+        lock = self._lock
+        lock.acquire()  # not `with`: the two events of every lock cycle take the cheaper form
+        try:
+            series.wait[bisect_left(self._wait_bounds, wait_s)] += 1
+            series.wait_sum += wait_s
+        finally:
+            lock.release()
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
-        if self._key_space is None:
-            self._acq[outcome].inc()
-        else:
-            self.acquisitions.labels(self._space(key), outcome).inc()
+        series = self._all or self._of(key)
+        with self._lock:
+            series.acquisitions[outcome] += 1
 
     def released(self, key: str | bytes, held_s: float) -> None:
-        if self._key_space is None:
-            self._observe_hold(held_s)
-        else:
-            self.hold.labels(self._space(key)).observe(held_s)
+        series = self._all or self._of(key)
+        lock = self._lock
+        lock.acquire()
+        try:
+            # The first bucket whose upper bound is >= the value: Histogram.observe's rule.
+            series.hold[bisect_left(self._hold_bounds, held_s)] += 1
+            series.hold_sum += held_s
+        finally:
+            lock.release()
 
     def extended(self, key: str | bytes, ok: bool) -> None:
-        outcome = "ok" if ok else "lost"
-        if self._key_space is None:
-            self._ext[outcome].inc()
-        else:
-            self.extensions.labels(self._space(key), outcome).inc()
+        series = self._all or self._of(key)
+        with self._lock:
+            series.extensions["ok" if ok else "lost"] += 1
 
     def lost(self, key: str | bytes, held_s: float) -> None:
-        if self._key_space is None:
-            self.losses.inc()
-        else:
-            self.losses.labels(self._space(key)).inc()
+        series = self._all or self._of(key)
+        with self._lock:
+            series.lost += 1
 
     def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
         kind = error_kind(error)
-        if self._key_space is None:
-            self.errors.labels(op=op, kind=kind).inc()
+        series = self._all or self._of(key)
+        with self._lock:
+            series.errors[op, kind] = series.errors.get((op, kind), 0) + 1
             if op == "acquire":
-                self._acq["error"].inc()
+                series.acquisitions["error"] += 1
             elif op == "extend":
-                self._ext["error"].inc()
-        else:
-            space = self._space(key)
-            self.errors.labels(space, op, kind).inc()
-            if op == "acquire":
-                self.acquisitions.labels(space, "error").inc()
-            elif op == "extend":
-                self.extensions.labels(space, "error").inc()
+                series.extensions["error"] += 1
 
-    def _space(self, key: str | bytes) -> str:
-        assert self._key_space is not None
-        return str(self._key_space(shown(key)))
+    # -- the collector ------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Any]:
+        """What a scrape reads (prometheus_client calls it): a copy taken under the lock."""
+        taken: list[tuple[tuple[str, ...], _Series]]
+        with self._lock:
+            if self._all is not None:
+                taken = [((), self._all.copy())]
+            else:
+                taken = [((space,), s.copy()) for space, s in sorted(self._spaces.items())]
+        return self._families(taken)
+
+    def describe(self) -> Iterator[Any]:
+        """The metric names without samples, for the registry's check of duplicate names."""
+        return self._families([])
+
+    def _families(self, taken: list[tuple[tuple[str, ...], _Series]]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        space = ("key_space",) if self._key_space is not None else ()
+        name = self._prefix
+        acquisitions = CounterMetricFamily(
+            f"{name}acquisitions", "Lock acquisitions by outcome", labels=[*space, "outcome"]
+        )
+        wait = HistogramMetricFamily(
+            f"{name}acquire_wait_seconds", "Time from the acquire call until the lock was acquired", labels=space
+        )
+        hold = HistogramMetricFamily(
+            f"{name}hold_seconds", "Time from the acquire until the release of each released lock", labels=space
+        )
+        extensions = CounterMetricFamily(f"{name}extensions", "Lock extensions by outcome", labels=[*space, "outcome"])
+        lost = CounterMetricFamily(f"{name}lost", "Leases found lost (by extend or release)", labels=space)
+        errors = CounterMetricFamily(
+            f"{name}errors", "Cache errors by operation and kind", labels=[*space, "op", "kind"]
+        )
+        for labels, s in taken:
+            acquisitions.add_metric([*labels, "acquired"], sum(s.wait))
+            for outcome, n in s.acquisitions.items():
+                acquisitions.add_metric([*labels, outcome], n)
+            wait.add_metric(labels, _cumulative(self._wait_le, s.wait), s.wait_sum)
+            hold.add_metric(labels, _cumulative(self._hold_le, s.hold), s.hold_sum)
+            for outcome, n in s.extensions.items():
+                extensions.add_metric([*labels, outcome], n)
+            lost.add_metric(labels, s.lost)
+            for (op, kind), n in sorted(s.errors.items()):
+                errors.add_metric([*labels, op, kind], n)
+        return iter((acquisitions, wait, hold, extensions, lost, errors))
 
     def __repr__(self) -> str:
         return f"<hotlock.metrics.PrometheusMetrics key_space={self._key_space!r}>"
+
+
+def _cumulative(le: list[str], counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts as the exposition's cumulative ``le`` buckets."""
+    return list(zip(le, map(float, accumulate(counts)), strict=True))

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._metered import Meter, as_list, sendable
+from .._metered import Batch, Meter, as_list
 from ..errors import CacheError, LockNotAcquired
 from ._cache import AsyncCache
 from ._lock import AsyncLock
@@ -39,14 +39,13 @@ class MeteredAsyncCache(AsyncCache):
         try:
             lock = await super()._acquire(key, name, ms, wait_for, auto, hold)
         except LockNotAcquired:
-            meter.not_acquired(key, "held" if wait_for is None else "timeout", started, loop.time())
+            meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.attach(lock)
         # lock_wait's tries are not counted (as in sync, where the loop is in the backend).
-        meter.acquired(key, started, loop.time(), 1 if wait_for is None else None)
+        meter.took(lock, loop.time() - started, 1 if wait_for is None else None)
         return lock
 
     async def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[AsyncLock | None]:
@@ -60,43 +59,25 @@ class MeteredAsyncCache(AsyncCache):
             for key in given:
                 meter.error(key, "acquire", error)
             raise
-        now = loop.time()
-        for key, lock in zip(given, locks, strict=True):
-            if lock is None:
-                meter.not_acquired(key, "held", started, now)
-            else:
-                meter.attach(lock)
-                meter.acquired(key, started, now, 1)
+        meter.took_many(given, locks, loop.time() - started)
         return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], *args: Any, **kwargs: Any) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "extend")
         try:
-            results = await super().extend_many(items, *args, **kwargs)
+            results = await super().extend_many(batch.items, *args, **kwargs)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "extend", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.extended(lease, ok)
+        batch.done(results)
         return results
 
     async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
-        items = as_list(locks)
-        sent = sendable(items)
+        batch = Batch(locks, "release")
         try:
-            results = await super().unlock_many(items)
+            results = await super().unlock_many(batch.items)
         except CacheError as error:
-            for held in sent.values():
-                if held._meter is not None:
-                    held._meter.failed(held, "release", error)
+            batch.failed(error)
             raise
-        for item, ok in zip(items, results, strict=True):
-            lease = sent.get(id(item))
-            if lease is not None and lease._meter is not None:
-                lease._meter.released(lease, ok)
+        batch.done(results)
         return results
