@@ -226,12 +226,12 @@ cdef class _Taker:
 #
 # The common case: (lock) a str/bytes key and int/float TTL on a NativeBackend, without
 # auto_extend or max_hold; (unlock, extend) a lock of this process on a NativeBackend,
-# not released, not known lost, without auto_extend or metrics, and (extend) a TTL of
-# None, an int or a float that ttl_ms takes unchanged. There the Python methods would
-# check exactly what is checked here, send the same command and write the same fields.
-# Anything else (another backend, a forked child, a released lock, a bad TTL, a metered
-# or auto-extended lease) runs the Python method itself, so every error and message,
-# every hook and the renewer's bookkeeping stay Python's. tests/test_native_lease.py
+# not released, not known lost, without auto_extend, and (extend) a TTL of None, an int
+# or a float that ttl_ms takes unchanged. There the Python methods would check exactly
+# what is checked here, send the same command, write the same fields and call the same
+# metrics hooks. Anything else (another backend, a forked child, a released lock, a bad
+# TTL, an auto-extended lease) runs the Python method itself, so every error and message
+# and the renewer's bookkeeping stay Python's. tests/test_native_lease.py
 # holds the two paths to each other.
 
 cdef extern from "Python.h":
@@ -324,8 +324,9 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
 
 cdef inline bint _plain_held(object lease) noexcept:
     """The common case unlock and extend share: a lease of _lease_cls itself on a
-    NativeBackend, with a held value, taken by this process, neither auto-extended nor
-    metered."""
+    NativeBackend, with a held value, taken by this process, not auto-extended. A metered
+    lease is one too: its hooks (hotlock._metered.Meter) are called here as the Python
+    methods call them, so connect(metrics=...) keeps the one-call path."""
     cdef PyObject *backend
     cdef PyObject *name
     cdef PyObject *token
@@ -343,7 +344,7 @@ cdef inline bint _plain_held(object lease) noexcept:
             and pid is not NULL and type(<object>pid) is int
             and PyLong_AsLongAndOverflow(<object>pid, &overflow) == _my_pid and overflow == 0
             and _slot(lease, _at_auto) == <PyObject *>None
-            and _slot(lease, _at_meter) == <PyObject *>None)
+            and _slot(lease, _at_meter) is not NULL)
 
 
 cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
@@ -358,8 +359,16 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
     backend = <NativeBackend><object>_slot(self, _at_backend)
     name = <bytes><object>_slot(self, _at_name)
     token = <bytes><object>_slot(self, _at_token)
-    released = backend._release(name, token)  # a CacheError keeps the token, as unlock() does
+    meter = <object>_slot(self, _at_meter)
+    try:
+        released = backend._release(name, token)  # a CacheError keeps the token, as unlock() does
+    except CacheError as error:
+        if meter is not None:  # metrics hook
+            meter.failed(self, "release", error)
+        raise
     _store(self, _at_token, b"")
+    if meter is not None:  # metrics hook
+        meter.released(self, released)
     return released
 
 
@@ -410,8 +419,17 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
     backend = <NativeBackend><object>_slot(self, _at_backend)
     name = <bytes><object>_slot(self, _at_name)
     token = <bytes><object>_slot(self, _at_token)
+    meter = <object>_slot(self, _at_meter)
     sent = _monotonic()
-    if backend._extend(name, token, ms):
+    try:
+        ok = backend._extend(name, token, ms)
+    except CacheError as error:
+        if meter is not None:  # metrics hook
+            meter.failed(self, "extend", error)
+        raise
+    if meter is not None:  # metrics hook
+        meter.extended(self, ok)
+    if ok:
         # Lease._extended(True, ms, sent)
         if kept is None:
             # A new int only when the TTL changed (the same TTL is the common extend).

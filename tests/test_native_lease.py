@@ -253,6 +253,57 @@ def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
         redispy.close()
 
 
+def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_ones(redis_url: str) -> None:
+    """connect(metrics=...): unlock and extend stay one extension call each and call the
+    lease's hooks as the Python methods do (test_metrics holds the events to every backend's)."""
+    from hotlock.metrics import BaseListener
+
+    events: list[tuple[Any, ...]] = []
+
+    class Recorder(BaseListener):
+        def extended(self, key: str | bytes, ok: bool) -> None:
+            events.append(("extended", key, ok))
+
+        def released(self, key: str | bytes, held_s: float) -> None:
+            events.append(("released", key, held_s >= 0))
+
+        def lost(self, key: str | bytes, held_s: float) -> None:
+            events.append(("lost", key))
+
+    calls: list[str] = []
+
+    def unlock(lock: Lock) -> bool:
+        calls.append("unlock")
+        return PY_UNLOCK(lock)
+
+    def extend(lock: Lock, ttl: Any = None) -> None:
+        calls.append("extend")
+        PY_EXTEND(lock, ttl)
+
+    native.lease_methods(Lock, unlock, extend, TAKEN)
+    metered = hotlock.connect(redis_url, backend="native", metrics=Recorder())
+    try:
+        lock = metered.lock("metered", 30)
+        lock.extend()
+        lock.extend(5)
+        assert lock.unlock() is True
+        taken = metered.lock("metered-lost", 30)
+        metered._backend.release(taken._name, taken._token)  # type: ignore[attr-defined]
+        with pytest.raises(LockLost):
+            taken.extend()
+        assert calls == []
+        assert events == [
+            ("extended", "metered", True),
+            ("extended", "metered", True),
+            ("released", "metered", True),
+            ("extended", "metered-lost", False),
+            ("lost", "metered-lost"),
+        ]
+    finally:
+        native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
+        metered.close()
+
+
 def test_the_one_call_methods_read_as_the_python_ones() -> None:
     for fast, python in ((Cache.lock, python_lock), (Lock.unlock, PY_UNLOCK), (Lock.extend, PY_EXTEND)):
         assert fast is not python

@@ -103,9 +103,9 @@ class Lease:
         # The renewer's record when taken with auto_extend=True (hotlock._renewer).
         self._auto: Watch | None = None
 
-    def _now(self) -> float:
-        """The clock the deadline is on."""
-        return time.monotonic()
+    # The clock the deadline is on (AsyncLock's is its loop's): the builtin itself, so a
+    # reading costs no Python frame.
+    _now: Callable[[], float] = staticmethod(time.monotonic)
 
     @property
     def ttl(self) -> float:
@@ -285,5 +285,5 @@ if _native is not None:
     # unlock() and extend() as one extension call each on the native backend's common case
     # (ext/_lease.pxi): what the methods above would check, checked in C, and the command
     # sent from there; every other case (another backend, other arguments, a bad TTL, a
-    # released, inherited, lost, metered or auto-extended lock) is handed to them as given.
+    # released, inherited, lost or auto-extended lock) is handed to them as given.
     Lock.unlock, Lock.extend = _native.lease_methods(Lock, python_unlock, python_extend, TAKEN)  # type: ignore[method-assign]

@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 import re
 import threading
-from bisect import bisect_left
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, repeat, starmap
+from math import fsum
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ._lock import shown
@@ -163,28 +165,67 @@ def _bounds(buckets: Sequence[float]) -> list[float]:
     return bounds
 
 
+# How many observations a histogram keeps unbinned at most: the observation that finds
+# this many bins them all (a scrape bins them too), so memory stays small without a scrape.
+_BIN_AT = 256
+
+
+class _Histogram:
+    """One histogram's numbers. An observation is appended to ``pending`` without a lock
+    (deque appends and pops are thread-safe) and binned later, under the adapter's lock,
+    in a batch: a lock cycle's two observations then cost an append each."""
+
+    __slots__ = ("bounds", "counts", "pending", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.pending: deque[float] = deque()
+
+    def bin(self) -> None:
+        """Move the pending observations into the buckets (the caller holds the lock; what
+        other threads append meanwhile stays pending). In C but for one step per bucket:
+        the values popped by starmap, sorted, and each bucket's count read off by bisection
+        (an observation is counted in the first bucket whose upper bound is >= it, as
+        prometheus_client's Histogram.observe counts it)."""
+        values = sorted(starmap(self.pending.popleft, repeat((), len(self.pending))))
+        if not values:
+            return
+        below = 0
+        for i, bound in enumerate(self.bounds):
+            upto = bisect_right(values, bound)
+            self.counts[i] += upto - below
+            below = upto
+        self.sum += fsum(values)
+
+    def copy(self) -> _Histogram:
+        other = _Histogram(self.bounds)
+        other.counts, other.sum = list(self.counts), self.sum
+        return other
+
+
 class _Series:
-    """The numbers of one key_space (of every key when there is none), added to under the
-    adapter's lock and copied out by collect(). "acquired" is not counted apart: it is the
-    wait histogram's count."""
+    """The numbers of one key_space (of every key when there is none). The counters are
+    added to under the adapter's lock. "acquired" is not counted apart: it is the wait
+    histogram's count."""
 
-    __slots__ = ("acquisitions", "errors", "extensions", "hold", "hold_sum", "lost", "wait", "wait_sum")
+    __slots__ = ("acquisitions", "errors", "extensions", "hold", "lost", "wait")
 
-    def __init__(self, wait_bins: int, hold_bins: int) -> None:
+    def __init__(self, wait: _Histogram, hold: _Histogram) -> None:
         self.acquisitions = dict.fromkeys(_ACQUIRE_OUTCOMES[1:], 0)
-        self.wait = [0] * wait_bins  # per bucket, not cumulative: one add per event
-        self.wait_sum = 0.0
-        self.hold = [0] * hold_bins
-        self.hold_sum = 0.0
+        self.wait = wait
+        self.hold = hold
         self.extensions = dict.fromkeys(_EXTEND_OUTCOMES, 0)
         self.lost = 0
         self.errors: dict[tuple[str, str], int] = {}
 
     def copy(self) -> _Series:
-        other = _Series(0, 0)
+        """A binned copy (the caller holds the lock)."""
+        self.wait.bin()
+        self.hold.bin()
+        other = _Series(self.wait.copy(), self.hold.copy())
         other.acquisitions = dict(self.acquisitions)
-        other.wait, other.wait_sum = list(self.wait), self.wait_sum
-        other.hold, other.hold_sum = list(self.hold), self.hold_sum
         other.extensions = dict(self.extensions)
         other.lost = self.lost
         other.errors = dict(self.errors)
@@ -255,7 +296,11 @@ class PrometheusMetrics(BaseListener):
         (prom.REGISTRY if registry is None else registry).register(self)
 
     def _new_series(self) -> _Series:
-        return _Series(len(self._wait_bounds), len(self._hold_bounds))
+        return _Series(_Histogram(self._wait_bounds), _Histogram(self._hold_bounds))
+
+    def _bin(self, histogram: _Histogram) -> None:
+        with self._lock:
+            histogram.bin()
 
     def _of(self, key: str | bytes) -> _Series:
         """The series of ``key``'s space (with key_space only)."""
@@ -270,14 +315,10 @@ class PrometheusMetrics(BaseListener):
     # -- the listener: each event is one add under the lock ----------------------------
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
-        series = self._all or self._of(key)
-        lock = self._lock
-        lock.acquire()  # not `with`: the two events of every lock cycle take the cheaper form
-        try:
-            series.wait[bisect_left(self._wait_bounds, wait_s)] += 1
-            series.wait_sum += wait_s
-        finally:
-            lock.release()
+        pending = (self._all or self._of(key)).wait.pending
+        pending.append(wait_s)
+        if len(pending) >= _BIN_AT:
+            self._bin((self._all or self._of(key)).wait)
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         series = self._all or self._of(key)
@@ -285,15 +326,10 @@ class PrometheusMetrics(BaseListener):
             series.acquisitions[outcome] += 1
 
     def released(self, key: str | bytes, held_s: float) -> None:
-        series = self._all or self._of(key)
-        lock = self._lock
-        lock.acquire()
-        try:
-            # The first bucket whose upper bound is >= the value: Histogram.observe's rule.
-            series.hold[bisect_left(self._hold_bounds, held_s)] += 1
-            series.hold_sum += held_s
-        finally:
-            lock.release()
+        pending = (self._all or self._of(key)).hold.pending
+        pending.append(held_s)
+        if len(pending) >= _BIN_AT:
+            self._bin((self._all or self._of(key)).hold)
 
     def extended(self, key: str | bytes, ok: bool) -> None:
         series = self._all or self._of(key)
@@ -351,11 +387,11 @@ class PrometheusMetrics(BaseListener):
             f"{name}errors", "Cache errors by operation and kind", labels=[*space, "op", "kind"]
         )
         for labels, s in taken:
-            acquisitions.add_metric([*labels, "acquired"], sum(s.wait))
+            acquisitions.add_metric([*labels, "acquired"], sum(s.wait.counts))
             for outcome, n in s.acquisitions.items():
                 acquisitions.add_metric([*labels, outcome], n)
-            wait.add_metric(labels, _cumulative(self._wait_le, s.wait), s.wait_sum)
-            hold.add_metric(labels, _cumulative(self._hold_le, s.hold), s.hold_sum)
+            wait.add_metric(labels, _cumulative(self._wait_le, s.wait.counts), s.wait.sum)
+            hold.add_metric(labels, _cumulative(self._hold_le, s.hold.counts), s.hold.sum)
             for outcome, n in s.extensions.items():
                 extensions.add_metric([*labels, outcome], n)
             lost.add_metric(labels, s.lost)
