@@ -367,8 +367,14 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
             meter.failed(self, "release", error)
         raise
     _store(self, _at_token, b"")
-    if meter is not None:  # metrics hook
-        meter.released(self, released)
+    if meter is not None:  # metrics hook: Meter.released, its common case written out
+        if released:
+            try:
+                meter._released(self.key, _monotonic() - self._since)
+            except Exception:
+                meter.raised()
+        else:
+            meter.released(self, False)
     return released
 
 
