@@ -315,10 +315,11 @@ class PrometheusMetrics(BaseListener):
     # -- the listener: each event is one add under the lock ----------------------------
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
-        pending = (self._all or self._of(key)).wait.pending
+        histogram = (self._all or self._of(key)).wait
+        pending = histogram.pending
         pending.append(wait_s)
         if len(pending) >= _BIN_AT:
-            self._bin((self._all or self._of(key)).wait)
+            self._bin(histogram)
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         series = self._all or self._of(key)
@@ -326,10 +327,11 @@ class PrometheusMetrics(BaseListener):
             series.acquisitions[outcome] += 1
 
     def released(self, key: str | bytes, held_s: float) -> None:
-        pending = (self._all or self._of(key)).hold.pending
+        histogram = (self._all or self._of(key)).hold
+        pending = histogram.pending
         pending.append(held_s)
         if len(pending) >= _BIN_AT:
-            self._bin((self._all or self._of(key)).hold)
+            self._bin(histogram)
 
     def extended(self, key: str | bytes, ok: bool) -> None:
         series = self._all or self._of(key)
