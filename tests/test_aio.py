@@ -813,9 +813,8 @@ def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
 # -- many tasks, one connection -------------------------------------------------------
 
 
+@pytest.mark.parametrize("raio", ["native"], indirect=True)  # the write coalescing is the native protocol's
 def test_native_commands_of_one_loop_iteration_leave_in_one_write(raio: Aio) -> None:
-    if raio.backend != "native":
-        pytest.skip("the write coalescing is the native protocol's")
 
     async def main() -> None:
         async with await raio.connect() as cache:
