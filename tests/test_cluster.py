@@ -499,6 +499,46 @@ def _bring_back(cluster: Cluster, port: int) -> None:
         cluster.restart(port)
 
 
+def _flagged_failed(cluster: Cluster, by: int, port: int) -> bool:
+    """Whether the node at ``by`` reports the node at ``port`` as failed in CLUSTER SHARDS."""
+    for shard in cluster.client(by).execute_command("CLUSTER", "SHARDS"):  # redis-py: dicts
+        for node in shard[b"nodes"]:
+            if int(node[b"port"]) == port:
+                return bool(node[b"health"] == b"fail")
+    return False
+
+
+def test_a_serving_primary_flagged_failed_keeps_its_slots(redis_backend: str, spare_cluster: Cluster) -> None:
+    """A node clears a FAIL flag on a primary that owns slots only two node timeouts after
+    setting it, so a primary frozen past the node timeout (its replica frozen too, so no
+    failover happens) serves again while the other nodes still report it ``fail`` in
+    CLUSTER SHARDS; the same window follows a failover to a replica that had been frozen
+    (the race test_failover_can_give_two_holders_on_a_cluster hit on a loaded machine). A
+    client that builds its map then still reaches that primary's keys."""
+    cluster = spare_cluster
+    primary, replica = _shard_to_fail(cluster)
+    key = keys_on(cluster, primary, 1, "flag")[0]
+    seed = cluster.nodes[0].port
+    with _replica_cut_off(cluster, primary, replica):
+        proc = _node(cluster, primary).proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while not _flagged_failed(cluster, seed, primary):
+                assert time.monotonic() < deadline, "the frozen primary was never flagged failed"
+                time.sleep(0.05)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert cluster.client(primary).ping()
+        assert _flagged_failed(cluster, seed, primary)  # serving, and still reported failed
+        with hotlock.connect(cluster.url, backend=redis_backend, timeout=1, connect_timeout=1) as c:
+            held = c.lock(key, ttl=30)
+            assert cluster.client(primary).get(lock_name(key)) == held._token
+            assert held.unlock() is True
+    cluster.wait_ok()
+
+
 def test_failover_can_give_two_holders_on_a_cluster(redis_backend: str, spare_cluster: Cluster) -> None:
     """The README's caveat, reproduced: a lock granted by a primary whose replica never got
     it (replica frozen, link cut), the primary SIGKILLed, the replica promoted: a second

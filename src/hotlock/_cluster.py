@@ -8,7 +8,7 @@ goes where:
 
 - every key goes to the primary of its slot (CRC16-XMODEM of the key's hash tag, mod
   16384); the slot map comes from ``CLUSTER SHARDS`` (``CLUSTER SLOTS`` where SHARDS is
-  missing), primaries only;
+  missing), primaries only, flagged ``fail`` or not (see parse_shards);
 - ``MOVED slot host:port``: the slot now belongs there; note it, resend there, and refresh
   the whole map before the next call (a MOVED usually means a reshard moved many slots);
 - ``ASK slot host:port`` (the slot is being migrated and this key is already gone):
@@ -136,14 +136,20 @@ def _text(value: object) -> str:
 
 
 def parse_shards(reply: list[Any]) -> list[tuple[int, int, Address]]:
-    """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges, primaries that are up only."""
+    """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges.
+
+    A primary the answering node flags ``fail`` keeps its slots, as in CLUSTER SLOTS: a
+    node clears that flag on a primary with slots only two node timeouts after setting it,
+    so a replica frozen long enough to be flagged and then promoted is reported ``fail``
+    while it serves. A primary that is really gone costs a refused (or timed-out) connect,
+    after which the call asks another node for the map."""
     ranges = []
     for shard in reply:
         fields = dict(zip(map(_text, shard[::2]), shard[1::2], strict=True))
         slots = [int(s) for s in fields.get("slots", [])]
         for node in fields.get("nodes", []):
             info = dict(zip(map(_text, node[::2]), node[1::2], strict=True))
-            if _text(info.get("role")) != "master" or _text(info.get("health")) == "fail":
+            if _text(info.get("role")) != "master":
                 continue
             host = _text(info.get("endpoint") or info.get("ip"))
             port = int(info.get("port") or info.get("tls-port") or 0)
