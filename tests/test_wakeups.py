@@ -591,3 +591,56 @@ def test_cluster_a_moved_slot_still_acquires_within_the_cap(redis_backend: str, 
             assert statistics.median(took) < 0.005, took
         finally:
             redis_cluster.move_slot(slot, ports[0])
+
+
+def test_async_cluster_waiters_are_woken_by_sharded_pub_sub(
+    redis_backend: str, loop_kind: str, redis_cluster: Cluster
+) -> None:
+    """The async API on a cluster: on every shard a waiting task is woken (a handoff well
+    under the cap) by an SPUBLISH on the lock's own shard, never a cluster-wide PUBLISH,
+    through one subscriber connection per primary."""
+    redis_cluster.flush()
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(redis_cluster.url, backend=redis_backend) as cache:
+            for port in redis_cluster.primary_ports():
+                key = keys_on(redis_cluster, port, 1, prefix="awake-")[0]
+                await async_handoffs(cache, cache, key, 1, 0.05)
+                spublish = _cluster_calls(redis_cluster, "spublish")
+                publish = _cluster_calls(redis_cluster, "publish")
+                took = await async_handoffs(cache, cache, key, 5, 0.2)
+                assert statistics.median(took) < 0.005, (port, took)
+                after = _cluster_calls(redis_cluster, "spublish")
+                assert after[port] - spublish[port] >= 5
+                assert all(after[p] == spublish[p] for p in after if p != port)
+                assert _cluster_calls(redis_cluster, "publish") == publish
+            hub = cache._backend.wake_slot._hub  # type: ignore[attr-defined]
+            assert len(hub._nodes) == len(redis_cluster.primary_ports())  # one subscriber per primary
+
+    Aio(redis_backend, loop_kind, redis_cluster.url, redis_cluster.nodes[0]).run(main())
+
+
+def test_async_cluster_a_moved_slot_still_acquires_within_the_cap(
+    redis_backend: str, loop_kind: str, redis_cluster: Cluster
+) -> None:
+    """As test_cluster_a_moved_slot_still_acquires_within_the_cap, for waiting tasks: the
+    old node's unsubscription sends the waiters to polling, the next waits join the new
+    owner and are woken again."""
+    redis_cluster.flush()
+    ports = redis_cluster.primary_ports()
+    key = keys_on(redis_cluster, ports[0], 1, prefix="amoving-")[0]
+    slot = key_slot(lock_name(key))
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(redis_cluster.url, backend=redis_backend) as cache:
+            await async_handoffs(cache, cache, key, 2, 0.05)
+            await asyncio.get_running_loop().run_in_executor(None, redis_cluster.move_slot, slot, ports[1])
+            took = await async_handoffs(cache, cache, key, 3, 0.1)
+            assert all(t < CAP_S + 1.0 for t in took), took
+            took = await async_handoffs(cache, cache, key, 5, 0.2)
+            assert statistics.median(took) < 0.005, took
+
+    try:
+        Aio(redis_backend, loop_kind, redis_cluster.url, redis_cluster.nodes[0]).run(main())
+    finally:
+        redis_cluster.move_slot(slot, ports[0])

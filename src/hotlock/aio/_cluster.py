@@ -21,6 +21,7 @@ from .._config import ServerConfig, cache_error
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError
 from ._retry import InFlight, retry_until
+from ._wakeup import async_cluster_slot
 
 __all__ = ["AsyncClusterBackend", "AsyncLink"]
 
@@ -45,6 +46,9 @@ class AsyncClusterBackend(ClusterCore):
         self._links: dict[Address, asyncio.Task[AsyncLink]] = {}
         # Acquires in flight, by token: a release of that token waits for them (InFlight).
         self._inflight = InFlight()
+        # The wake-up subscribers (hotlock.aio._wakeup): sharded pub/sub, one per primary,
+        # made on the first long lock_wait.
+        self.wake_slot = async_cluster_slot(config, self.slot_owner)
 
     @classmethod
     async def open(
@@ -164,10 +168,10 @@ class AsyncClusterBackend(ClusterCore):
         ttl_ms: int,
         since: float | None = None,
         wait_ms: int = 0,
-        script: Script = ACQUIRE,  # no wake-ups on a cluster yet: only ACQUIRE comes here
+        script: Script = ACQUIRE,
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
-        work = self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], until)
+        work = self._scripts("acquire", script, [key], [(token, b"%d" % ttl_ms)], until)
         return int((await self._inflight.shielded([token], work))[0])
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
@@ -215,6 +219,8 @@ class AsyncClusterBackend(ClusterCore):
         return self.info_summary(replies)
 
     async def close(self) -> None:
+        if self.wake_slot is not None:
+            await self.wake_slot.close()
         tasks = list(self._links.values())
         self._links.clear()
         for task in tasks:

@@ -7,6 +7,8 @@ an asyncio.Event instead of an fd. The rest is the sync design unchanged: a wait
 POLL_FIRST times, then joins the key's channel (subscribe, then try) and marks with
 ACQUIRE_WAIT / ACQUIRE_CHAIN; a message wakes the longest-waiting local waiter; the
 backoff stays the safety net; an ACL refusing SUBSCRIBE turns wake-ups off, said once.
+On a Redis Cluster, AsyncClusterWakeups keeps one sharded-pub/sub subscriber per primary,
+as hotlock._wakeup.ClusterWakeups does for sync.
 """
 
 from __future__ import annotations
@@ -18,13 +20,23 @@ import logging
 import os
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._config import ServerConfig
 from .._sentinel import PrimaryWatch
 from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
 
-__all__ = ["POLL_FIRST", "AsyncEntry", "AsyncSlot", "AsyncWaiter", "AsyncWakeups", "async_slot"]
+__all__ = [
+    "POLL_FIRST",
+    "AsyncClusterWakeups",
+    "AsyncEntry",
+    "AsyncSlot",
+    "AsyncWaiter",
+    "AsyncWakeups",
+    "async_cluster_slot",
+    "async_slot",
+]
 
 log = logging.getLogger("hotlock")
 
@@ -32,11 +44,12 @@ log = logging.getLogger("hotlock")
 class AsyncWaiter:
     """One waiting task: the subscriber sets its event."""
 
-    __slots__ = ("entry", "event")
+    __slots__ = ("entry", "event", "owner")
 
-    def __init__(self, entry: AsyncEntry) -> None:
+    def __init__(self, entry: AsyncEntry, owner: AsyncWakeups) -> None:
         self.entry: AsyncEntry | None = entry
         self.event = asyncio.Event()
+        self.owner = owner  # the subscriber it is registered with (a cluster has several)
 
     def wake(self) -> None:
         self.event.set()
@@ -63,9 +76,12 @@ class AsyncEntry:
 class AsyncWakeups:
     """The subscriber of one async cache, on the loop it was made in."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
         self.pid = os.getpid()
         self.off: str | None = None
+        # On a Redis Cluster node: sharded pub/sub (SSUBSCRIBE, the releases' SPUBLISH).
+        self._sub, self._unsub = (b"SSUBSCRIBE", b"SUNSUBSCRIBE") if sharded else (b"SUBSCRIBE", b"UNSUBSCRIBE")
+        self._kinds = (b"smessage", b"sunsubscribe") if sharded else (b"message", b"unsubscribe")
         self._config = config
         self._server = config.display
         self._entries: dict[bytes, AsyncEntry] = {}
@@ -91,7 +107,7 @@ class AsyncWakeups:
         if entry is None:
             entry = self._entries[channel] = AsyncEntry(channel)
             self._subscribe(entry)
-        waiter = AsyncWaiter(entry)
+        waiter = AsyncWaiter(entry, self)
         entry.waiters.append(waiter)
         return waiter
 
@@ -116,7 +132,7 @@ class AsyncWakeups:
         # Not connected: the next connection subscribes every entry.
         if self._writer is not None and not self._writer.is_closing():
             self._pending.append(entry)
-            self._writer.write(_command(b"SUBSCRIBE", entry.channel))
+            self._writer.write(_command(self._sub, entry.channel))
 
     # -- the subscriber task --------------------------------------------------------------
 
@@ -210,19 +226,30 @@ class AsyncWakeups:
                 for ch in idle:
                     del self._entries[ch]
                     self._pending.append(ch)
-                    writer.write(_command(b"UNSUBSCRIBE", ch))
+                    writer.write(_command(self._unsub, ch))
 
     def _on_reply(self, reply: Any, error_type: type[Exception]) -> bool:
-        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == b"message":
+        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == self._kinds[0]:
             entry = self._entries.get(reply[1])
             if entry is not None:
                 entry.seq += 1
                 if entry.waiters:
                     entry.waiters[0].wake()
             return True
+        if (
+            isinstance(reply, list)
+            and len(reply) >= 2
+            and reply[0] == self._kinds[1]
+            and not (self._pending and self._pending[0] == reply[1])
+        ):
+            # An unsubscription we did not ask for: the slot moved (sharded pub/sub), as in sync.
+            self._forget(reply[1])
+            return True
         sent = self._pending.popleft() if self._pending else None
         if isinstance(reply, error_type):
-            if isinstance(sent, AsyncEntry):
+            if isinstance(sent, AsyncEntry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
+                self._forget(sent.channel)  # the channel's slot is not (or not yet) this node's
+            elif isinstance(sent, AsyncEntry):
                 self._turn_off(f"the server refused SUBSCRIBE {sent.channel.decode('utf-8', 'replace')}: {reply}")
                 return False
             log.debug("wake-ups: UNSUBSCRIBE refused by %s: %s", self._server, reply)
@@ -232,6 +259,14 @@ class AsyncWakeups:
             if sent.waiters:
                 sent.waiters[0].wake()
         return True
+
+    def _forget(self, channel: bytes) -> None:
+        entry = self._entries.pop(channel, None)
+        if entry is not None:
+            entry.confirmed = False
+            entry.seq += 1
+            for waiter in entry.waiters:
+                waiter.wake()
 
     def _lost(self) -> None:
         for entry in self._entries.values():
@@ -245,20 +280,56 @@ class AsyncWakeups:
         log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
 
 
+class AsyncClusterWakeups(AsyncWakeups):
+    """A Redis Cluster's subscribers for one async cache: one sharded-pub/sub connection
+    per primary, made when a wait first needs it, each channel joined at its slot's owner
+    (``owner(channel)``, the cluster backend's slot map). As the sync ClusterWakeups: a
+    slot that moves unsubscribes its channel on the old node, its waiters poll, and the
+    next wait on it joins the new owner."""
+
+    def __init__(self, config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> None:
+        # No task or connection of its own: only the per-node ones.
+        self.pid = os.getpid()
+        self.off = None
+        self._config = config
+        self._owner = owner
+        self._nodes: dict[tuple[str, int], AsyncWakeups] = {}
+
+    def join(self, channel: bytes) -> AsyncWaiter | None:
+        address = self._owner(channel)
+        if address is None:
+            return None  # no primary for the slot right now: poll
+        hub = self._nodes.get(address)
+        if hub is None or hub._closed:
+            hub = self._nodes[address] = AsyncWakeups(self._config.node(*address), sharded=True)
+        if hub.off is not None:
+            self.off = hub.off
+            return None
+        return hub.join(channel)
+
+    def leave(self, waiter: AsyncWaiter, acquired: bool) -> None:
+        waiter.owner.leave(waiter, acquired)
+
+    async def close(self) -> None:
+        hubs, self._nodes = list(self._nodes.values()), {}
+        for hub in hubs:
+            await hub.close()
+
+
 class AsyncSlot:
     """An async backend's subscriber, made on the first wait that needs it."""
 
-    __slots__ = ("_config", "_hub")
+    __slots__ = ("_hub", "_make")
 
-    def __init__(self, config: ServerConfig) -> None:
-        self._config = config
+    def __init__(self, make: Callable[[], AsyncWakeups]) -> None:
+        self._make = make
         self._hub: AsyncWakeups | None = None
 
     def get(self) -> AsyncWakeups | None:
         """The live subscriber, made now if need be (on the running loop); None when off."""
         hub = self._hub
         if hub is None or hub.pid != os.getpid():
-            hub = self._hub = AsyncWakeups(self._config)
+            hub = self._hub = self._make()
         return hub if hub.off is None else None
 
     async def close(self) -> None:
@@ -268,4 +339,11 @@ class AsyncSlot:
 
 
 def async_slot(config: ServerConfig) -> AsyncSlot | None:
-    return AsyncSlot(config) if config.wakeups else None
+    """An async backend's AsyncSlot, or None under connect(wakeups=False)."""
+    return AsyncSlot(lambda: AsyncWakeups(config)) if config.wakeups else None
+
+
+def async_cluster_slot(config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> AsyncSlot | None:
+    """An async cluster backend's AsyncSlot (see AsyncClusterWakeups), or None under
+    connect(wakeups=False)."""
+    return AsyncSlot(lambda: AsyncClusterWakeups(config, owner)) if config.wakeups else None
