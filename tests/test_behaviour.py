@@ -43,6 +43,20 @@ def test_lock_is_a_lease(cache: Cache) -> None:
     assert lock.valid_for() == 0.0
 
 
+def test_valid_for_never_exceeds_the_ttl_when_the_clock_stands_still(
+    cache: Cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock read at the instant the acquire was sent (uvloop's is cached per loop
+    turn): (sent + ttl) - sent can round above ttl, and valid_for() must not."""
+    lock = cache.lock("still", ttl=30)
+    sent = next(t for t in (1000 + i / 1000 for i in range(100_000)) if (t + 30.0) - t > 30.0)
+    monkeypatch.setattr(lock, "_deadline", sent + 30.0)
+    monkeypatch.setattr(type(lock), "_now", staticmethod(lambda: sent))
+    assert lock.valid_for() == 30.0
+    monkeypatch.undo()
+    assert lock.unlock() is True
+
+
 @on_every_topology
 def test_unlock_is_idempotent(cache: Cache) -> None:
     lock = cache.lock("idem", ttl=5)

@@ -116,7 +116,9 @@ class Lease:
         """Seconds this lock is known to be ours; 0.0 once the TTL may have run out."""
         if not self._sendable():
             return 0.0
-        return max(0.0, self._deadline - self._now())
+        # Never more than the TTL: uvloop's clock is cached per loop turn, so "now" can be
+        # the very instant the acquire was sent, and (sent + ttl) - sent rounds above ttl.
+        return max(0.0, min(self._deadline - self._now(), self._ttl_ms / 1000.0))
 
     def _extend_ms(self, ttl: Seconds | None) -> int:
         """extend()'s checks before anything is sent: the TTL in ms, or LockLost."""
