@@ -777,8 +777,8 @@ cdef class NativeBackend:
 
     def acquire_wait(self, bytes key not None, bytes token not None, long long ttl_ms, long long wait_ms):
         """hotlock._wakeup.wait in C: attempts until acquired or wait_ms has passed, on the
-        _backoff schedule; after the first POLL_FIRST attempts each sleep is cut short by a
-        wake-up from the release.
+        _backoff schedule; after the first POLL_FIRST attempts each attempt marks the lock
+        and each sleep is cut short by a wake-up from the release.
 
         The GIL is released during every round trip and every sleep (then a ppoll() on this
         thread's wake-up fd); between them the loop holds it to run Python signal handlers
@@ -793,12 +793,19 @@ cdef class NativeBackend:
         cdef bytes sha = _SHA_ACQUIRE
         cdef bint acquired = False
         cdef int fd = -1
-        hub = waiter = current = None
+        hub = waiter = current = watched = None
+        channel = b""
         seq = 0
         global _rng_state
         rng = _splitmix64(&_rng_state)  # a private stream for this wait (GIL held here)
         try:
             while True:
+                if attempt == _POLL_FIRST and hub is not None:
+                    # Mark from this attempt on; join only if it fails (see _wakeup.wait).
+                    channel = wake_channel(key)
+                    watched = hub.subscribed(channel)
+                    seq = 0 if watched is None else watched.seq
+                    sha = _SHA_ACQUIRE_CHAIN if watched is not None and watched.waiters else _SHA_ACQUIRE_WAIT
                 sent = _monotonic()
                 self._scripts(sha, key, token, 1, ttl_ms, rule, "acquire", key, &result)
                 if result > 0:
@@ -808,22 +815,16 @@ cdef class NativeBackend:
                 if remaining_ms <= 0.0:
                     return result, sent
                 if attempt == 0 and self._wakeups is not None:
-                    self._wakeups.get()  # start the subscriber now, so it is connected when this wait joins
-                elif attempt == _POLL_FIRST - 1 and self._wakeups is not None:
-                    # Waited past the short sleeps: ask to be woken (see _wakeup.wait).
-                    hub = self._wakeups.get()
-                    if hub is not None:
-                        waiter = hub.join(wake_channel(key))
+                    hub = self._wakeups.get()  # start the subscriber now, so it is connected when this wait joins
+                elif attempt == _POLL_FIRST and hub is not None:
+                    waiter = hub.join(channel)
                     if waiter is not None:
                         fd = waiter.fd
                         current = waiter.entry
-                        seq = current.seq
-                        sha = _SHA_ACQUIRE_CHAIN if len(current.waiters) > 1 else _SHA_ACQUIRE_WAIT
-                        if current.confirmed:
-                            # Subscribed already: try now, marking. (Else the server's
-                            # confirmation wakes this wait, which then tries: subscribe, then try.)
-                            attempt += 1
-                            continue
+                        if current is not watched:
+                            # Subscribed after the attempt was sent: try again now. Still
+                            # being subscribed: the confirmation wakes the first waiter.
+                            seq = current.seq - 1 if current.confirmed else current.seq
                 # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
                 sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
                 attempt += 1

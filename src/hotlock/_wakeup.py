@@ -10,12 +10,14 @@ cache and by both sync backends (the native one sleeps in C on the same file des
   (select() on its socket and on a control pipe, so it never holds the GIL while it
   waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
 - **Poll first, then ask to be woken.** A wait's first POLL_FIRST attempts are plain
-  polling (most contended waits end there, and a wake-up costs more than those sleeps);
-  then it joins its key's channel and every later attempt marks.
-- **Subscribe, then try.** join() never blocks: on a channel already subscribed the
-  waiter tries at once; on one being subscribed it sleeps on its backoff, and the server's
-  confirmation wakes the channel's first waiter, which tries then, so a release between a
-  failed attempt and the subscription cannot go unheard past that. A subscription
+  polling (many contended waits end after the first short sleep, and a wake-up costs
+  more than that sleep); then every attempt marks, and a wait whose first marking
+  attempt fails joins its key's channel (see wait()).
+- **Subscribe, then try.** join() never blocks, and comes before the attempt that first
+  marks: on a channel already subscribed the release of that mark is heard; on one still
+  being subscribed the wait sleeps on its backoff after the attempt, and the server's
+  confirmation wakes the channel's first waiter, which tries again, so a release between
+  the attempt and the subscription cannot go unheard past that. A subscription
   outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
 - **One wake per message per process.** A message wakes the longest-waiting local waiter
   of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
@@ -74,8 +76,11 @@ LINGER_S = 5.0
 # to drop and for close().
 TICK_S = 0.5
 # Attempts a lock_wait makes on its plain backoff before it asks to be woken (see wait()):
-# with the 1 ms first step doubling, about 1.5 ms of waiting on average, 3 ms at most.
-POLL_FIRST = 3
+# the first; after one sleep on the backoff's first step (0-1 ms) the next attempt marks.
+# Against 2 and 3 (bench/profile_notes.md, "Wake-ups under contention"): the waits that
+# outlast one short sleep are woken sooner, which lowers the p99 wait, and split cores
+# keep polling's sections/s.
+POLL_FIRST = 1
 _ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
 
 
@@ -174,10 +179,10 @@ class Wakeups:
 
     def join(self, channel: bytes) -> Waiter | None:
         """Register this thread as a waiter on ``channel``, asking for its subscription if
-        there is none. Returns at once: a waiter on a confirmed channel tries now; one on a
-        channel still being subscribed sleeps on its backoff, and the server's confirmation
-        wakes the channel's first waiter, which then tries (subscribe, then try) without
-        having stood still meanwhile. None when wake-ups are off: the caller polls."""
+        there is none. Returns at once, and the caller's next attempt marks: on a channel
+        still being subscribed the server's confirmation then wakes the channel's first
+        waiter, which tries again (subscribe, then try) without having stood still
+        meanwhile. None when wake-ups are off: the caller polls."""
         if self.off is not None or self._closed:
             return None
         waiter = getattr(self._local, "waiter", None)
@@ -431,12 +436,14 @@ class Wakeups:
 
 
 _slot_lock = threading.Lock()
+_pid = os.getpid()  # this process's, kept at fork: Slot.get runs on every contended wait
 
 
 def _reinit_after_fork() -> None:
     # A lock another thread held at the fork stays held in the child: make a new one.
-    global _slot_lock
+    global _slot_lock, _pid
     _slot_lock = threading.Lock()
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_reinit_after_fork)
@@ -455,10 +462,10 @@ class Slot:
     def get(self) -> Wakeups | None:
         """The live subscriber, made now if need be; None when wake-ups are off."""
         hub = self._hub
-        if hub is None or hub.pid != os.getpid():
+        if hub is None or hub.pid != _pid:
             with _slot_lock:
                 hub = self._hub
-                if hub is None or hub.pid != os.getpid():
+                if hub is None or hub.pid != _pid:
                     hub = self._hub = self._make()
         return hub if hub.off is None else None
 
@@ -494,6 +501,11 @@ class ClusterWakeups(Wakeups):
         self._owner = owner
         self._nodes: dict[tuple[str, int], Wakeups] = {}
         self._nodes_lock = threading.Lock()
+
+    def subscribed(self, channel: bytes) -> Entry | None:
+        address = self._owner(channel)
+        hub = None if address is None else self._nodes.get(address)
+        return None if hub is None else hub.subscribed(channel)
 
     def join(self, channel: bytes) -> Waiter | None:
         address = self._owner(channel)
@@ -532,21 +544,29 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
     result and the time.monotonic() that attempt was sent. The loop of the pure-Python
     backend; NativeBackend.acquire_wait runs the same one in C.
 
-    The first POLL_FIRST attempts are plain polling: most contended waits end within them,
-    and asking to be woken (a mark, a PUBLISH, a wake-up in every subscribed process) costs
-    more than the short sleeps it would save. A wait that lasts longer joins the key's
-    channel, then tries at once with the marking form, and from then on sleeps on its
-    wake-up fd."""
+    The first POLL_FIRST attempts are plain: an uncontended acquire, and asking to be
+    woken (a mark, a PUBLISH, a wake-up in every subscribed process) costs more than a
+    wait that the first short sleep ends. From then on every attempt marks; a wait joins
+    the key's channel only when its first marking attempt fails (most succeed: joining
+    costs more than the attempt), and then sleeps on its wake-up fd. The channel's
+    message count as that attempt was sent tells whether a release came before the join
+    (then the wait tries again at once)."""
     if slot is None:
         return poll(lambda: acquire(ACQUIRE), wait_ms)
     backoff = Backoff(wait_ms)
     script = ACQUIRE
     attempts = 0
-    hub = waiter = current = None
+    hub = waiter = current = watched = None
+    channel = b""
     seq = 0
     acquired = False
     try:
         while True:
+            if attempts == POLL_FIRST and hub is not None:
+                channel = wake_channel(key)
+                watched = hub.subscribed(channel)  # None: not subscribed (yet)
+                seq = 0 if watched is None else watched.seq
+                script = ACQUIRE_CHAIN if watched is not None and watched.waiters else ACQUIRE_WAIT
             sent = time.monotonic()
             result = acquire(script)
             if result > 0:
@@ -554,18 +574,17 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 return result, sent
             attempts += 1
             if attempts == 1:
-                slot.get()  # start the subscriber now, so it is connected when this wait joins
-            elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
-                hub = slot.get()
-                waiter = None if hub is None else hub.join(wake_channel(key))
+                hub = slot.get()  # start the subscriber now, so it is connected when this wait joins
+            elif attempts == POLL_FIRST + 1 and hub is not None and time.monotonic() < backoff.deadline:
+                waiter = hub.join(channel)
                 if waiter is not None:
                     current = waiter.entry
                     assert current is not None
-                    seq = current.seq
-                    script = ACQUIRE_CHAIN if len(current.waiters) > 1 else ACQUIRE_WAIT
-                    # Subscribed already: try now (marking). Else the confirmation wakes us.
-                    if current.confirmed and time.monotonic() < backoff.deadline:
-                        continue
+                    if current is not watched:
+                        # Subscribed after the attempt was sent (a release meanwhile may have
+                        # gone unheard: try again now), or still being subscribed (the
+                        # confirmation wakes the channel's first waiter: subscribe, then try).
+                        seq = current.seq - 1 if current.confirmed else current.seq
             sleep = backoff.next_sleep(-result)
             if sleep is None:
                 return result, sent

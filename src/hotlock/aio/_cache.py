@@ -28,7 +28,7 @@ from .._validate import (
 )
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
-from ._wakeup import POLL_FIRST, AsyncSlot, AsyncWaiter, AsyncWakeups
+from ._wakeup import POLL_FIRST, AsyncEntry, AsyncSlot, AsyncWaiter, AsyncWakeups
 
 if TYPE_CHECKING:
     from ._backend import AsyncBackend
@@ -112,19 +112,27 @@ class AsyncCache(CacheBase[AsyncLock]):
         token = new_token()
         backoff = None if wait_for is None else Backoff(wait_for)
         # The backend's wake-up subscriber (hotlock.aio._wakeup), for a lock_wait: after
-        # POLL_FIRST plain attempts the wait joins the key's channel and marks (see
-        # hotlock._wakeup.wait, the sync loop this one follows).
+        # POLL_FIRST plain attempts the wait marks, and joins the key's channel when its
+        # first marking attempt fails (see hotlock._wakeup.wait, the sync loop this follows).
         slot: AsyncSlot | None = None if backoff is None else getattr(self._backend, "wake_slot", None)
         script = ACQUIRE
         attempts = seq = 0
         hub: AsyncWakeups | None = None
         waiter: AsyncWaiter | None = None
+        watched: AsyncEntry | None = None  # the channel's confirmed subscription as the first marking attempt went
+        channel = b""
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
         since = loop.time()
         try:
             while True:
+                if attempts == POLL_FIRST and hub is not None:
+                    # Mark from this attempt on; join only if it fails (see hotlock._wakeup.wait).
+                    channel = wake_channel(name)
+                    watched = hub.subscribed(channel)
+                    seq = 0 if watched is None else watched.seq
+                    script = ACQUIRE_CHAIN if watched is not None and watched.waiters else ACQUIRE_WAIT
                 sent = loop.time()
                 maybe_held = True
                 result = await self._backend.acquire(name, token, ms, since, wait_for or 0, script)
@@ -141,26 +149,25 @@ class AsyncCache(CacheBase[AsyncLock]):
                     return lock
                 maybe_held = False
                 attempts += 1
-                if slot is not None and backoff is not None:
-                    if attempts == 1:
-                        slot.get()  # start the subscriber now, so it is connected when this wait joins
-                    elif attempts == POLL_FIRST and time.monotonic() < backoff.deadline:
-                        hub = slot.get()
-                        waiter = None if hub is None else hub.join(wake_channel(name))
-                        if waiter is not None:
-                            assert waiter.entry is not None
-                            seq = waiter.entry.seq
-                            script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT
-                            # Subscribed already: try now (marking). Else the confirmation wakes us.
-                            if waiter.entry.confirmed and time.monotonic() < backoff.deadline:
-                                continue
+                if attempts == 1 and slot is not None:
+                    hub = slot.get()  # start the subscriber now, so it is connected when this wait joins
+                elif attempts == POLL_FIRST + 1 and hub is not None and backoff is not None:
+                    waiter = hub.join(channel) if time.monotonic() < backoff.deadline else None
+                    if waiter is not None:
+                        assert waiter.entry is not None
+                        if waiter.entry is not watched:
+                            # Subscribed after the attempt was sent: try again now. Still
+                            # being subscribed: the confirmation wakes the first waiter.
+                            seq = waiter.entry.seq - (1 if waiter.entry.confirmed else 0)
                 sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
                     raise self._not_acquired(key, result, wait_for)
                 if waiter is None or waiter.entry is None:
                     await asyncio.sleep(sleep)
                     continue
-                if waiter.entry.seq == seq:  # no message came while the attempt was out
+                # A message while the attempt was out (seq moved): try again at once. On a
+                # channel not yet subscribed, the confirmation wakes this wait.
+                if waiter.entry.seq == seq:
                     await waiter.sleep(sleep)
                 seq = waiter.entry.seq
                 script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT

@@ -4,8 +4,8 @@ loop (read its docstring first).
 One subscriber connection per async cache, read by one task on the cache's loop; waiting
 tasks write their SUBSCRIBE on it directly (one thread: no hand-over needed) and sleep on
 an asyncio.Event instead of an fd. The rest is the sync design unchanged: a wait polls
-POLL_FIRST times, then joins the key's channel (subscribe, then try) and marks with
-ACQUIRE_WAIT / ACQUIRE_CHAIN; a message wakes the longest-waiting local waiter; the
+POLL_FIRST times, then marks with ACQUIRE_WAIT / ACQUIRE_CHAIN and joins the key's
+channel if that attempt fails (subscribe, then try); a message wakes the longest-waiting local waiter; the
 backoff stays the safety net; an ACL refusing SUBSCRIBE turns wake-ups off, said once.
 On a Redis Cluster, AsyncClusterWakeups keeps one sharded-pub/sub subscriber per primary,
 as hotlock._wakeup.ClusterWakeups does for sync.
@@ -294,6 +294,11 @@ class AsyncClusterWakeups(AsyncWakeups):
         self._config = config
         self._owner = owner
         self._nodes: dict[tuple[str, int], AsyncWakeups] = {}
+
+    def subscribed(self, channel: bytes) -> AsyncEntry | None:
+        address = self._owner(channel)
+        hub = None if address is None else self._nodes.get(address)
+        return None if hub is None else hub.subscribed(channel)
 
     def join(self, channel: bytes) -> AsyncWaiter | None:
         address = self._owner(channel)
