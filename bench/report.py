@@ -7,8 +7,10 @@ editing bench/profile_notes.md (which is appended to results.md as written).
 from __future__ import annotations
 
 import json
+import operator
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -374,11 +376,17 @@ def at_a_glance(data: dict[str, Any]) -> list[str]:
 def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
 
-    def check(what: str, value: float | None, goal: float, higher: bool = True, fmt: str = "{:.2f}" + X) -> None:
+    def check(
+        what: str,
+        value: float | None,
+        goal: float,
+        met: Callable[[float, float], bool] = operator.ge,
+        fmt: str = "{:.2f}" + X,
+    ) -> None:
         if value is None:
             rows.append((what, f"{DASH}", "not measured"))
             return
-        ok = value >= goal if higher else value <= goal
+        ok = met(value, goal)
         rows.append((what, fmt.format(value), "met" if ok else "**missed**"))
 
     def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "median") -> float | None:
@@ -395,7 +403,7 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"native client CPU per {w} ≤ 1.15{X} C loop's",
             ratio(nat[w], c[w], "cpu_per_op"),
             1.15,
-            higher=False,
+            met=operator.le,
         )
     aio = _agg(data, "async", "hotlock-aio-native", loop="uvloop", tasks=100)
     base = _agg(data, "async", "redis.asyncio-Lock", loop="uvloop", tasks=100)
@@ -418,9 +426,28 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{label} contention ({mode}): p99 wait ≤ best peer's ({_ms(best_p99)} ms)",
                 mine["wait_p99"] * 1000,
                 best_p99 * 1000,
-                higher=False,
+                met=operator.le,
                 fmt="{:.2f} ms",
             )
+    # Issue 13: woken by the release, against python-redis-lock's BLPOP and this run's
+    # polling (hotlock with wakeups=False).
+    hand = _agg(data, "handoff", "hotlock-native")
+    prl = _agg(data, "handoff", "python-redis-lock")
+    for q, bound in (("p50", 0.5), ("p99", 1.5)):
+        check(
+            f"native handoff {q} ≤ {bound} ms",
+            hand[q] * 1000 if hand else None,
+            bound,
+            met=operator.le,
+            fmt="{:.2f} ms",
+        )
+        check(f"native handoff {q} ≤ python-redis-lock's", ratio(hand, prl, q), 1.0, met=operator.le)
+    for mode in ("threads", "processes"):
+        woken = _agg(data, "contention", "hotlock-native", mode=mode)
+        polled = _agg(data, "contention", "hotlock-native-polling", mode=mode)
+        check(f"native contention ({mode}): sections/s ≥ polling's", ratio(woken, polled), 1.0)
+        p99 = ratio(woken, polled, "wait_p99")
+        check(f"native contention ({mode}): p99 wait < polling's", p99, 1.0, met=operator.lt)
     return rows
 
 
