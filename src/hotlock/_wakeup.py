@@ -13,11 +13,12 @@ cache and by both sync backends (the native one sleeps in C on the same file des
   polling (many contended waits end after the first short sleep, and a wake-up costs
   more than that sleep); then every attempt marks, and a wait whose first marking
   attempt fails joins its key's channel (see wait()).
-- **Subscribe, then try.** join() never blocks, and comes before the attempt that first
-  marks: on a channel already subscribed the release of that mark is heard; on one still
-  being subscribed the wait sleeps on its backoff after the attempt, and the server's
-  confirmation wakes the channel's first waiter, which tries again, so a release between
-  the attempt and the subscription cannot go unheard past that. A subscription
+- **Subscribe, then try.** join() never blocks. A wait joins once its first marking
+  attempt has failed: a release between that attempt and the join shows in the channel's
+  message count (``Entry.seq``, read as the attempt was sent), and the wait tries again at
+  once; on a channel still being subscribed it sleeps on its backoff, and the server's
+  confirmation wakes the channel's first waiter, which tries again, so a release before
+  the subscription cannot go unheard past that. A subscription
   outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
 - **One wake per message per process.** A message wakes the longest-waiting local waiter
   of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
@@ -179,10 +180,10 @@ class Wakeups:
 
     def join(self, channel: bytes) -> Waiter | None:
         """Register this thread as a waiter on ``channel``, asking for its subscription if
-        there is none. Returns at once, and the caller's next attempt marks: on a channel
-        still being subscribed the server's confirmation then wakes the channel's first
-        waiter, which tries again (subscribe, then try) without having stood still
-        meanwhile. None when wake-ups are off: the caller polls."""
+        there is none. Returns at once: on a channel still being subscribed the server's
+        confirmation wakes the channel's first waiter, which then tries again (subscribe,
+        then try) without having stood still meanwhile. None when wake-ups are off: the
+        caller polls."""
         if self.off is not None or self._closed:
             return None
         waiter = getattr(self._local, "waiter", None)
