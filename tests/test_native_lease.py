@@ -210,11 +210,10 @@ def test_threads_taking_turns_each_use_their_own_connection(redis_url: str, redi
 # -- Lock.unlock and Lock.extend ------------------------------------------------------------
 
 
-def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
-    caches: tuple[hotlock.Cache, hotlock.Cache], redis_url: str
-) -> None:
-    """Which calls reach the Python methods: none of the common case, every other one."""
-    fast, _ = caches
+@pytest.fixture
+def python_calls() -> Iterator[list[str]]:
+    """The one-call unlock/extend handing their other cases to counting wrappers of the
+    Python methods: the list names each call that reached them."""
     calls: list[str] = []
 
     def unlock(lock: Lock) -> bool:
@@ -226,6 +225,18 @@ def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
         PY_EXTEND(lock, ttl)
 
     native.lease_methods(Lock, unlock, extend, TAKEN)
+    try:
+        yield calls
+    finally:
+        native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
+
+
+def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
+    caches: tuple[hotlock.Cache, hotlock.Cache], redis_url: str, python_calls: list[str]
+) -> None:
+    """Which calls reach the Python methods: none of the common case, every other one."""
+    fast, _ = caches
+    calls = python_calls
     redispy = hotlock.connect(redis_url, backend="redis-py")
     try:
         lock = fast.lock("route", 30)
@@ -249,11 +260,12 @@ def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
         assert other.unlock() is True
         assert calls == ["extend", "unlock", "extend", "unlock"]
     finally:
-        native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
         redispy.close()
 
 
-def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_ones(redis_url: str) -> None:
+def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_ones(
+    redis_url: str, python_calls: list[str]
+) -> None:
     """connect(metrics=...): unlock and extend stay one extension call each and call the
     lease's hooks as the Python methods do (test_metrics holds the events to every backend's)."""
     from hotlock.metrics import BaseListener
@@ -270,17 +282,7 @@ def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_one
         def lost(self, key: str | bytes, held_s: float) -> None:
             events.append(("lost", key))
 
-    calls: list[str] = []
-
-    def unlock(lock: Lock) -> bool:
-        calls.append("unlock")
-        return PY_UNLOCK(lock)
-
-    def extend(lock: Lock, ttl: Any = None) -> None:
-        calls.append("extend")
-        PY_EXTEND(lock, ttl)
-
-    native.lease_methods(Lock, unlock, extend, TAKEN)
+    calls = python_calls
     metered = hotlock.connect(redis_url, backend="native", metrics=Recorder())
     try:
         lock = metered.lock("metered", 30)
@@ -300,7 +302,6 @@ def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_one
             ("lost", "metered-lost"),
         ]
     finally:
-        native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
         metered.close()
 
 
