@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         "fair": r["worker_min"] / max(1, r["worker_max"]),
                         "cpu_us": r["cpu"] / r["ops"] * 1e6,
                     }
-                    row.update({c: (after[c] - before[c]) / r["ops"] for c in COUNTED})
+                    # The server's calls came in the warm-up too: per section of the whole run.
+                    row.update({c: (after[c] - before[c]) / (r["ops"] + r["ops_warm"]) for c in COUNTED})
                     rows.setdefault((mode, row_name), []).append(row)
     print(f"pinning: {pin.note}; {args.runs} paired rounds of {args.seconds:g} s; medians")
     head = f"{'workers':<10} {'row':<12} {'sections/s':>10} {'x poll':>6} {'p99 ms':>7} {'max ms':>7} {'min/max':>7}"

@@ -33,6 +33,12 @@ __all__ = [
 BATCH = 100
 CHUNK = 16  # operations between two looks at the clock (the C loop does the same)
 WAIT = 5.0  # seconds any blocking acquire may wait before it counts as a timeout
+# Contention runs the workers' loop this long before the measured window, uncounted: what
+# a process does once (a library's first connections, the helper threads it starts on
+# its first contended wait) is not steady-state throughput, and a 2 s window would
+# count it (hotlock's wake-up subscriber, started on the first wait, was 1-2% of one
+# core's 2 s with 4 processes).
+WARM_S = 0.3
 
 
 def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
@@ -111,9 +117,17 @@ def _contend(
     timeouts = overlaps = 0
     while time.monotonic() < start_at:
         time.sleep(0.0005)
-    c0 = cpu_seconds()
-    end = start_at + seconds
-    while time.monotonic() < end and (limit is None or len(waits) < limit):
+    # The first WARM_S seconds run the same loop uncounted (see WARM_S).
+    measured_from = start_at + WARM_S
+    end = measured_from + seconds
+    c0 = 0.0
+    counting = False
+    warm = 0
+    while (now := time.monotonic()) < end and (limit is None or len(waits) < limit):
+        if not counting and now >= measured_from:
+            counting = True
+            c0 = cpu_seconds()
+            timeouts = 0
         key = keys[rng.randrange(len(keys))]
         t0 = time.monotonic()
         try:
@@ -124,10 +138,14 @@ def _contend(
         t1 = time.monotonic()
         overlaps += _section(holder, key, me)
         c.release(handle)
-        waits.append(t1 - t0)
+        if counting:
+            waits.append(t1 - t0)
+        else:
+            warm += 1
     cpu = cpu_seconds() - c0  # the process's: meaningful for one worker per process only
     return {
         "n": len(waits),
+        "warm": warm,
         "waits": waits,
         "timeouts": timeouts,
         "overlaps": overlaps,
@@ -142,6 +160,7 @@ def _summary(parts: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
     elapsed = max(p["finished"] for p in parts) - start_at
     return {
         "ops": sum(counts),
+        "ops_warm": sum(p["warm"] for p in parts),  # the warm-up's, not in ops (see WARM_S)
         "seconds": elapsed,
         "cpu": sum(p["cpu"] for p in parts),
         "wait_p50": percentile(waits, 50),
@@ -169,14 +188,15 @@ def contention_threads(
         parts[i] = _contend(c, keys, start_at, seconds, i, holder, limit)
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(workers)]
-    c0 = cpu_seconds()  # the whole process: a library's helper threads count too
     for t in threads:
         t.start()
+    time.sleep(max(0.0, start_at + WARM_S - time.monotonic()))
+    c0 = cpu_seconds()  # the whole process, from the measured window on: a library's helper threads count too
     for t in threads:
-        t.join(seconds + WAIT + 30)
+        t.join(seconds + WARM_S + WAIT + 30)
     if any(t.is_alive() for t in threads):
         raise RuntimeError("a contention thread did not finish")
-    summary = _summary(parts, start_at)
+    summary = _summary(parts, start_at + WARM_S)
     summary["cpu"] = cpu_seconds() - c0
     return summary
 
@@ -214,11 +234,11 @@ def contention_processes(
         pipes.append(mine)
         procs.append(p)
     ready.wait(60)
-    start_at = time.monotonic()
+    start_at = time.monotonic() + WARM_S  # the workers' measured window (see _contend)
     parts = []
     try:
         for mine in pipes:
-            if not mine.poll(seconds + WAIT + 30):
+            if not mine.poll(seconds + WARM_S + WAIT + 30):
                 raise RuntimeError("a contention process did not report")
             parts.append(mine.recv())
     finally:
