@@ -1,7 +1,8 @@
 """Contention: 8 threads and 4 processes on 16 keys, a tiny critical section, fixed work per round.
 
 The benchmark time is the time for every worker to finish its SECTIONS sections (the
-processes' time also covers forking them and connecting); sections/s, p50/p99 wait and
+processes' time also covers forking them and connecting; no warm-up, unlike the
+comparison's contention runs); sections/s, p50/p99 wait and
 per-worker counts go in extra_info.
 """
 
@@ -40,7 +41,9 @@ def test_contention_8_threads(benchmark, backend: str, redis_url: str) -> None:
 
     def run() -> None:
         results.append(
-            contention_threads(contestant, uuid.uuid4().hex, workers=8, nkeys=16, seconds=LIMIT_S, limit=SECTIONS)
+            contention_threads(
+                contestant, uuid.uuid4().hex, workers=8, nkeys=16, seconds=LIMIT_S, limit=SECTIONS, warm_s=0.0
+            )
         )
 
     try:
@@ -64,6 +67,7 @@ def test_contention_4_processes(benchmark, backend: str, redis_url: str, workers
                 nkeys=16,
                 seconds=LIMIT_S,
                 limit=SECTIONS,
+                warm_s=0.0,
             )
         )
 

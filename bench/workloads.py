@@ -111,14 +111,15 @@ def _contend(
     me: int,
     holder: dict[str, int] | None,
     limit: int | None = None,
+    warm_s: float = WARM_S,
 ) -> dict[str, Any]:
     rng = random.Random(me)
     waits: list[float] = []
     timeouts = overlaps = 0
     while time.monotonic() < start_at:
         time.sleep(0.0005)
-    # The first WARM_S seconds run the same loop uncounted (see WARM_S).
-    measured_from = start_at + WARM_S
+    # The first warm_s seconds run the same loop uncounted (see WARM_S).
+    measured_from = start_at + warm_s
     end = measured_from + seconds
     c0 = 0.0
     counting = False
@@ -175,46 +176,67 @@ def _summary(parts: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
 
 
 def contention_threads(
-    c: SyncContestant, tag: str, workers: int = 8, nkeys: int = 16, seconds: float = 2.0, limit: int | None = None
+    c: SyncContestant,
+    tag: str,
+    workers: int = 8,
+    nkeys: int = 16,
+    seconds: float = 2.0,
+    limit: int | None = None,
+    warm_s: float = WARM_S,
 ) -> dict[str, Any]:
     """``workers`` threads sharing one client, each locking a random one of ``nkeys`` keys,
-    for ``seconds`` (or until each did ``limit`` sections)."""
+    for ``seconds`` (or until each did ``limit`` sections) after ``warm_s`` uncounted."""
     keys = [f"bench:{tag}:k{i}" for i in range(nkeys)]
     holder: dict[str, int] = {}
     parts: list[dict[str, Any]] = [{} for _ in range(workers)]
     start_at = time.monotonic() + 0.1
 
     def work(i: int) -> None:
-        parts[i] = _contend(c, keys, start_at, seconds, i, holder, limit)
+        parts[i] = _contend(c, keys, start_at, seconds, i, holder, limit, warm_s)
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(workers)]
     for t in threads:
         t.start()
-    time.sleep(max(0.0, start_at + WARM_S - time.monotonic()))
+    time.sleep(max(0.0, start_at + warm_s - time.monotonic()))
     c0 = cpu_seconds()  # the whole process, from the measured window on: a library's helper threads count too
     for t in threads:
-        t.join(seconds + WARM_S + WAIT + 30)
+        t.join(seconds + warm_s + WAIT + 30)
     if any(t.is_alive() for t in threads):
         raise RuntimeError("a contention thread did not finish")
-    summary = _summary(parts, start_at + WARM_S)
+    summary = _summary(parts, start_at + warm_s)
     summary["cpu"] = cpu_seconds() - c0
     return summary
 
 
 def _contend_in_child(
-    name: str, url: str, keys: list[str], ready: Any, seconds: float, me: int, limit: int | None, conn: Any
+    name: str,
+    url: str,
+    keys: list[str],
+    ready: Any,
+    seconds: float,
+    me: int,
+    limit: int | None,
+    warm_s: float,
+    conn: Any,
 ) -> None:
     c = open_sync(name, url)  # after the fork: a connection of its own
     try:
         ready.wait(60)
-        conn.send(_contend(c, keys, time.monotonic(), seconds, me, None, limit))
+        conn.send(_contend(c, keys, time.monotonic(), seconds, me, None, limit, warm_s))
     finally:
         c.close()
         conn.close()
 
 
 def contention_processes(
-    name: str, url: str, tag: str, workers: int = 4, nkeys: int = 16, seconds: float = 2.0, limit: int | None = None
+    name: str,
+    url: str,
+    tag: str,
+    workers: int = 4,
+    nkeys: int = 16,
+    seconds: float = 2.0,
+    limit: int | None = None,
+    warm_s: float = WARM_S,
 ) -> dict[str, Any]:
     """``workers`` processes, each with its own client, on ``nkeys`` keys (as contention_threads).
 
@@ -227,18 +249,18 @@ def contention_processes(
     pipes, procs = [], []
     for i in range(workers):
         mine, theirs = ctx.Pipe(duplex=False)
-        args = (name, url, keys, ready, seconds, i, limit, theirs)
+        args = (name, url, keys, ready, seconds, i, limit, warm_s, theirs)
         p = ctx.Process(target=_contend_in_child, args=args, daemon=True)
         p.start()
         theirs.close()
         pipes.append(mine)
         procs.append(p)
     ready.wait(60)
-    start_at = time.monotonic() + WARM_S  # the workers' measured window (see _contend)
+    start_at = time.monotonic() + warm_s  # the workers' measured window (see _contend)
     parts = []
     try:
         for mine in pipes:
-            if not mine.poll(seconds + WARM_S + WAIT + 30):
+            if not mine.poll(seconds + warm_s + WAIT + 30):
                 raise RuntimeError("a contention process did not report")
             parts.append(mine.recv())
     finally:
