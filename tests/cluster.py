@@ -134,25 +134,37 @@ class Cluster:
             c.script_flush()
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok and agrees on who serves all 16384 slots."""
+        """Until every live node says cluster_state:ok and agrees on who serves all 16384
+        slots and on every node's config epoch. The epochs matter to the next move: a
+        SETSLOT NODE on the importing node bumps its epoch only when it knows a greater one,
+        so one that has not yet heard of the last move's bump would claim the slot with an
+        epoch the old owner's gossip outranks, and the slot would end up claimed by nobody."""
         deadline = time.monotonic() + timeout
+        seen = ""
         while True:
             try:
-                views = set()
+                views = {}
                 for node in self.nodes:
                     if node.proc is not None and node.proc.poll() is not None:
                         continue
                     c = node.client()
                     if b"cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
-                        raise AssertionError("state not ok")
-                    rows = c.execute_command("CLUSTER", "SLOTS")
-                    views.add(tuple(sorted((int(r[0]), int(r[1]), int(r[2][1])) for r in rows)))
-                if len(views) == 1 and sum(e - s + 1 for s, e, _ in next(iter(views))) == 16384:
+                        raise AssertionError(f"{node.port}: cluster_state not ok")
+                    slots = tuple(
+                        sorted((int(r[0]), int(r[1]), int(r[2][1])) for r in c.execute_command("CLUSTER", "SLOTS"))
+                    )
+                    # CLUSTER NODES: <id> <addr> <flags> <primary> <ping> <pong> <config-epoch> ...
+                    rows = c.execute_command("CLUSTER", "NODES").decode().splitlines()
+                    epochs = tuple(sorted((f[0], f[6]) for f in (row.split() for row in rows)))
+                    views[node.port] = (slots, epochs)
+                first = next(iter(views.values()))
+                if len(set(views.values())) == 1 and sum(e - s + 1 for s, e, _ in first[0]) == 16384:
                     return
-            except (redis.RedisError, AssertionError):
-                pass
+                seen = f"views differ: {views}"
+            except (redis.RedisError, AssertionError) as exc:
+                seen = str(exc)
             if time.monotonic() > deadline:
-                pytest.fail("the test cluster did not reach cluster_state:ok with one slot map")
+                pytest.fail(f"the test cluster did not reach cluster_state:ok with one slot map: {seen}")
             time.sleep(0.05)
 
     def stop(self) -> None:
