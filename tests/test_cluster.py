@@ -518,7 +518,9 @@ def test_a_serving_primary_flagged_failed_keeps_its_slots(redis_backend: str, sp
     cluster = spare_cluster
     primary, replica = _shard_to_fail(cluster)
     key = keys_on(cluster, primary, 1, "flag")[0]
-    seed = cluster.nodes[0].port
+    # A node to ask that stays up: not the frozen primary, nor its replica, frozen too
+    # (earlier failover tests may have made any node that replica).
+    seed = next(n.port for n in cluster.nodes if n.port not in (primary, replica))
     with _replica_cut_off(cluster, primary, replica):
         proc = _node(cluster, primary).proc
         assert proc is not None
