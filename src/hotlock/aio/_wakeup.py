@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _wakeup
 from .._config import ServerConfig
 from .._sentinel import PrimaryWatch
 from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
@@ -333,7 +334,7 @@ class AsyncSlot:
     def get(self) -> AsyncWakeups | None:
         """The live subscriber, made now if need be (on the running loop); None when off."""
         hub = self._hub
-        if hub is None or hub.pid != os.getpid():
+        if hub is None or hub.pid != _wakeup._pid:  # this process's pid, kept at fork (as Slot.get)
             hub = self._hub = self._make()
         return hub if hub.off is None else None
 
