@@ -810,6 +810,78 @@ def test_a_thousand_random_cancellations_strand_no_token(aio: Aio) -> None:
     aio.run(main())
 
 
+def test_a_cancelled_wait_ends_at_once_as_cancelled_error(aio: Aio) -> None:
+    """Rounds of 200 tasks in lock_wait (wait 10 s) on 20 held keys, after other traffic:
+    the holders release at random moments within 50 ms and every waiter is cancelled at a
+    random moment within 80 ms. A cancelled waiter ends with CancelledError, at once (not
+    at its 10 s deadline, as a cancellation dropped in the loop turn of a wake-up made it),
+    and no key is left behind.
+
+    "At once" is bounded at 1 s: a few ms is typical, but on redis-py each cancelled call
+    drops its connection, and 200 reconnects on one loop under make test's load have kept
+    a loop turn busy for 160 ms."""
+    rng = random.Random(20)
+
+    async def main() -> None:
+        cache = await aio.connect(timeout=15)
+        loop = asyncio.get_running_loop()
+
+        # Other traffic first: waits that subscribe, release and wake, so that the wake-up
+        # channels and the connections are warm when the cancellations start.
+        async def wait(key: str, ttl: float, wait: float) -> hotlock.aio.AsyncLock:
+            return await cache.lock_wait(key, ttl=ttl, wait=wait)
+
+        warm = [await cache.lock(f"w{i}", ttl=5) for i in range(5)]
+        waits = [loop.create_task(wait(f"w{i}", 5, 5)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        for lock in warm:
+            await lock.unlock()
+        for lock in await asyncio.gather(*waits):
+            await lock.unlock()
+
+        late: list[tuple[str, float]] = []
+        wrong: list[BaseException | object] = []
+        cancelled_at: dict[asyncio.Task[hotlock.aio.AsyncLock], float] = {}
+        ended_at: dict[asyncio.Task[hotlock.aio.AsyncLock], float] = {}
+
+        def cancel(task: asyncio.Task[hotlock.aio.AsyncLock]) -> None:
+            if not task.done():
+                cancelled_at[task] = loop.time()
+                task.cancel()
+
+        def ended(task: asyncio.Task[hotlock.aio.AsyncLock]) -> None:
+            ended_at[task] = loop.time()
+
+        for round_ in range(8):
+            keys = [f"r{round_}k{i}" for i in range(20)]
+            holders = [await cache.lock(key, ttl=30) for key in keys]
+
+            tasks = []
+            for i in range(200):
+                task = loop.create_task(wait(keys[i % 20], 30, 10))
+                task.add_done_callback(ended)
+                loop.call_later(rng.uniform(0, 0.08), cancel, task)
+                tasks.append(task)
+            for lock in holders:
+                loop.call_later(rng.uniform(0, 0.05), lambda lk=lock: loop.create_task(lk.unlock()))
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            for task, outcome in zip(tasks, outcomes, strict=True):
+                if isinstance(outcome, hotlock.aio.AsyncLock):
+                    await outcome.unlock()  # acquired before its cancel came
+                elif not isinstance(outcome, asyncio.CancelledError):
+                    wrong.append(outcome)
+                elif ended_at[task] - cancelled_at[task] > 1.0:
+                    late.append((task.get_name(), ended_at[task] - cancelled_at[task]))
+        await cache.close()  # lets the background releases land
+        assert not wrong, f"{len(wrong)} cancelled waits ended otherwise, the first: {wrong[0]!r}"
+        assert not late, f"{len(late)} cancelled waits ended late, the latest after {max(t for _, t in late):.3f} s"
+        async with await aio.connect() as check:
+            taken = await check.lock_many([f"r{r}k{i}" for r in range(8) for i in range(20)], ttl=5)
+            assert all(lock is not None for lock in taken), "a cancelled wait left its key behind"
+
+    aio.run(main())
+
+
 # -- many tasks, one connection -------------------------------------------------------
 
 

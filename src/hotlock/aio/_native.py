@@ -21,7 +21,7 @@ from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_c
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import info_fields, retry_until, unconfirmed
+from ._retry import info_fields, retry_until, unconfirmed, within
 from ._wakeup import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
@@ -101,7 +101,7 @@ class NativeAsyncBackend:
             tls = ssl.create_default_context() if config.tls else None
             opening = loop.create_connection(factory, host, port, ssl=tls)
         try:
-            _, proto = await asyncio.wait_for(opening, config.connect_timeout)
+            _, proto = await within(opening, config.connect_timeout)
         except (OSError, TimeoutError) as exc:
             why = "no answer within the connect timeout" if isinstance(exc, TimeoutError) else str(exc)
             raise cache_error(f"connect failed: {why}", self.server) from exc
@@ -202,7 +202,7 @@ class NativeAsyncBackend:
         try:
             # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
             # connect in flight goes on for the next caller: cutting this short is safe.
-            return await asyncio.wait_for(once(), left)
+            return await within(once(), left)
         except _LOST as again:
             raise self._error(f"{what} (retried after a lost reply)", key, again) from again
 
@@ -429,7 +429,7 @@ class NativeAsyncBackend:
             proto = await self._connection()
         try:
             pending = proto.pipeline(list(commands))
-            return await (pending if timeout is None else asyncio.wait_for(pending, timeout))
+            return await (pending if timeout is None else within(pending, timeout))
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc
 

@@ -37,7 +37,7 @@ from .._redispy import _ERROR_CODES, HandshakeLost, _describe
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
-from ._retry import InFlight, info_fields, retry_until, unconfirmed
+from ._retry import InFlight, info_fields, retry_until, unconfirmed, within
 from ._wakeup import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
@@ -310,8 +310,8 @@ class RedisAsyncBackend:
             if left < 0.001:
                 raise await self._error(what, key, exc) from exc
             try:
-                return await asyncio.wait_for(fn(), left)
-            except TimeoutError as again:  # the retry's own time ran out (wait_for)
+                return await within(fn(), left)
+            except TimeoutError as again:  # the retry's own time ran out (within)
                 raise await self._error(f"{what} (retried after a lost reply)", key, RedisTimeoutError()) from again
             except (RedisError, OSError) as again:
                 raise await self._error(f"{what} (retried after a lost reply)", key, again) from again

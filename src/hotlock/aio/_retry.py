@@ -1,9 +1,11 @@
-"""The time budget of an async lost-reply retry, the wait_replicas error and the INFO
-fields: shared by both async Redis backends, below the chooser in aio/_backend."""
+"""The time budget of an async lost-reply retry, a timeout that keeps cancellations, the
+wait_replicas error and the INFO fields: shared by the async Redis backends, below the
+chooser in aio/_backend."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -11,7 +13,7 @@ from .._config import ServerConfig, cache_error
 from .._ident import TOKEN_BYTES
 from ..errors import CacheError
 
-__all__ = ["InFlight", "info_fields", "retry_until", "unconfirmed"]
+__all__ = ["InFlight", "info_fields", "retry_until", "unconfirmed", "within"]
 
 
 def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | None) -> CacheError:
@@ -41,6 +43,41 @@ def info_fields(raw: bytes) -> dict[str, str]:
 
 
 T = TypeVar("T")
+
+if sys.version_info >= (3, 11):
+
+    async def within(aw: Awaitable[T], seconds: float) -> T:
+        """``await aw``, or TimeoutError after ``seconds``; a cancellation always propagates.
+
+        Not asyncio.wait_for: up to Python 3.11 it returns the result, and drops the
+        cancellation, when the caller is cancelled in the loop turn that ``aw`` completes
+        in, so a cancelled wait could run on to its deadline. asyncio.timeout counts
+        cancellation requests and keeps them.
+        """
+        async with asyncio.timeout(seconds):
+            return await aw
+
+else:
+
+    async def within(aw: Awaitable[T], seconds: float) -> T:
+        """As above, on 3.10 (no asyncio.timeout): ``aw`` runs as a task of its own."""
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=seconds)
+        except asyncio.CancelledError:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise
+        if not done:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise TimeoutError
+        return task.result()
+
+    def _retrieve(task: asyncio.Future[Any]) -> None:
+        # An abandoned task's outcome, taken so that asyncio does not log it as never retrieved.
+        if not task.cancelled():
+            task.exception()
 
 
 class InFlight:

@@ -27,6 +27,7 @@ from .. import _wakeup
 from .._config import ServerConfig
 from .._sentinel import PrimaryWatch
 from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
+from ._retry import within
 
 __all__ = [
     "POLL_FIRST",
@@ -56,11 +57,20 @@ class AsyncWaiter:
         self.event.set()
 
     async def sleep(self, seconds: float) -> None:
-        """Sleep up to ``seconds``, less if woken."""
-        if not self.event.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.event.wait(), seconds)
-        self.event.clear()
+        """Sleep up to ``seconds``, less if woken; a cancellation always propagates.
+
+        A timer sets the event at the end of the sleep: asyncio.wait_for, up to Python
+        3.11, drops a cancellation that lands in the loop turn the wake comes in, and the
+        cancelled wait would run on to its deadline.
+        """
+        event = self.event
+        if not event.is_set():
+            timer = asyncio.get_running_loop().call_later(seconds, event.set)
+            try:
+                await event.wait()
+            finally:
+                timer.cancel()
+        event.clear()
 
 
 class AsyncEntry:
@@ -141,10 +151,8 @@ class AsyncWakeups:
         delay = 0.05
         while not self._closed and self.off is None:
             try:
-                reader, writer = await asyncio.wait_for(
-                    self._connect(), self._config.connect_timeout + self._config.timeout
-                )
-            except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                reader, writer = await within(self._connect(), self._config.connect_timeout + self._config.timeout)
+            except (OSError, TimeoutError, ConnectionError) as exc:
                 log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -181,7 +189,7 @@ class AsyncWakeups:
             parse = hiredis.Reader()
             reply: Any = False
             while reply is False:
-                data = await asyncio.wait_for(reader.read(65536), config.timeout)
+                data = await within(reader.read(65536), config.timeout)
                 if not data:
                     raise ConnectionError("the server closed the connection during AUTH")
                 parse.feed(data)
@@ -202,8 +210,8 @@ class AsyncWakeups:
         next_tick = time.monotonic() + TICK_S
         while not self._closed:
             try:
-                data = await asyncio.wait_for(reader.read(65536), max(0.0, next_tick - time.monotonic()))
-            except asyncio.TimeoutError:
+                data = await within(reader.read(65536), max(0.0, next_tick - time.monotonic()))
+            except TimeoutError:
                 data = None
             if data is not None:
                 if not data:
