@@ -30,6 +30,8 @@ from .test_aio import Aio, aio, loop_kind, raio  # noqa: F401  (fixtures)
 
 SLACK = 0.25  # as in tests/test_autoextend.py: loose, for a loaded CI machine
 REPLY_TIMEOUT = 0.3
+# Far longer than the TTLs below: a known loss must be raised without waiting for a reply.
+LONG_REPLY_TIMEOUT = 5.0
 
 
 @pytest.fixture(params=["uncancel", "py310"])
@@ -184,25 +186,93 @@ def test_a_lost_block_that_swallows_the_cancellation_still_raises_lock_lost(aio:
     aio.run(main())
 
 
-def test_max_hold_cancels_the_block_and_the_key_expires_by_its_ttl(aio: Aio) -> None:
+@pytest.mark.parametrize(("ttl", "max_hold"), [(0.6, 1.2), (1.0, 1.5)])
+def test_max_hold_cancels_the_block_and_the_key_expires_with_the_loss(aio: Aio, ttl: float, max_hold: float) -> None:
+    """The renewals max_hold allows extend only up to it, so the key is free when the
+    block raises LockLost, not a TTL later."""
+
     async def main() -> None:
         async with await aio.connect() as cache:
-            ttl, max_hold = 0.6, 1.2
             started = time.monotonic()
             with pytest.raises(LockLost, match="max_hold"):
                 async with cache.lock("capped", ttl=ttl, auto_extend=True, max_hold=max_hold):
                     await asyncio.sleep(10)
             assert max_hold <= time.monotonic() - started < max_hold + SLACK
-            # No longer extended: the key expires within one TTL of max_hold.
             while True:
                 try:
                     await (await cache.lock("capped", ttl=5)).unlock()
                     break
                 except LockNotAcquired:
                     await asyncio.sleep(0.01)
-            assert time.monotonic() - started < max_hold + ttl + SLACK
+            assert time.monotonic() - started < max_hold + SLACK
 
     aio.run(main())
+
+
+def test_a_manual_extend_is_capped_by_max_hold(raio: Aio) -> None:
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            lock = await cache.lock("capped-by-hand", ttl=5, auto_extend=True, max_hold=1.0)
+            await lock.extend(30)
+            ms = raio.side.pttl(lock_name("capped-by-hand"))
+            assert 0 < ms <= 1000, ms
+            await asyncio.sleep(1.0)
+            with pytest.raises(LockLost, match="max_hold"):
+                await lock.extend(30)
+
+    raio.run(main())
+
+
+def test_a_lost_block_raises_lock_lost_at_once_while_redis_is_blackholed(raio: Aio, proxy: FaultProxy) -> None:
+    """With a reply timeout five times the TTL: the block is cancelled at the deadline and
+    LockLost reaches the caller then, not after the release's reply timeouts (the release
+    goes on in the background); close() waits at most one reply timeout for it."""
+
+    async def main() -> None:
+        cache = await hotlock.aio.connect(
+            proxy.url, backend=raio.backend, timeout=LONG_REPLY_TIMEOUT, connect_timeout=LONG_REPLY_TIMEOUT
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            deadline = 0.0
+            with pytest.raises(LockLost, match="TTL ran out"):
+                async with cache.lock("bh-exit", ttl=1.0, auto_extend=True) as lock:
+                    await asyncio.sleep(0.1)
+                    proxy.blackhole(True)
+                    deadline = lock._deadline  # no renewal gets through from here on
+                    await asyncio.sleep(10)
+            late = loop.time() - deadline
+            assert late < SLACK, late
+            started = time.monotonic()
+            await cache.close()
+            assert time.monotonic() - started < LONG_REPLY_TIMEOUT + SLACK
+        finally:
+            proxy.clear()
+            await cache.close()
+
+    raio.run(main())
+
+
+def test_the_release_of_a_lost_block_still_happens_in_the_background(raio: Aio) -> None:
+    async def main() -> None:
+        async with await raio.connect() as cache:
+            name = lock_name("bg-release")
+            with pytest.raises(LockLost):
+                async with cache.lock("bg-release", ttl=0.6, auto_extend=True) as lock:
+                    held = raio.side.get(name)
+                    raio.side.delete(name)
+                    while not lock.lost:
+                        await asyncio.sleep(0.005)
+                    # As a server that had not yet expired it would still hold it.
+                    raio.side.set(name, held, px=30_000)
+                    await asyncio.sleep(10)  # cancelled already; the loss is told
+            for _ in range(200):
+                if raio.side.exists(name) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert raio.side.exists(name) == 0
+
+    raio.run(main())
 
 
 def test_a_release_racing_renewals_leaves_no_key_behind(raio: Aio) -> None:

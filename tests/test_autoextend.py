@@ -33,6 +33,8 @@ from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
 
 REPLY_TIMEOUT = 0.3
+# Far longer than the TTLs below: a known loss must be raised without waiting for a reply.
+LONG_REPLY_TIMEOUT = 5.0
 # What a loaded CI machine is allowed beyond the exact moment: scheduling, one GIL switch
 # interval, a round trip. The measured lateness is far below it (see bench/results.md).
 SLACK = 0.25
@@ -251,20 +253,77 @@ def test_leaving_the_with_block_raises_lock_lost_when_lost_while_it_ran(
     cache.lock("ctx3", ttl=5).unlock()
 
 
-def test_max_hold_stops_extending_and_counts_as_lost(cache: Cache, redis_server: RedisServer) -> None:
-    ttl, max_hold = 0.6, 1.5
+@pytest.mark.parametrize(("ttl", "max_hold"), [(0.6, 1.5), (1.0, 1.5)])
+def test_max_hold_stops_extending_and_the_key_expires_with_the_loss(cache: Cache, ttl: float, max_hold: float) -> None:
+    """The renewals max_hold allows extend only up to it (the last one asks for what is
+    left), so when the loss is told the key is gone too, not a TTL later."""
     started = time.monotonic()
     lock = cache.lock("capped", ttl=ttl, auto_extend=True, max_hold=max_hold)
     told: list[float] = []
     lock.on_lost(lambda lk: told.append(time.monotonic()))
     lost_at = wait_until(lambda: lock.lost, max_hold + 1)
     assert max_hold <= lost_at - started < max_hold + SLACK, (lost_at - started, lock._loss)
-    with pytest.raises(LockLost, match=r"max_hold of 1\.5 s"):
+    with pytest.raises(LockLost, match=rf"max_hold of {max_hold:g} s"):
         lock.check()
     wait_until(lambda: told, 1)
-    # No longer extended: the key expires by its TTL within one TTL of max_hold.
-    wait_until(lambda: _free(cache, "capped"), ttl + SLACK)
-    assert time.monotonic() - started < max_hold + ttl + SLACK
+    # Another contender takes the key right after the loss (before the fix it had a
+    # full TTL left from the renewal before max_hold).
+    free_at = wait_until(lambda: _free(cache, "capped"), max_hold + ttl)
+    assert free_at - started < max_hold + SLACK, free_at - started
+    # Never valid past max_hold, and a manual extend asks for no more than is left.
+    assert lock.valid_for() == 0.0
+
+
+def test_a_manual_extend_is_capped_by_max_hold(rcache: Cache, redis_server: RedisServer) -> None:
+    lock = rcache.lock("capped-by-hand", ttl=5, auto_extend=True, max_hold=1.0)
+    lock.extend(30)
+    ms = redis_server.client().pttl(lock_name("capped-by-hand"))
+    assert 0 < ms <= 1000, ms
+    assert lock.valid_for() <= 1.0
+    time.sleep(1.0)
+    with pytest.raises(LockLost, match="max_hold"):
+        lock.extend(30)
+
+
+def test_a_lost_block_raises_lock_lost_at_once_while_redis_is_blackholed(redis_backend: str, proxy: FaultProxy) -> None:
+    """With a reply timeout five times the TTL: leaving the block raises LockLost as soon
+    as the loss is known (the release goes on in the background), the block's own
+    exception still propagates unchanged, and close() waits at most one reply timeout
+    for the background releases."""
+    cache = open_cache(redis_backend, proxy.url, timeout=LONG_REPLY_TIMEOUT, connect_timeout=LONG_REPLY_TIMEOUT)
+    try:
+        lost_at = 0.0
+        with pytest.raises(LockLost, match="TTL ran out"), cache.lock("bh-exit", ttl=1.0, auto_extend=True) as lock:
+            time.sleep(0.1)
+            proxy.blackhole(True)
+            lost_at = wait_until(lambda: lock.lost, 3)
+        late = time.monotonic() - lost_at
+        assert late < 0.05, late  # no I/O on the way out: microseconds, typically
+        proxy.blackhole(False)
+        with pytest.raises(KeyError), cache.lock("bh-exit-2", ttl=1.0, auto_extend=True) as lock:
+            proxy.blackhole(True)
+            lost_at = wait_until(lambda: lock.lost, 3)
+            raise KeyError("mine")
+        assert time.monotonic() - lost_at < 0.05
+        started = time.monotonic()
+        cache.close()
+        assert time.monotonic() - started < LONG_REPLY_TIMEOUT + SLACK
+    finally:
+        proxy.clear()
+        cache.close()
+
+
+def test_the_release_of_a_lost_block_still_happens_in_the_background(rcache: Cache, redis_server: RedisServer) -> None:
+    """A block that ends with its lease known lost sends the release behind its back:
+    the key is freed if it still held the lease's token (here: put back from the side
+    after the takeover was noticed, as a server that had not yet expired it would)."""
+    side = redis_server.client()
+    with pytest.raises(LockLost), rcache.lock("bg-release", ttl=0.6, auto_extend=True) as lock:
+        held = side.get(lock_name("bg-release"))
+        side.delete(lock_name("bg-release"))
+        wait_until(lambda: lock.lost, 1)
+        side.set(lock_name("bg-release"), held, px=30_000)
+    wait_until(lambda: side.exists(lock_name("bg-release")) == 0, 2)
 
 
 def _free(cache: Cache, key: str) -> bool:
@@ -583,5 +642,39 @@ def test_renewals_and_their_losses_reach_the_metrics_listener(
         delete_key(cache, redis_server, "metered")
         wait_until(lambda: ("lost", "metered") in recorder.events, 1)
         assert lock.lost
+        assert lock.unlock() is False  # found lost again: not counted again
+        # A loss by max_hold is counted too, and a block that ends with it counts nothing more.
+        with pytest.raises(LockLost), cache.lock("held-long", ttl=0.3, auto_extend=True, max_hold=0.4) as capped:
+            wait_until(lambda: capped.lost, 2)
+        assert ("released", "held-long") not in recorder.events
     finally:
         cache.close()
+    assert recorder.events.count(("lost", "metered")) == 1
+    assert recorder.events.count(("lost", "held-long")) == 1
+
+
+def test_every_kind_of_loss_reaches_the_prometheus_counters_once(
+    rcache: Cache, redis_backend: str, proxy: FaultProxy
+) -> None:
+    """Takeover, deadline (Redis unreachable) and max_hold: hotlock_lost_total counts each lease once."""
+    from prometheus_client import CollectorRegistry
+
+    from hotlock.metrics import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    cache = open_cache(redis_backend, proxy.url, timeout=LONG_REPLY_TIMEOUT, metrics=PrometheusMetrics(registry))
+    try:
+        with pytest.raises(LockLost), cache.lock("taken", ttl=0.6, auto_extend=True) as taken:
+            rcache._backend.release(taken._name, taken._token)  # deleted behind its back
+            rcache.lock("taken", ttl=5)  # ...and taken over
+            wait_until(lambda: taken.lost, 2)
+        with pytest.raises(LockLost), cache.lock("capped", ttl=0.3, auto_extend=True, max_hold=0.4) as capped:
+            wait_until(lambda: capped.lost, 2)
+        with pytest.raises(LockLost), cache.lock("deadline", ttl=0.6, auto_extend=True) as unconfirmed:
+            proxy.blackhole(True)
+            wait_until(lambda: unconfirmed.lost, 2)
+        assert registry.get_sample_value("hotlock_lost_total") == 3
+    finally:
+        proxy.clear()
+        cache.close()
+    assert registry.get_sample_value("hotlock_lost_total") == 3

@@ -115,7 +115,7 @@ def connect(
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = _with_wakeups(config, wakeups)
     if config is None:
-        return _cache(MemoryBackend(), raw_prefix, listener)
+        return _cache(MemoryBackend(), raw_prefix, listener, timeout)
     opened, why = open_backend(config, backend)
     try:
         info = opened.info()
@@ -127,7 +127,7 @@ def connect(
     except BaseException:
         opened.close()
         raise
-    return _cache(opened, raw_prefix, listener)
+    return _cache(opened, raw_prefix, listener, config.timeout)
 
 
 def _with_wakeups(config: ServerConfig | None, wakeups: object) -> ServerConfig | None:
@@ -140,9 +140,11 @@ def _with_wakeups(config: ServerConfig | None, wakeups: object) -> ServerConfig 
     return dataclasses.replace(config, wakeups=False)
 
 
-def _cache(backend: Backend, prefix: bytes, listener: Listener | None) -> Cache:
+def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: float) -> Cache:
     # A plain Cache without a listener: the metered one only exists when asked for.
-    return Cache(backend, prefix) if listener is None else MeteredCache(backend, prefix, listener)
+    if listener is None:
+        return Cache(backend, prefix, timeout)
+    return MeteredCache(backend, prefix, listener, timeout)
 
 
 def _connect_config(

@@ -38,13 +38,15 @@ L = TypeVar("L", bound=Lease)
 class CacheBase(Generic[L]):
     """What the sync Cache and hotlock.aio.AsyncCache share: key layout, reporting, checks."""
 
-    __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "prefix")
+    __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "_reply_timeout", "prefix")
     _lock_type: type[L]
     _shown_as = "hotlock.CacheBase"
 
-    def __init__(self, backend: Named, prefix: bytes) -> None:
+    def __init__(self, backend: Named, prefix: bytes, reply_timeout: float = 2.0) -> None:
         self._backend = backend
         self.prefix = prefix
+        # connect(timeout=...): how long close() waits for the releases sent in the background.
+        self._reply_timeout = reply_timeout
         self._lock_prefix = prefix + LOCK_SPACE
         self._once_prefix = prefix + ONCE_SPACE
         self._count_prefix = prefix + COUNT_SPACE
@@ -110,8 +112,8 @@ class Cache(CacheBase[Lock]):
     _shown_as = "hotlock.Cache"
     _backend: Backend
 
-    def __init__(self, backend: Backend, prefix: bytes) -> None:
-        super().__init__(backend, prefix)
+    def __init__(self, backend: Backend, prefix: bytes, reply_timeout: float = 2.0) -> None:
+        super().__init__(backend, prefix, reply_timeout)
         # The one renewer of this cache's auto-extended leases, made on first use.
         self._renewer: Renewer | None = None
         # The native backend does lock()'s common case in one call (ext/_lease.pxi, see
@@ -127,7 +129,7 @@ class Cache(CacheBase[Lock]):
 
     def _renew(self) -> Renewer:
         if self._renewer is None:
-            self._renewer = Renewer(self._backend)
+            self._renewer = Renewer(self._backend, self._reply_timeout)
         return self._renewer
 
     # -- locks ------------------------------------------------------------------------
@@ -271,7 +273,8 @@ class Cache(CacheBase[Lock]):
     # -- lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the renewer (auto-extended leases then expire by their TTL) and disconnect."""
+        """Stop the renewer (auto-extended leases then expire by their TTL; releases of
+        leases lost in their block get one reply timeout to land) and disconnect."""
         if self._renewer is not None:
             self._renewer.close()
         self._backend.close()

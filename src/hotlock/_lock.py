@@ -17,7 +17,7 @@ from .errors import CacheError, LockLost
 if TYPE_CHECKING:
     from ._backend import Backend, Named
 
-__all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "shown"]
+__all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "past_max_hold", "shown"]
 
 log = logging.getLogger("hotlock")
 
@@ -31,12 +31,21 @@ TAKEN = "is no longer held: it expired or was taken over"
 UNCONFIRMED = "was not confirmed by an extend before its TTL ran out (Redis unreachable or too slow)"
 
 
+def past_max_hold(max_hold: float | None) -> str:
+    return f"was held past its max_hold of {max_hold:g} s, so it is no longer extended"
+
+
 class Watch(Protocol):
     """What an auto-extended lease asks of the renewer holding it (hotlock._renewer.Held)."""
 
     def forget(self) -> None: ...  # released: never extend it again
+    def let_go(self, token: bytes) -> None: ...  # lost: never extend it; release ``token`` in the background
     def touch(self) -> None: ...  # extended or lost by hand: look at it again now
     def on_lost(self, callback: Callable[[Lease], object]) -> None: ...
+    def capped(self, ms: int, now: float) -> int: ...  # the TTL an extend sent now may ask (max_hold)
+    def expired(self) -> str: ...  # why the lease is lost once its deadline has passed
+
+    max_hold: float | None  # seconds, as given to lock()
 
 
 def shown(key: str | bytes) -> str:
@@ -50,6 +59,7 @@ class LeaseHooks(Protocol):
 
     def extended(self, lease: Lease, ok: bool) -> None: ...
     def released(self, lease: Lease, ok: bool) -> None: ...
+    def lost(self, lease: Lease) -> None: ...
     def failed(self, lease: Lease, op: Literal["extend", "release"], error: CacheError) -> None: ...
 
 
@@ -69,6 +79,7 @@ class Lease:
         "_backend",
         "_deadline",
         "_loss",
+        "_loss_counted",
         "_meter",
         "_name",
         "_pid",
@@ -100,6 +111,8 @@ class Lease:
         self._meter: LeaseHooks | None = None
         # Why it is known lost (an extend found another token or none, ...), or None.
         self._loss: str | None = None
+        # Whether the meter has counted its loss: once per lease, however it is found.
+        self._loss_counted = False
         # The renewer's record when taken with auto_extend=True (hotlock._renewer).
         self._auto: Watch | None = None
 
@@ -120,18 +133,23 @@ class Lease:
         # the very instant the acquire was sent, and (sent + ttl) - sent rounds above ttl.
         return max(0.0, min(self._deadline - self._now(), self._ttl_ms / 1000.0))
 
-    def _extend_ms(self, ttl: Seconds | None) -> int:
-        """extend()'s checks before anything is sent: the TTL in ms, or LockLost."""
+    def _extend_ms(self, ttl: Seconds | None, now: float) -> int:
+        """extend()'s checks before anything is sent: the TTL in ms (cut so that the key
+        expires by max_hold), or LockLost."""
         ms = self._ttl_ms if ttl is None else ttl_ms(ttl)
         if self._pid != _ident.pid:
             raise self._lost(f"was taken by process {self._pid}; a forked child cannot extend it")
         if not self._token:
             raise self._lost("was already released")
-        why = self._loss_at(self._now())
+        why = self._loss_at(now)
         if why is not None and (self._auto is not None or why == TAKEN):
             # Lost for good: the work has been told (or the key is gone), so an extend
             # that happened to find the key still ours must not make it held again.
             raise self._lost(why)
+        if self._auto is not None:
+            ms = self._auto.capped(ms, now)
+            if ms == 0:
+                raise self._lost(past_max_hold(self._auto.max_hold))
         return ms
 
     def _loss_at(self, now: float) -> str | None:
@@ -144,7 +162,7 @@ class Lease:
         if self._loss is None and self._token and now >= self._deadline:
             if self._auto is None:
                 return UNCONFIRMED
-            self._loss = UNCONFIRMED
+            self._loss = self._auto.expired()
         return self._loss
 
     @property
@@ -203,6 +221,18 @@ class Lease:
         """Not yet released, and taken by this process (a forked child sends nothing)."""
         return bool(self._token) and self._pid == _ident.pid
 
+    def _let_go(self) -> None:
+        """Leaving a block whose auto-extended lease is known lost: unlock() without
+        waiting on the network, since a known loss is raised at once. The renewer never
+        extends it again and sends its release in the background (after a deadline or
+        max_hold loss the key may still hold the token, on a server that was slow or
+        unreachable); the loss is counted once."""
+        token, self._token = self._token, b""
+        if self._meter is not None:  # metrics hook
+            self._meter.lost(self)
+        if self._auto is not None:
+            self._auto.let_go(token if self._pid == _ident.pid else b"")
+
     def __repr__(self) -> str:
         key, server = shown(self.key), self._backend.server
         return f"<{self._shown_as} key={key!r} valid_for={self.valid_for():.3f}s server={server}>"
@@ -221,8 +251,8 @@ class Lock(Lease):
         Raises LockLost when the key no longer holds this lock's token, and CacheError
         when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
         """
-        ms = self._extend_ms(ttl)
         sent = time.monotonic()
+        ms = self._extend_ms(ttl, sent)
         try:
             ok = self._backend.extend(self._name, self._token, ms)
         except CacheError as error:
@@ -266,18 +296,21 @@ class Lock(Lease):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Looked at before the release empties the token. Only an auto-extended lease
-        # promises the block that it stayed held; a plain one leaves that to valid_for().
+        # Only an auto-extended lease promises the block that it stayed held; a plain one
+        # leaves that to valid_for().
         why = None if self._auto is None else self._loss_at(self._now())
+        if why is not None:
+            self._let_go()
+            if exc_type is None:
+                # The work was not protected all along, and the caller must know.
+                raise self._lost(why)
+            return
         try:
             self.unlock()
         except Exception as error:
             # Never let the release hide the body's own exception or fail a body that
             # succeeded: the key expires by its TTL.
             log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
-        if why is not None and exc_type is None:
-            # The work was not protected all along, and the caller must know.
-            raise self._lost(why)
 
 
 # The methods as written above: with the extension, what the one-call ones below hand

@@ -106,17 +106,23 @@ class Meter:
     def extended(self, lease: Lease, ok: bool) -> None:
         self.call(self._extended, lease.key, ok)
         if not ok:
-            self.call(self._lost, lease.key, lease._now() - lease._since)
+            self.lost(lease)
 
     def released(self, lease: Lease, ok: bool) -> None:
-        try:
-            if ok:
+        if not ok:
+            self.lost(lease)  # the release found another token or none: lost already
+        elif not lease._loss_counted:  # a lease ends once: released, or lost
+            try:
                 self._released(lease.key, lease._now() - lease._since)
-            else:
-                # The release found another token or none: the lease had been lost already.
-                self._lost(lease.key, lease._now() - lease._since)
-        except Exception:
-            self.raised()
+            except Exception:
+                self.raised()
+
+    def lost(self, lease: Lease) -> None:
+        """The lease is lost (taken over, expired, past max_hold): counted once per lease,
+        whichever finds it first (an extend, the renewer, the release, a block's end)."""
+        if not lease._loss_counted:
+            lease._loss_counted = True
+            self.call(self._lost, lease.key, lease._now() - lease._since)
 
     def failed(self, lease: Lease, op: Op, error: CacheError) -> None:
         self.call(self._error, lease.key, op, error)
@@ -167,9 +173,9 @@ class MeteredCache(Cache):
 
     __slots__ = ("_meter",)
 
-    def __init__(self, backend: Backend, prefix: bytes, listener: Listener) -> None:
+    def __init__(self, backend: Backend, prefix: bytes, listener: Listener, reply_timeout: float = 2.0) -> None:
         self._meter = Meter(listener)  # before Cache.__init__, which asks for the template
-        super().__init__(backend, prefix)
+        super().__init__(backend, prefix, reply_timeout)
 
     def _lease_template(self) -> Lock:
         # The native one-call lock() copies _meter from here into every lease it makes.

@@ -6,8 +6,10 @@ BATCH), about every ttl/3, and records what it learns on the lease: a new deadli
 loss. A lease is lost when an extend finds another token or none (at once), when its
 deadline passes before an extend is confirmed (Redis unreachable: the renewer wakes at
 that deadline, not at the next failed call), or when max_hold passes while it is held.
-A loss is told once: the ``on_lost`` callbacks (and, async, the cancellation of the
-``async with`` block), with no renewer lock held.
+Under max_hold the last renewal asks only for the time left, so the key expires by itself
+when the loss is told. A loss is told once: the ``on_lost`` callbacks (and, async, the
+cancellation of the ``async with`` block), with no renewer lock held. A block left with
+its lease lost hands the release to the renewer, which sends it in the background.
 
 ``Schedule`` decides, with no clock and no I/O of its own, so the sync renewer here (a
 thread that keeps time and a thread that does the round trips, so a blackholed reply
@@ -20,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from . import _ident
-from ._lock import TAKEN, shown
+from ._lock import TAKEN, UNCONFIRMED, past_max_hold, shown
 from .errors import CacheError
 
 if TYPE_CHECKING:
@@ -52,12 +55,16 @@ EARLY = 1 / 6
 BATCH = 5000
 # After a failed round trip (Redis unreachable), try again after this share of the TTL.
 RETRY_AFTER = 1 / 10
+# A lease whose deadline is this close to its max_hold end was renewed up to max_hold (the
+# last renewal's TTL is whole ms, and runs from when it was sent).
+CAPPED_S = 0.002
 
 
 class Renewing(Protocol):
     """What a Held asks of the renewer holding it (the sync Renewer, hotlock.aio's AsyncRenewer)."""
 
     def _forget(self, rec: Held) -> None: ...
+    def _let_go(self, rec: Held, token: bytes) -> None: ...
     def _touch(self, rec: Held) -> None: ...
     def _on_lost(self, rec: Held, callback: Callable[[Lease], object]) -> None: ...
 
@@ -88,15 +95,37 @@ class Held:
     def done(self) -> bool:
         return self.gone or self.told
 
+    @property
+    def capped_out(self) -> bool:
+        """Renewed up to max_hold: its key expires then by itself, with nothing more to renew."""
+        return self.hold_until is not None and self.lease._deadline >= self.hold_until - CAPPED_S
+
     # The Watch protocol of hotlock._lock, for the lease.
     def forget(self) -> None:
         self.renewer._forget(self)
+
+    def let_go(self, token: bytes) -> None:
+        self.renewer._let_go(self, token)
 
     def touch(self) -> None:
         self.renewer._touch(self)
 
     def on_lost(self, callback: Callable[[Lease], object]) -> None:
         self.renewer._on_lost(self, callback)
+
+    def capped(self, ms: int, now: float) -> int:
+        """The TTL in ms an extend sent at ``now`` may ask: ``ms``, or what is left of
+        max_hold, so the key expires by itself when the loss is told; 0 when less than
+        1 ms is left, and then nothing is sent."""
+        if self.hold_until is None:
+            return ms
+        left = self.hold_until - now
+        # Rounded up: the key outlives max_hold by less than a ms (and a one-way trip).
+        return 0 if left < 0.001 else min(ms, math.ceil(left * 1000))
+
+    def expired(self) -> str:
+        # The deadline of a lease renewed up to max_hold is max_hold's end (to the ms).
+        return past_max_hold(self.max_hold) if self.capped_out else UNCONFIRMED
 
 
 Entry = tuple[float, int, int, Held]  # (when, seq, gen, rec): seq keeps recs from being compared
@@ -119,7 +148,11 @@ class Schedule:
         return sum(len(h) for h in self._cohorts.values()) + len(self._watch)
 
     def add(self, rec: Held) -> None:
-        self._renew_at(rec, rec.lease._deadline - rec.lease.ttl * (1 - RENEW_AFTER))
+        lease = rec.lease
+        if rec.capped_out:
+            self._watch_at(rec, lease._deadline)  # (at max_hold's end) the loss is told as the key expires
+            return
+        self._renew_at(rec, lease._deadline - lease.ttl * (1 - RENEW_AFTER))
 
     def touch(self, rec: Held, now: float) -> None:
         """The lease was extended (or found lost) by hand: reschedule it, tell a loss now."""
@@ -149,7 +182,7 @@ class Schedule:
             rec.gone = True  # released (or inherited across a fork): nothing to keep alive
             return False
         if lease._loss is None and rec.hold_until is not None and now >= rec.hold_until:
-            lease._loss = f"was held past its max_hold of {rec.max_hold:g} s, so it is no longer extended"
+            lease._loss = past_max_hold(rec.max_hold)
         if lease._loss_at(now) is None:
             return False
         rec.told = True
@@ -227,29 +260,38 @@ class Schedule:
         self._watch.clear()
 
 
-def sendable(recs: list[Held]) -> Iterator[tuple[int, list[Held]]]:
-    """The leases to put in round trips, as (ttl_ms, chunk of at most BATCH)."""
+def sendable(recs: list[Held]) -> Iterator[list[Held]]:
+    """The leases to put in round trips, in chunks of at most BATCH of one TTL."""
     groups: dict[int, list[Held]] = {}
     for rec in recs:
         groups.setdefault(rec.lease._ttl_ms, []).append(rec)
-    for ms, group in groups.items():
+    for group in groups.values():
         for i in range(0, len(group), BATCH):
-            yield ms, group[i : i + BATCH]
+            yield group[i : i + BATCH]
 
 
-def split_live(chunk: list[Held]) -> tuple[list[Held], list[bytes], list[bytes]]:
-    """The leases of a chunk still worth extending, with their keys and tokens (read now,
-    so a lease released since it was queued is not sent)."""
-    live, names, tokens = [], [], []
+Send = tuple[int, list[Held], list[bytes], list[bytes]]  # one extend_many: ttl_ms, leases, keys, tokens
+
+
+def split_live(chunk: list[Held], now: float) -> list[Send]:
+    """The extend_many calls to send now for a chunk: its leases still worth extending,
+    with their keys and tokens (read now, so a lease released since it was queued is not
+    sent), by the TTL each may ask (a lease near its max_hold asks only what is left, in
+    a call of its own; one with less than 1 ms left is not sent)."""
+    calls: dict[int, Send] = {}
     for rec in chunk:
         lease = rec.lease
-        if rec.done or not lease._sendable():
+        ms = rec.capped(lease._ttl_ms, now)
+        if rec.done or not lease._sendable() or ms == 0:
             rec.sending = False
             continue
-        live.append(rec)
-        names.append(lease._name)
-        tokens.append(lease._token)
-    return live, names, tokens
+        call = calls.get(ms)
+        if call is None:
+            call = calls[ms] = (ms, [], [], [])
+        call[1].append(rec)
+        call[2].append(lease._name)
+        call[3].append(lease._token)
+    return list(calls.values())
 
 
 def warn_failed(recs: list[Held], error: BaseException) -> None:
@@ -281,10 +323,19 @@ def metered(recs: list[Held], results: Sequence[bool] | None, error: BaseExcepti
             meter.failed(rec.lease, "extend", error)
 
 
+def warn_unreleased(names: list[bytes], error: BaseException) -> None:
+    """A background release failed: the keys are left to their TTL."""
+    shown_names = ", ".join(repr(shown(n)) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    log.warning("background release of %s failed; it expires by its TTL: %s", shown_names, error)
+
+
 def tell(lease: Lease, callbacks: list[Callable[[Lease], object]]) -> None:
-    """Say that ``lease`` is lost: a log line, then each callback (its error logged, never raised)."""
+    """Say that ``lease`` is lost: a log line, the metrics' count, then each callback (its
+    error logged, never raised)."""
     why = lease._loss or TAKEN
     log.warning("lock %r %s (server %s)", shown(lease.key), why, lease._backend.server)
+    if lease._meter is not None:  # metrics hook
+        lease._meter.lost(lease)
     for callback in callbacks:
         try:
             callback(lease)
@@ -302,11 +353,13 @@ class Renewer:
     The timekeeper never does I/O, so a blackholed round trip (one reply timeout) never
     keeps it from a lease's deadline; it tells losses and runs the callbacks. The
     round-trip thread sends the due leases, on its own connection (the native backend
-    keeps one per thread).
+    keeps one per thread), and the releases of leases whose block ended lost.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, reply_timeout: float) -> None:
         self._backend = backend
+        # close() waits this long for the round-trip thread (and the releases it has).
+        self._reply_timeout = reply_timeout
         self._reset()
         _renewers.add(self)
 
@@ -316,7 +369,11 @@ class Renewer:
         self._io_wake = threading.Condition(self._mutex)  # the round-trip thread: work queued
         self._schedule = Schedule()
         self._outbox: list[Held] = []
+        self._releases: list[tuple[bytes, bytes]] = []  # (key, token) to release in the background
         self._threads: list[threading.Thread] = []
+        # The threads' generation: a round-trip thread that close() stopped waiting for
+        # ends when it sees a newer one (a lease watched after close() starts new threads).
+        self._generation = 0
         self._closed = False
 
     def watch(self, lease: Lease, max_hold_ms: int | None) -> None:
@@ -345,9 +402,10 @@ class Renewer:
             self._wake.notify()
 
     def _start(self) -> None:
+        self._generation += 1
         self._threads = [
-            threading.Thread(target=self._keep_time, name="hotlock-renewer", daemon=True),
-            threading.Thread(target=self._send, name="hotlock-renewer-io", daemon=True),
+            threading.Thread(target=self._keep_time, args=(self._generation,), name="hotlock-renewer", daemon=True),
+            threading.Thread(target=self._send, args=(self._generation,), name="hotlock-renewer-io", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -355,6 +413,13 @@ class Renewer:
     def _forget(self, rec: Held) -> None:
         with self._mutex:
             rec.gone = True
+
+    def _let_go(self, rec: Held, token: bytes) -> None:
+        with self._mutex:
+            rec.gone = True
+            if token and self._threads:  # (after close(), the key is left to its TTL)
+                self._releases.append((rec.lease._name, token))
+                self._io_wake.notify()
 
     def _touch(self, rec: Held) -> None:
         with self._mutex:
@@ -368,11 +433,14 @@ class Renewer:
                 return
         tell(rec.lease, [callback])  # already told: at once, in the caller's thread
 
-    def _keep_time(self) -> None:
+    def _stopped(self, generation: int) -> bool:
+        return self._closed or generation != self._generation
+
+    def _keep_time(self, generation: int) -> None:
         while True:
             with self._mutex:
                 while True:
-                    if self._closed:
+                    if self._stopped(generation):
                         return
                     now = time.monotonic()
                     send, lost = self._schedule.take(now)
@@ -388,34 +456,45 @@ class Renewer:
             for lease, callbacks in calls:
                 tell(lease, callbacks)
 
-    def _send(self) -> None:
+    def _send(self, generation: int) -> None:
         while True:
             with self._mutex:
-                while not self._outbox and not self._closed:
+                while not self._outbox and not self._releases and not self._stopped(generation):
                     self._io_wake.wait()
-                if self._closed:
-                    return
-                batch, self._outbox = self._outbox, []
-            for ms, chunk in sendable(batch):
-                with self._mutex:
-                    live, names, tokens = split_live(chunk)
-                if not live:
-                    continue
-                sent = time.monotonic()
-                results: list[bool] | None
-                failure: Exception | None = None
+                closed = self._stopped(generation)
+                releases, self._releases = self._releases, []
+                batch: list[Held] = []
+                if not closed:
+                    batch, self._outbox = self._outbox, []
+            if releases:
+                names = [name for name, _ in releases]
                 try:
-                    results = self._backend.extend_many(names, tokens, ms)
+                    self._backend.release_many(names, [token for _, token in releases])
                 except Exception as error:
-                    results, failure = None, error
-                    warn_failed(live, error)
+                    warn_unreleased(names, error)
+            if closed:
+                return
+            for chunk in sendable(batch):
                 with self._mutex:
-                    self._schedule.applied(live, results, ms, sent, time.monotonic())
-                    self._wake.notify()
-                metered(live, results, failure)
+                    calls = split_live(chunk, time.monotonic())
+                for ms, live, names, tokens in calls:
+                    sent = time.monotonic()
+                    results: list[bool] | None
+                    failure: Exception | None = None
+                    try:
+                        results = self._backend.extend_many(names, tokens, ms)
+                    except Exception as error:
+                        results, failure = None, error
+                        warn_failed(live, error)
+                    with self._mutex:
+                        self._schedule.applied(live, results, ms, sent, time.monotonic())
+                        self._wake.notify()
+                    metered(live, results, failure)
 
     def close(self) -> None:
-        """Stop renewing: the leases still held then expire by their TTL."""
+        """Stop renewing: the leases still held then expire by their TTL. The background
+        releases get one reply timeout to land; what is still unsent then is left to the
+        keys' TTL."""
         with self._mutex:
             self._closed = True
             self._schedule.clear()
@@ -423,11 +502,12 @@ class Renewer:
             threads, self._threads = self._threads, []
             self._wake.notify_all()
             self._io_wake.notify_all()
+        give_up = time.monotonic() + self._reply_timeout
         for thread in threads:
-            # The round-trip thread ends within one reply timeout; close() may be called
-            # from a callback, on the timekeeper itself.
+            # close() may be called from a callback, on the timekeeper itself. A round
+            # trip still in flight past the wait ends when the backend closes.
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(max(0.0, give_up - time.monotonic()))
 
     def _after_fork_in_child(self) -> None:
         # The threads did not survive the fork and the mutex may have been held by one of

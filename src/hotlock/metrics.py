@@ -75,9 +75,12 @@ class Listener(Protocol):
 
     def lost(self, key: str | bytes, held_s: float) -> None:
         """The lease was found lost (expired, taken over, or deleted by an operator):
-        an extend raised LockLost, or the release found another token or none. ``held_s``
-        is the time from the acquire to that discovery. Work done under the lock since it
-        expired was not protected."""
+        an extend raised LockLost, the release found another token or none, or (for
+        auto_extend) the renewer told the loss: another token or none, its TTL run out
+        unconfirmed, or max_hold passed. Once per lease, however many ways it is found;
+        a lease told lost is not also reported released. ``held_s`` is the time from the
+        acquire to that discovery. Work done under the lock since it expired was not
+        protected."""
 
     def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
         """A CacheError (Redis unreachable, timed out, or an error reply) ended ``op``.
@@ -240,7 +243,7 @@ class PrometheusMetrics(BaseListener):
     ``<ns>_acquire_wait_seconds``                      histogram: wait of each acquired lock
     ``<ns>_hold_seconds``                              histogram: hold time of each released lock
     ``<ns>_extensions_total{outcome}``                 ok, lost, error
-    ``<ns>_lost_total``                                leases found lost (extend or release)
+    ``<ns>_lost_total``                                leases lost (taken over, expired, past max_hold), once each
     ``<ns>_errors_total{op, kind}``                    op: acquire, extend, release; kind: error_kind()
     ================================================  ===========================================
 

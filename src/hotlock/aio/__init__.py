@@ -59,7 +59,7 @@ async def connect(
     raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = _with_wakeups(config, wakeups)
     if config is None:
-        return _cache(AsyncMemoryBackend(), raw_prefix, listener)
+        return _cache(AsyncMemoryBackend(), raw_prefix, listener, timeout)
     opened, why = await open_backend(config, backend)
     try:
         info = await opened.info()
@@ -70,12 +70,14 @@ async def connect(
     except BaseException:
         await opened.close()
         raise
-    return _cache(opened, raw_prefix, listener)
+    return _cache(opened, raw_prefix, listener, config.timeout)
 
 
-def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None) -> AsyncCache:
+def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None, timeout: float) -> AsyncCache:
     # A plain AsyncCache without a listener: the metered one only exists when asked for.
-    return AsyncCache(backend, prefix) if listener is None else MeteredAsyncCache(backend, prefix, listener)
+    if listener is None:
+        return AsyncCache(backend, prefix, timeout)
+    return MeteredAsyncCache(backend, prefix, listener, timeout)
 
 
 def backend_info() -> dict[str, str | None]:

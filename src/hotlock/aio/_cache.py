@@ -13,7 +13,7 @@ from .._backoff import Backoff
 from .._cache import CacheBase
 from .._ident import new_token, new_tokens
 from .._keys import stored, wake_channel
-from .._lock import shown
+from .._renewer import warn_unreleased
 from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT
 from .._validate import (
     DEFAULT_TTL,
@@ -50,16 +50,17 @@ class AsyncCache(CacheBase[AsyncLock]):
     _shown_as = "hotlock.aio.AsyncCache"
     _backend: AsyncBackend
 
-    def __init__(self, backend: AsyncBackend, prefix: bytes) -> None:
-        super().__init__(backend, prefix)
-        # Releases of interrupted acquisitions still running; close() waits for them.
+    def __init__(self, backend: AsyncBackend, prefix: bytes, reply_timeout: float = 2.0) -> None:
+        super().__init__(backend, prefix, reply_timeout)
+        # Releases still running of interrupted acquisitions and releases, and of leases
+        # lost in their block; close() waits for them.
         self._background: set[asyncio.Task[None]] = set()
         # The one renewer of this cache's auto-extended leases, made on first use.
         self._renewer: AsyncRenewer | None = None
 
     def _renew(self, locks: list[AsyncLock], hold: int | None) -> None:
         if self._renewer is None:
-            self._renewer = AsyncRenewer(self._backend, asyncio.get_running_loop())
+            self._renewer = AsyncRenewer(self._backend, asyncio.get_running_loop(), self._release_in_background)
         self._renewer.watch(locks, hold)
 
     # -- locks ------------------------------------------------------------------------
@@ -295,10 +296,11 @@ class AsyncCache(CacheBase[AsyncLock]):
     # -- interrupted acquisitions ------------------------------------------------------
 
     def _release_in_background(self, names: list[bytes], tokens: list[bytes]) -> None:
-        """Release tokens whose acquire or release was interrupted, without the caller.
+        """Release tokens without the caller: an interrupted acquire or release, or a
+        lease lost in its block (whose LockLost must not wait on the network).
 
         A task of its own, so the caller's cancellation cannot stop it; kept referenced
-        until it ends so it is never collected half-way, and awaited by close().
+        until it ends so it is never collected half-way, and settled by close().
         """
         task = asyncio.get_running_loop().create_task(self._release_quietly(names, tokens))
         self._background.add(task)
@@ -308,22 +310,25 @@ class AsyncCache(CacheBase[AsyncLock]):
         try:
             await self._backend.release_many(names, tokens)
         except Exception as error:
-            shown_names = ", ".join(repr(shown(n)) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-            log.warning(
-                "release of interrupted lock acquisition %s failed; it expires by its TTL: %s", shown_names, error
-            )
+            warn_unreleased(names, error)
 
     # -- lifetime ---------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Stop the renewer (auto-extended leases then expire by their TTL), let interrupted
-        releases land, and disconnect."""
+        """Stop the renewer (auto-extended leases then expire by their TTL), give the
+        background releases one reply timeout to land, and disconnect."""
         if self._renewer is not None:
             await self._renewer.close()
         if self._background:
-            # Let the releases of interrupted acquisitions land before the connection goes
-            # (each is bounded by the reply and connect timeouts, so this wait is too).
-            await asyncio.wait(set(self._background))
+            # Let the background releases land before the connection goes, for one reply
+            # timeout; those still waiting then (a server that does not answer) are
+            # cancelled and their keys left to their TTL.
+            pending = set(self._background)
+            _, late = await asyncio.wait(pending, timeout=self._reply_timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
         await self._backend.close()
 
     async def __aenter__(self) -> AsyncCache:

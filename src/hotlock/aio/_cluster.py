@@ -221,6 +221,7 @@ class AsyncClusterBackend(ClusterCore):
     async def close(self) -> None:
         if self.wake_slot is not None:
             await self.wake_slot.close()
+        await self._inflight.close(self.config.timeout)
         tasks = list(self._links.values())
         self._links.clear()
         for task in tasks:

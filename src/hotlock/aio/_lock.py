@@ -66,8 +66,8 @@ class AsyncLock(Lease):
         Raises LockLost when the key no longer holds this lock's token, and CacheError
         when Redis cannot answer (a hiccup the caller may retry until valid_for() is 0).
         """
-        ms = self._extend_ms(ttl)
         sent = self._loop.time()
+        ms = self._extend_ms(ttl, sent)
         try:
             ok = await self._backend.extend(self._name, self._token, ms)
         except BaseException as error:
@@ -172,12 +172,15 @@ class AsyncLock(Lease):
             await self._release_on_exit()
             return
         task, self._block = self._block, None  # the renewer cancels nothing from here on
-        why = self._loss_at(self._now())  # before the release empties the token
+        why = self._loss_at(self._now())
         error = exc
-        try:
-            await self._release_on_exit()
-        except asyncio.CancelledError as cancelled:
-            error = cancelled  # a cancellation arriving during the release
+        if why is not None:
+            self._let_go()  # a known loss is raised at once: the release goes on in the background
+        else:
+            try:
+                await self._release_on_exit()
+            except asyncio.CancelledError as cancelled:
+                error = cancelled  # a cancellation arriving during the release
         if self._cancelled:
             self._cancelled = False
             ours = self._ours(task, error)

@@ -24,8 +24,8 @@ class MeteredAsyncCache(AsyncCache):
 
     __slots__ = ("_meter",)
 
-    def __init__(self, backend: AsyncBackend, prefix: bytes, listener: Listener) -> None:
-        super().__init__(backend, prefix)
+    def __init__(self, backend: AsyncBackend, prefix: bytes, listener: Listener, reply_timeout: float = 2.0) -> None:
+        super().__init__(backend, prefix, reply_timeout)
         self._meter = Meter(listener)
 
     async def _acquire(

@@ -272,6 +272,8 @@ class RedisAsyncBackend:
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them.
         self._inflight = InFlight()
+        # Set by close(): a call then gets no second try, so the calls close() cancels end.
+        self._closing = False
 
     @classmethod
     async def open(cls, config: ServerConfig) -> RedisAsyncBackend:
@@ -304,7 +306,7 @@ class RedisAsyncBackend:
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not (retry_lost_reply or isinstance(exc, HandshakeLost)):
+            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or self._closing:
                 raise await self._error(what, key, exc) from exc
             left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
             if left < 0.001:
@@ -583,4 +585,6 @@ class RedisAsyncBackend:
     async def close(self) -> None:
         if self.wake_slot is not None:
             await self.wake_slot.close()
+        self._closing = True
+        await self._inflight.close(self._timeout)
         await self._pool.disconnect()

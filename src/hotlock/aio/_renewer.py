@@ -4,7 +4,8 @@ One task keeps time: it sleeps until the next renewal, deadline or max_hold end 
 loop timer, so it wakes at a lease's deadline even while a round trip hangs), tells
 losses (callbacks, and the cancellation of the ``async with`` block) and hands due
 leases to a second task that does the round trips, one at a time, so a blackholed server
-never piles them up.
+never piles them up. A block left with its lease lost hands the release to the cache's
+background releases.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ _MIN_SLEEP = 0.001
 
 
 class AsyncRenewer:
-    def __init__(self, backend: AsyncBackend, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        backend: AsyncBackend,
+        loop: asyncio.AbstractEventLoop,
+        release_later: Callable[[list[bytes], list[bytes]], None],
+    ) -> None:
         self._backend = backend
         self._loop = loop
+        self._release_later = release_later  # the cache's background release
         self._schedule = Schedule()
         self._outbox: list[Held] = []
         self._task: asyncio.Task[None] | None = None
@@ -56,6 +63,11 @@ class AsyncRenewer:
 
     def _forget(self, rec: Held) -> None:
         rec.gone = True
+
+    def _let_go(self, rec: Held, token: bytes) -> None:
+        rec.gone = True
+        if token:
+            self._release_later([rec.lease._name], [token])
 
     def _touch(self, rec: Held) -> None:
         self._schedule.touch(rec, self._loop.time())
@@ -96,25 +108,25 @@ class AsyncRenewer:
         loop = self._loop
         while self._outbox:
             batch, self._outbox = self._outbox, []
-            for ms, chunk in sendable(batch):
-                live, names, tokens = split_live(chunk)
-                if not live:
-                    continue
-                sent = loop.time()
-                results: list[bool] | None
-                failure: Exception | None = None
-                try:
-                    results = await self._backend.extend_many(names, tokens, ms)
-                except asyncio.CancelledError:
-                    for rec in live:
-                        rec.sending = False
-                    raise
-                except Exception as error:
-                    results, failure = None, error
-                    warn_failed(live, error)
-                self._schedule.applied(live, results, ms, sent, loop.time())
-                self._wake()
-                metered(live, results, failure)
+            for chunk in sendable(batch):
+                calls = split_live(chunk, loop.time())
+                for i, (ms, live, names, tokens) in enumerate(calls):
+                    sent = loop.time()
+                    results: list[bool] | None
+                    failure: Exception | None = None
+                    try:
+                        results = await self._backend.extend_many(names, tokens, ms)
+                    except asyncio.CancelledError:
+                        for _, unsent, _, _ in calls[i:]:
+                            for rec in unsent:
+                                rec.sending = False
+                        raise
+                    except Exception as error:
+                        results, failure = None, error
+                        warn_failed(live, error)
+                    self._schedule.applied(live, results, ms, sent, loop.time())
+                    self._wake()
+                    metered(live, results, failure)
 
     async def close(self) -> None:
         """Stop renewing: the leases still held then expire by their TTL."""

@@ -114,6 +114,24 @@ class InFlight:
         task.add_done_callback(done)
         return asyncio.shield(task)
 
+    async def close(self, timeout: float) -> None:
+        """The backend is closing: cancel the calls still in flight (a caller who gave up
+        on them, such as a background release that close() stopped waiting for), so none
+        opens a connection after the pool is gone; they get ``timeout`` s to end.
+
+        Cancelled again every 10 ms until they end: on uvloop, a cancellation that lands
+        as redis.asyncio's own reply timeout fires can be lost inside it, and the call
+        would run on to its next timeout."""
+        give_up = asyncio.get_running_loop().time() + timeout
+        pending = set(self._tasks.values())
+        while pending:
+            for task in pending:
+                task.cancel()
+            left = give_up - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            _, pending = await asyncio.wait(pending, timeout=min(0.01, left))
+
     async def settled(self, tokens: list[bytes]) -> None:
         """Wait for the calls in flight under ``tokens``. A release gives the held value
         (token + fence) or, for an interrupted acquire, the bare token: calls are recorded
