@@ -293,7 +293,7 @@ cdef str _io_text(redisContext *ctx):
     return text or "connection lost"
 
 
-# The lost-reply rule (DESIGN §4, §6), one per call and shared by every round trip the
+# The lost-reply rule (docs/architecture.md), one per call and shared by every round trip the
 # call makes, the connect handshake included: after a lost reply (I/O error or timeout,
 # the connection dropped) the call tries once more, on a new connection, if at least 1 ms
 # is left until `until`; the retry's round trips get what is left (at most one reply

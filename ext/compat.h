@@ -1,5 +1,5 @@
 /* The differences between hiredis 0.14 and 1.x that hotlock's extension meets, in one
- * place, so ext/_native.pyx compiles unchanged against both (STYLE habit 2). */
+ * place, so ext/_native.pyx compiles unchanged against both. */
 #ifndef HOTLOCK_COMPAT_H
 #define HOTLOCK_COMPAT_H
 

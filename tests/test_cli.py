@@ -1,4 +1,4 @@
-"""The `hotlock` command line (issue 14): every subcommand in a subprocess against a real
+"""The `hotlock` command line: every subcommand in a subprocess against a real
 redis-server, its exit status and its --json output parsed.
 
 Exit codes: 0 ok, 1 a check failed / the lock was not held, 2 usage, 3 cannot connect.

@@ -1,4 +1,4 @@
-"""Fencing tokens (issue 10, DESIGN §8): ``lock.fence`` on every lock, strictly increasing
+"""Fencing tokens (docs/fencing.md): ``lock.fence`` on every lock, strictly increasing
 per key, returned by the acquire's one round trip; every key the library writes expires.
 
 Run on every backend through the behaviour suite's fixtures (``cache``/``rcache`` from

@@ -1,4 +1,4 @@
-"""Least privilege and secrets (issue 6 item 9): the README's ACL command list is enough
+"""Least privilege and secrets: the documented ACL command list is enough
 and each entry is needed; keys outside the prefix are refused; rediss:// verifies the
 certificate and the hostname by default; tokens and passwords never reach logs, reprs or
 exception text.

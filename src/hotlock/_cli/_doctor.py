@@ -126,7 +126,7 @@ def check_server(target: Target) -> list[Check]:
 
 
 def check_dialect(target: Target) -> list[Check]:
-    """The Lua-free path (DESIGN §11): what connect() would choose on each primary, by the
+    """The Lua-free path (docs/architecture.md): what connect() would choose on each primary, by the
     library's own rule (hotlock._dialect.detect over INFO and COMMAND INFO DELIFEQ DELEX)."""
     found: dict[str, list[str]] = {}
     for node in target.nodes:
