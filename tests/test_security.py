@@ -35,7 +35,7 @@ USER = "hotlock_sec"
 REFUSED = r"(?i)noperm|no permissions|can't run this command"
 PASSWORD = "pw-s3cr3t-Qx7"  # scanned for in every log line, repr and exception text
 
-# The README's lists: what hotlock sends, and what its scripts call (Redis 7 and Valkey
+# The lists of docs/operations.md: what hotlock sends, and what its scripts call (Redis 7 and Valkey
 # check the commands a script runs against the user too). +select only for a db other
 # than 0, +wait only with wait_replicas, +info only so connect() can check the server and
 # its maxmemory-policy, +command|info only so connect() can ask for DELIFEQ/DELEX (refused,
@@ -80,7 +80,7 @@ PATHS = ["auto", "always"]
 
 
 def listed(kind: str, scripts: str) -> list[str]:
-    """The README's list for this server kind and path."""
+    """The documented list for this server kind and path."""
     return VALKEY_LUA_FREE if kind == "valkey" and scripts == "auto" else SCRIPT_PATH
 
 

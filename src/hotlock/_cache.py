@@ -45,6 +45,7 @@ class CacheBase(Generic[L]):
     def __init__(self, backend: Named, prefix: bytes) -> None:
         self._backend = backend
         self.prefix = prefix
+        """The prefix every key of this cache is stored under (``connect(prefix=...)``), as bytes."""
         self._lock_prefix = prefix + LOCK_SPACE
         self._once_prefix = prefix + ONCE_SPACE
         self._count_prefix = prefix + COUNT_SPACE
