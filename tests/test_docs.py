@@ -85,3 +85,13 @@ def test_the_docs_cite_no_tracker_or_design_notes() -> None:
     pages = [*DOCS.rglob("*.md"), ROOT / "README.md"]
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in cited.finditer(p.read_text())]
     assert not found, found
+
+
+def test_the_documented_acl_lists_are_the_tested_ones() -> None:
+    # tests/test_security.py proves each list enough and each entry needed; the operator
+    # checklist is where an operator copies them from.
+    from .test_security import SCRIPT_PATH, VALKEY_LUA_FREE
+
+    text = (DOCS / "operations.md").read_text()
+    blocks = re.findall(r"ACL SETUSER hotlock on >PASSWORD resetkeys ~hotlock:\* resetchannels -@all \\\n\s*(.+)", text)
+    assert [block.split() for block in blocks] == [SCRIPT_PATH, VALKEY_LUA_FREE]
