@@ -20,7 +20,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py
 
-.PHONY: deps venv tools compile test test-slow test-pure test-pythons dist dist-check lint bench demo clean
+.PHONY: deps venv tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -37,7 +37,7 @@ deps:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel Cython
-	$(PY) -m pip install -q -e ".[test]" --no-build-isolation
+	$(PY) -m pip install -q -e ".[test,docs]" --no-build-isolation
 	touch $@
 
 venv: deps $(VENV)/.installed
@@ -58,7 +58,7 @@ tools: $(TOOLS)/.installed
 # workers (-n 2, pytest-xdist, each with its own servers) keep that within the time one
 # server used to take. tests/test_packaging.py builds an sdist and a repaired wheel for this
 # Python with the tools venv; then the behaviour suite runs on every other supported Python.
-test: compile tools
+test: compile tools docs
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -n 2 -m "not slow"
 	@$(MAKE) --no-print-directory test-pythons
 
@@ -129,6 +129,12 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
 
+# The docs site (mkdocs.yml, docs/) into site/, with --strict: a broken link or anchor, a page
+# left out of the nav, or an API object mkdocstrings cannot find fails the build.
+# tests/test_docs.py checks that the API reference names every public name.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: compile
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
@@ -141,4 +147,4 @@ demo: venv
 	$(PY) examples/settle_invoices.py
 
 clean:
-	rm -rf build dist src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build dist site src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache

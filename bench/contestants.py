@@ -224,7 +224,7 @@ class PotteryRedlock(PeerLock):
 SYNC: dict[str, Callable[[str], SyncContestant]] = {
     "hotlock-native": lambda url: Hotlock(url, "native"),
     "hotlock-redis-py": lambda url: Hotlock(url, "redis-py"),
-    # lock_wait on its backoff alone (connect(wakeups=False)): the wait loop before issue 13.
+    # lock_wait on its backoff alone (connect(wakeups=False)): the wait loop before wake-ups.
     "hotlock-native-polling": lambda url: Hotlock(url, "native", wakeups=False),
     "redis-py-Lock": RedisPyLock,
     "python-redis-lock": PythonRedisLock,

@@ -1,4 +1,4 @@
-"""Server CPU per extend and per release: the script path against the Lua-free path (issue 12).
+"""Server CPU per extend and per release: the script path against the Lua-free path.
 
     python -m bench.dialect [--locks 1000] [--rounds 30]
 

@@ -42,7 +42,7 @@ def _workload(url: str, what: str, n: int) -> None:
         return
     metrics = None
     if what == "cycle-metrics":
-        # The same cycle with the Prometheus adapter listening (issue 14: at most 15% more
+        # The same cycle with the Prometheus adapter listening (the target: at most 15% more
         # client CPU than "cycle"), on a registry of its own.
         from prometheus_client import CollectorRegistry
 

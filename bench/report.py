@@ -397,7 +397,7 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     check(f"native cycle ≥ 0.9{X} C loop", ratio(nat["cycle"], c["cycle"]), 0.9)
     check(f"native extend ≥ 0.9{X} C loop", ratio(nat["extend"], c["extend"]), 0.9)
     check(f"native batch of 100 ≥ 0.8{X} pipelined C loop", ratio(nat["batch"], c["batch"]), 0.8)
-    # Issue 9: client CPU per cycle and per extend within 15% of the C loop's.
+    # The target: client CPU per cycle and per extend within 15% of the C loop's.
     for w in ("cycle", "extend"):
         check(
             f"native client CPU per {w} ≤ 1.15{X} C loop's",
@@ -429,7 +429,7 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
                 met=operator.le,
                 fmt="{:.2f} ms",
             )
-    # Issue 13: woken by the release, against python-redis-lock's BLPOP and this run's
+    # Wake-ups: woken by the release, against python-redis-lock's BLPOP and this run's
     # polling (hotlock with wakeups=False).
     hand = _agg(data, "handoff", "hotlock-native")
     prl = _agg(data, "handoff", "python-redis-lock")

@@ -1,4 +1,4 @@
-# The native cycle's Python-facing calls in one extension call each (issue 9): Cache.lock's
+# The native cycle's Python-facing calls in one extension call each: Cache.lock's
 # common case (the key and TTL checks for the common types, the token, the acquire and the
 # Lock itself, with no Python frame between), and Lock.unlock's and Lock.extend's (below).
 #

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """hotlock._native: the Backend protocol over libhiredis, the GIL released in all I/O.
 
-C owns the bytes here (STYLE habit 1): the extension speaks bytes keys, bytes tokens and
+C owns the bytes here (Python owns the policy): the extension speaks bytes keys, bytes tokens and
 integer milliseconds. The Lua scripts and their SHA1s come from hotlock._scripts, the
 backoff constants from hotlock._backoff, the errors from hotlock._config.cache_error:
 each defined once, in Python.

@@ -40,7 +40,9 @@ cdef inline void _sleep_fd(int fd, double ms) noexcept nogil:
 
 from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.ref cimport PyObject
-from cpython.weakref cimport PyWeakref_GetObject
+
+cdef extern from "compat.h":
+    object hotlock_weakref_target(object ref)
 
 # How recently a connection must have been used for a resent command to skip its
 # staleness poll() (see NativeBackend._ready).
@@ -293,7 +295,7 @@ cdef str _io_text(redisContext *ctx):
     return text or "connection lost"
 
 
-# The lost-reply rule (DESIGN §4, §6), one per call and shared by every round trip the
+# The lost-reply rule (docs/architecture.md), one per call and shared by every round trip the
 # call makes, the connect handshake included: after a lost reply (I/O error or timeout,
 # the connection dropped) the call tries once more, on a new connection, if at least 1 ms
 # is left until `until`; the retry's round trips get what is left (at most one reply
@@ -396,10 +398,9 @@ cdef class NativeBackend:
         # dead thread's connection not yet freed; that is still safe, since no live
         # thread can be using it (the dead thread had no call in flight).
         cdef unsigned long me = PyThread_get_thread_ident()
-        cdef PyObject *last
         if me == self._last_thread and self._last is not None:
-            last = PyWeakref_GetObject(self._last)
-            if last != <PyObject *>None:
+            last = hotlock_weakref_target(self._last)
+            if last is not None:
                 return <_Conn>last
         conn = getattr(self._local, "conn", None)
         if conn is None:

@@ -1,8 +1,9 @@
-/* The differences between hiredis 0.14 and 1.x that hotlock's extension meets, in one
- * place, so ext/_native.pyx compiles unchanged against both (STYLE habit 2). */
+/* The differences between hiredis 0.14 and 1.x, and between CPython versions, that hotlock's
+ * extension meets, in one place, so ext/_native.pyx compiles unchanged against all of them. */
 #ifndef HOTLOCK_COMPAT_H
 #define HOTLOCK_COMPAT_H
 
+#include <Python.h>
 #include <errno.h>
 #include <string.h>
 #include <hiredis/hiredis.h>
@@ -27,6 +28,25 @@ static inline int hotlock_timed_out(const redisContext *c) {
 #endif
     return c->err == REDIS_ERR_IO &&
            (strcmp(c->errstr, strerror(EAGAIN)) == 0 || strcmp(c->errstr, strerror(EWOULDBLOCK)) == 0);
+}
+
+/* A weak reference's target as a new reference, or None once it is dead; NULL with an error
+ * set if ref is not a weak reference. PyWeakref_GetObject (a borrowed reference) is
+ * deprecated from CPython 3.13 and removed in 3.15; PyWeakref_GetRef, its replacement,
+ * exists only from 3.13. */
+static inline PyObject *hotlock_weakref_target(PyObject *ref) {
+    PyObject *obj;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(ref, &obj) < 0)
+        return NULL;
+    if (obj == NULL)
+        Py_RETURN_NONE;
+    return obj;
+#else
+    obj = PyWeakref_GetObject(ref);
+    Py_XINCREF(obj);
+    return obj;
+#endif
 }
 
 #endif

@@ -190,7 +190,7 @@ def start_cluster(primaries: int = 3, replicas: int = 1) -> Cluster:
                     str(NODE_TIMEOUT_MS),
                     "--cluster-port",
                     bus,
-                    # The other shards go on serving while one has no primary (the README
+                    # The other shards go on serving while one has no primary (docs/cluster.md
                     # recommends the same for locks): the default stops every slot.
                     "--cluster-require-full-coverage",
                     "no",

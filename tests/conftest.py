@@ -37,7 +37,7 @@ LOCK_SPACE = b"hotlock:lock:"
 
 
 def lock_name(key: str | bytes) -> bytes:
-    """The Redis key of a lock on ``key`` under the default prefix (the README's layout)."""
+    """The Redis key of a lock on ``key`` under the default prefix (docs/key-layout.md)."""
     return stored(LOCK_SPACE, key.encode() if isinstance(key, str) else key)
 
 

@@ -926,7 +926,7 @@ def test_concurrent_tasks_each_get_their_own_reply(aio: Aio) -> None:
     aio.run(main())
 
 
-# -- fencing (issue 10; the sync tests are in test_fencing.py) ----------------------------
+# -- fencing (the sync tests are in test_fencing.py) ---------------------------------------
 
 
 def _server_us(server: RedisServer) -> int:

@@ -1,4 +1,4 @@
-"""Leases that extend themselves, async (issue 10, points 3-6): hotlock.aio's renewer task,
+"""Leases that extend themselves, async: hotlock.aio's renewer task,
 and the ``async with`` block cancelled at a loss and raising LockLost, while a
 cancellation from outside stays a CancelledError. Every backend, on asyncio and uvloop.
 

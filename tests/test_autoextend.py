@@ -1,4 +1,4 @@
-"""Leases that extend themselves (issue 10, points 3-6): auto_extend=True, max_hold, and
+"""Leases that extend themselves: auto_extend=True, max_hold, and
 loss the work can see (lock.lost, lock.check(), lock.on_lost(), the with block), sync.
 
 Every test runs on each backend where it means something (memory included unless it

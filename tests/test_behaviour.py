@@ -458,7 +458,7 @@ def test_acl_user_password_and_db_from_the_url(redis_backend: str, redis_server:
 
 
 def test_key_layout_wraps_the_user_key_in_a_hash_tag(rcache: Cache, redis_server: RedisServer) -> None:
-    """The README's layout: <prefix>lock:{key}, one-to-one, so one lock's keys share a slot."""
+    """The documented layout (docs/key-layout.md): <prefix>lock:{key}, one-to-one, so one lock's keys share a slot."""
     from hotlock._keys import stored, user_key
 
     with rcache.lock("tenant-7}:job", ttl=5):

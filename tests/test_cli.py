@@ -1,4 +1,4 @@
-"""The `hotlock` command line (issue 14): every subcommand in a subprocess against a real
+"""The `hotlock` command line: every subcommand in a subprocess against a real
 redis-server, its exit status and its --json output parsed.
 
 Exit codes: 0 ok, 1 a check failed / the lock was not held, 2 usage, 3 cannot connect.
@@ -769,7 +769,7 @@ def test_server_kind_reads_valkey_and_redis_info() -> None:
 
 
 def test_doctor_warns_when_the_acl_refuses_the_wake_up_channel(redis_server: RedisServer, acl_url: str) -> None:
-    """The README's list alone (resetchannels): a warning naming the entries to add; with them, ok."""
+    """The documented list alone (resetchannels): a warning naming the entries to add; with them, ok."""
     found = checks(result := cli("doctor", "--json", url=acl_url))
     assert found["wakeups"]["status"] == "warn", found["wakeups"]
     assert "&hotlock:* +publish +subscribe +unsubscribe" in found["wakeups"]["advice"]

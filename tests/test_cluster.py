@@ -372,7 +372,7 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
     is still held, and still its holder's, on the promoted replica. (Without it, one
     granted in the last moment before the kill, not yet copied, would be lost: the
     two-holder window of any asynchronous failover, forced in
-    test_failover_can_give_two_holders_on_a_cluster; see the README.)"""
+    test_failover_can_give_two_holders_on_a_cluster; see docs/cluster.md.)"""
     cluster = spare_cluster
     cluster.flush()
     victim = cluster.primary_ports()[0]
@@ -542,7 +542,7 @@ def test_a_serving_primary_flagged_failed_keeps_its_slots(redis_backend: str, sp
 
 
 def test_failover_can_give_two_holders_on_a_cluster(redis_backend: str, spare_cluster: Cluster) -> None:
-    """The README's caveat, reproduced: a lock granted by a primary whose replica never got
+    """The documented caveat (docs/cluster.md), reproduced: a lock granted by a primary whose replica never got
     it (replica frozen, link cut), the primary SIGKILLed, the replica promoted: a second
     client is granted the same key, and both hold valid-looking leases."""
     cluster = spare_cluster
@@ -737,7 +737,7 @@ CLUSTER_COMMANDS = ["+cluster|shards", "+cluster|slots", "+asking"]
 def test_the_readme_acl_list_is_enough_on_a_cluster(
     redis_backend: str, cluster_url: str, redis_cluster: Cluster, missing: str | None
 ) -> None:
-    """The README's ACL list plus its cluster additions lets a user lock on every shard,
+    """The documented ACL list plus its cluster additions lets a user lock on every shard,
     ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at
     connect; without ASKING a key mid-migration is a CacheError (never "held elsewhere")."""
     from .test_security import COMMANDS, PASSWORD, USER, acl_line

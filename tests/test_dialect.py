@@ -1,4 +1,4 @@
-"""The server's dialect (issue 12): detected once at connect, and the Lua-free extend and
+"""The server's dialect: detected once at connect, and the Lua-free extend and
 release where the server compares and sets (Valkey 9: SET IFEQ, DELIFEQ).
 
 The behaviour suite already runs every backend on Redis 7.0 (the script path) and on

@@ -1,4 +1,4 @@
-"""Faults, each turned into a test (issue 6): ambiguous replies through the fault proxy,
+"""Faults, each turned into a test: ambiguous replies through the fault proxy,
 a restart without persistence, SCRIPT FLUSH, eviction, fork and a paused holder.
 
 Every test runs on each backend that talks to Redis (redis-py, native once built) and
@@ -574,7 +574,7 @@ def test_async_restart_without_persistence_mid_hold(aio_backend: str, own_server
     asyncio.run(main())
 
 
-# -- a lost handshake reply (issue 9) -------------------------------------------------
+# -- a lost handshake reply ---------------------------------------------------------
 #
 # A fresh connection's first round trip is its handshake (native: AUTH, SELECT and the
 # script loads in one write; redis-py: AUTH and SELECT). Nothing of the call has been sent
@@ -773,7 +773,7 @@ def test_blackholed_handshake_costs_the_call_budget(hcache: hotlock.Cache, hprox
         assert elapsed < budget + 0.3, elapsed
 
 
-# -- a lost handshake reply, async (issue 9) ------------------------------------------
+# -- a lost handshake reply, async --------------------------------------------------
 #
 # The same rule on hotlock.aio: a connection opened for a call (here: after a reset broke
 # the previous one) loses its handshake's reply; the call retries within its budget.

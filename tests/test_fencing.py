@@ -1,4 +1,4 @@
-"""Fencing tokens (issue 10, DESIGN §8): ``lock.fence`` on every lock, strictly increasing
+"""Fencing tokens (docs/fencing.md): ``lock.fence`` on every lock, strictly increasing
 per key, returned by the acquire's one round trip; every key the library writes expires.
 
 Run on every backend through the behaviour suite's fixtures (``cache``/``rcache`` from
@@ -217,7 +217,7 @@ def test_an_uncontended_acquire_is_one_round_trip(rcache: Cache, redis_server: R
 
 
 def test_every_key_the_library_writes_has_a_ttl(rcache: Cache, redis_server: RedisServer) -> None:
-    """incr's counters are the exception: user data the caller asked to keep (README)."""
+    """incr's counters are the exception: user data the caller asked to keep (docs/key-layout.md)."""
     with rcache.lock("a", ttl=5):
         pass
     held = rcache.lock("b", ttl=5)

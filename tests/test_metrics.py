@@ -1,4 +1,4 @@
-"""Metrics (issue 14 item 6, DESIGN §12): connect(metrics=listener) on every backend, sync
+"""Metrics (docs/metrics.md): connect(metrics=listener) on every backend, sync
 and async, and hotlock.metrics.PrometheusMetrics scraped from a real registry after real
 lock traffic against the test redis-server.
 """

@@ -1,4 +1,4 @@
-"""Native-only tests (issue 3): what the behaviour suite cannot see from the public API.
+"""Native-only tests: what the behaviour suite cannot see from the public API.
 
 The GIL really released, fork safety, leaks, the one-round-trip batch, the C backoff
 schedule against hotlock._backoff, reconnects, unix sockets, ACL users, READONLY, and

@@ -1,4 +1,4 @@
-"""Least privilege and secrets (issue 6 item 9): the README's ACL command list is enough
+"""Least privilege and secrets: the documented ACL command list is enough
 and each entry is needed; keys outside the prefix are refused; rediss:// verifies the
 certificate and the hostname by default; tokens and passwords never reach logs, reprs or
 exception text.
@@ -35,7 +35,7 @@ USER = "hotlock_sec"
 REFUSED = r"(?i)noperm|no permissions|can't run this command"
 PASSWORD = "pw-s3cr3t-Qx7"  # scanned for in every log line, repr and exception text
 
-# The README's lists: what hotlock sends, and what its scripts call (Redis 7 and Valkey
+# The lists of docs/operations.md: what hotlock sends, and what its scripts call (Redis 7 and Valkey
 # check the commands a script runs against the user too). +select only for a db other
 # than 0, +wait only with wait_replicas, +info only so connect() can check the server and
 # its maxmemory-policy, +command|info only so connect() can ask for DELIFEQ/DELEX (refused,
@@ -80,7 +80,7 @@ PATHS = ["auto", "always"]
 
 
 def listed(kind: str, scripts: str) -> list[str]:
-    """The README's list for this server kind and path."""
+    """The documented list for this server kind and path."""
     return VALKEY_LUA_FREE if kind == "valkey" and scripts == "auto" else SCRIPT_PATH
 
 

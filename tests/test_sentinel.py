@@ -1,5 +1,5 @@
 """Sentinel: a primary, a replica and three sentinels on loopback, and what a failover does
-to locks (issue 6 item 7).
+to locks.
 
 The sentinels run with a 400 ms down-after and a 2 s failover timeout so a whole failover
 takes a couple of seconds. Every topology is private to its test and stopped by pid.

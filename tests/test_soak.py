@@ -1,5 +1,5 @@
 """Soak: 16 processes x 8 keys hammering each Redis backend, checked for overlapping
-critical sections (issue 6 item 8), clean and through the fault proxy's jittered delays
+critical sections, clean and through the fault proxy's jittered delays
 and periodic resets.
 
 The checker needs no shared instrument: every worker logs (key, entered, left) on the

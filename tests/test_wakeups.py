@@ -1,4 +1,4 @@
-"""Waiters woken by the release (issue 13, DESIGN §10), on the sync Redis backends.
+"""Waiters woken by the release (docs/architecture.md), on the sync Redis backends.
 
 A waiting attempt marks the holder's value with a trailing '+'; the release of a marked
 value publishes on <prefix>wake:{K}; the cache's one subscriber wakes a waiter, which

@@ -45,6 +45,7 @@ class CacheBase(Generic[L]):
     def __init__(self, backend: Named, prefix: bytes, reply_timeout: float = 2.0) -> None:
         self._backend = backend
         self.prefix = prefix
+        """The prefix every key of this cache is stored under (``connect(prefix=...)``), as bytes."""
         # connect(timeout=...): how long close() waits for the releases sent in the background.
         self._reply_timeout = reply_timeout
         self._lock_prefix = prefix + LOCK_SPACE

@@ -2,8 +2,8 @@
 and the one sync backend that routes through them over any transport.
 
 Written once, in pure Python (the native path never imports redis): a transport gives
-one :class:`Link` per primary (the native one: a hiredis context per node per thread;
-the redis-py one: a connection pool per node), and :class:`ClusterBackend` decides what
+one ``Link`` per primary (the native one: a hiredis context per node per thread;
+the redis-py one: a connection pool per node), and ``ClusterBackend`` decides what
 goes where:
 
 - every key goes to the primary of its slot (CRC16-XMODEM of the key's hash tag, mod

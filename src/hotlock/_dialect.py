@@ -1,6 +1,6 @@
 """The server's dialect: which server it is, and what extend and release send to it.
 
-Detected once at connect, below the backend line (DESIGN.md §11): connect() asks the
+Detected once at connect, below the backend line (docs/architecture.md): connect() asks the
 backend for INFO and ``COMMAND INFO DELIFEQ DELEX``, ``detect`` decides, and the backend
 keeps the answer and builds its extend/release commands from it. ``Cache`` never asks.
 

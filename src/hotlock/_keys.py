@@ -1,5 +1,5 @@
 """The key layout under the prefix: one place, shared by the sync and async caches and the
-command line (documented in the README's "Key layout").
+command line (documented in docs/key-layout.md).
 
 A user key K is stored as ``<prefix><space>{K}``: K wrapped in a Redis Cluster hash tag.
 So everything the library keeps for one user key (the lock, its wake-up channel, and the

@@ -68,7 +68,7 @@ class Lease:
 
     A held lock: its key, its fence, a hidden token, the pid that took it and a local
     deadline. ``fence`` is an int larger than the fence of every earlier acquisition of
-    this key (README "Fencing tokens"); extend keeps it. The token lives here and nowhere
+    this key (docs/fencing.md); extend keeps it. The token lives here and nowhere
     else (never in a thread-local, a contextvar or on the cache), so whoever holds the
     object may extend or release it and two acquisitions never share state. The token is a
     bearer secret: it is in no repr, log line or message.
@@ -96,7 +96,9 @@ class Lease:
     ) -> None:
         self._backend = backend
         self.key = key
+        """The key as the caller gave it (str or bytes), without the prefix."""
         self.fence = fence
+        """The fencing token: an int larger than the fence of every earlier acquisition of this key."""
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.

@@ -221,7 +221,7 @@ class RedisPyBackend:
     ) -> T:
         """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
 
-        The lost-reply rule (DESIGN §4, §6), as in the native client: one more try, sharing
+        The lost-reply rule (docs/architecture.md), as in the native client: one more try, sharing
         whatever time is left until ``retry_until`` (a time.monotonic(); by default the
         budget of a call that does not wait), after a lost handshake reply (nothing of the
         call was sent: any call), or after a lost reply to the call itself when ``resend``

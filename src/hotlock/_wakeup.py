@@ -1,4 +1,4 @@
-"""Waiters woken by the release (DESIGN §10): one subscriber connection per sync cache.
+"""Waiters woken by the release (docs/architecture.md): one subscriber connection per sync cache.
 
 A waiting attempt (_scripts.ACQUIRE_WAIT) that finds the key held marks the holder's value
 with a trailing ``+``; the release of a marked value publishes on the key's wake-up channel

@@ -5,8 +5,8 @@
     cache = hotlock.connect(url, metrics=hotlock.metrics.PrometheusMetrics())
     cache = await hotlock.aio.connect(url, metrics=listener)     # the async twin, same listener
 
-A listener is any object with the six methods of :class:`Listener` (subclass
-:class:`BaseListener` to implement only some). hotlock calls them synchronously, on the
+A listener is any object with the six methods of ``Listener`` (subclass
+``BaseListener`` to implement only some). hotlock calls them synchronously, on the
 thread (or in the task) that did the operation, after the operation's outcome is known and
 before it is returned or raised. A listener must be quick and must not block: it runs on the
 lock's hot path. One that raises is logged once as a WARNING and never changes what the
@@ -84,7 +84,7 @@ class Listener(Protocol):
 
     def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
         """A CacheError (Redis unreachable, timed out, or an error reply) ended ``op``.
-        :func:`error_kind` names its kind for a label."""
+        ``error_kind()`` names its kind for a label."""
 
 
 class BaseListener:
@@ -248,7 +248,7 @@ class PrometheusMetrics(BaseListener):
     ================================================  ===========================================
 
     ``registry``: where to register (default: prometheus_client's global REGISTRY).
-    ``key_space``: a function from the key (str) to a label value, e.g. :func:`first_segment`;
+    ``key_space``: a function from the key (str) to a label value, e.g. ``first_segment``;
     when given, every metric above also carries a ``key_space`` label.
 
     Never labelled by the key itself, by default or by option: every distinct label value is

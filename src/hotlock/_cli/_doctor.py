@@ -1,4 +1,4 @@
-"""`hotlock doctor`: the README's operator checklist, run against the server.
+"""`hotlock doctor`: the operator checklist (docs/operations.md), run against the server.
 
 Each check gives ok, warn or fail, what it found and, unless ok, what to do. The ACL check
 sends every command the library sends on scratch keys under the prefix
@@ -126,7 +126,7 @@ def check_server(target: Target) -> list[Check]:
 
 
 def check_dialect(target: Target) -> list[Check]:
-    """The Lua-free path (DESIGN §11): what connect() would choose on each primary, by the
+    """The Lua-free path (docs/architecture.md): what connect() would choose on each primary, by the
     library's own rule (hotlock._dialect.detect over INFO and COMMAND INFO DELIFEQ DELEX)."""
     found: dict[str, list[str]] = {}
     for node in target.nodes:
@@ -395,7 +395,7 @@ def check_acl(target: Target) -> list[Check]:
 
 def check_wakeups(target: Target) -> list[Check]:
     """Whether a release can wake lock_wait's waiters: SUBSCRIBE, UNSUBSCRIBE and PUBLISH on
-    a scratch wake-up channel (README "Wait with a deadline"). Refused is a warning, not a
+    a scratch wake-up channel (docs/waiting.md). Refused is a warning, not a
     failure: the library then polls, as it says once in its log."""
     sharded = target.kind == "cluster"  # sharded pub/sub there, on the channel's own node
     tag = secrets.token_hex(8).encode()

@@ -24,7 +24,7 @@ log = logging.getLogger("hotlock")
 # Keys per SCAN step and per pipeline of PTTL/STRLEN/GETRANGE: a few hundred keep each
 # reply small and the server responsive while still one round trip per batch.
 BATCH = 500
-# A fence is at least the server's clock in microseconds at the acquire (DESIGN §8); one
+# A fence is at least the server's clock in microseconds at the acquire (see docs/fencing.md); one
 # below this (2001-09-09) cannot be a clock, so no hold time is read from it.
 _CLOCK_FENCE = 10**15
 

@@ -39,7 +39,7 @@ __all__ = [
     "user_key",
 ]
 
-# The exit codes (README "Command line").
+# The exit codes (docs/cli.md).
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 
 

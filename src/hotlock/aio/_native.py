@@ -163,7 +163,7 @@ class NativeAsyncBackend:
         self, what: str, key: bytes | None, send: Send, retry_lost_reply: bool = False, until: float | None = None
     ) -> Any:
         """Send on the live connection (reconnecting first if it broke), under the
-        lost-reply rule (DESIGN §4, §6), in this one place for every round trip of this
+        lost-reply rule (docs/architecture.md), in this one place for every round trip of this
         backend, the connect handshake included: after a lost reply, one more try, which
         ends by ``until`` (loop time) when given, else within one more reply timeout.
 

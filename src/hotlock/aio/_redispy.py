@@ -296,7 +296,7 @@ class RedisAsyncBackend:
         until: float | None = None,
     ) -> T:
         """Run ``fn`` and turn every failure into CacheError, under the lost-reply rule
-        (DESIGN §4, §6), as in the sync backend: one more try, which ends by ``until`` (loop
+        (docs/architecture.md), as in the sync backend: one more try, which ends by ``until`` (loop
         time) when given, else within one more reply timeout, after a lost handshake reply
         (nothing of the call was sent: any call), or after a lost reply to the call itself
         with ``retry_lost_reply`` (same token: the acquire script counts "already my token"
