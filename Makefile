@@ -141,6 +141,8 @@ bench: compile
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
 	$(PY) -m bench.cluster
+	# How late LockLost reaches the caller when Redis goes dark (a known loss does no I/O).
+	$(PY) -m bench.lateness
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"
