@@ -230,10 +230,12 @@ class Lease:
         max_hold loss the key may still hold the token, on a server that was slow or
         unreachable); the loss is counted once."""
         token, self._token = self._token, b""
+        if self._pid != _ident.pid:
+            return  # a forked child sends and counts nothing for its parent's lease
         if self._meter is not None:  # metrics hook
             self._meter.lost(self)
         if self._auto is not None:
-            self._auto.let_go(token if self._pid == _ident.pid else b"")
+            self._auto.let_go(token)
 
     def __repr__(self) -> str:
         key, server = shown(self.key), self._backend.server
