@@ -97,7 +97,9 @@ def test_extend_default_keeps_the_lock_ttl(cache: Cache) -> None:
     lock = cache.lock("ext-default", ttl=0.3)
     time.sleep(0.2)
     lock.extend()
-    assert 0.25 < lock.valid_for() <= 0.3
+    # The lock's own 0.3 s again, not the 0.1 s it had left: 0.1 s of slack for the reply and
+    # the assert on a loaded machine.
+    assert 0.2 < lock.valid_for() <= 0.3
     lock.unlock()
 
 
@@ -238,9 +240,9 @@ def test_lock_many_in_order_with_none_where_held(cache: Cache) -> None:
 
 @on_every_topology
 def test_extend_many_reports_lost_locks(cache: Cache) -> None:
-    locks = cache.lock_many(["e1", "e2"], ttl=0.05)
+    locks = cache.lock_many(["e1", "e2"], ttl=0.3)  # 0.3 s: the extend comes in time on a loaded machine
     locks[1].extend(5)  # type: ignore[union-attr]
-    time.sleep(0.08)
+    time.sleep(0.35)
     assert cache.extend_many(locks, ttl=5) == [False, True]
     assert locks[0].valid_for() == 0.0  # type: ignore[union-attr]
     assert cache.unlock_many(locks) == [False, True]
