@@ -11,15 +11,21 @@ Under HOTLOCK_REQUIRE_EXTENSIONS=1 a native backend that does not import fails t
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.runners
+import gc
+import logging
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -376,3 +382,92 @@ def cluster_url(redis_cluster: Cluster) -> str:
 def server_url(topology: str, server_kind: str, request: pytest.FixtureRequest) -> str:
     """The URL cache/rcache connect to: the one server's (of this test's kind), or the cluster's."""
     return str(request.getfixturevalue("cluster_url" if topology == "cluster" else "redis_url"))
+
+
+# -- what an async test leaves behind fails it ---------------------------------------------
+# asyncio.run() and asyncio.Runner (Aio.run, uvloop.run) cancel the tasks still pending
+# when their coroutine returns, silently. A task a test (or the library) left running would
+# never show, so the runners' _cancel_all_tasks is wrapped to note them first. After a test
+# that ran a loop, a gc.collect() brings out what was dropped unclosed (ResourceWarning, an
+# error under filterwarnings = error, so an unraisable exception from __del__), and the
+# asyncio log's "Task was destroyed but it is pending" / "exception was never retrieved".
+# Any of them fails the test that left it. (uvloop.run on 3.10 has its own copy of the
+# cancelling code, so there only the gc.collect() part applies.)
+
+_left_pending: list[str] = []
+_loops_closed = 0
+# The loops being closed: a task started while the leftovers were cancelled (a cancelled
+# wait's cleanup, say) is still pending once its loop is closed, and would never run.
+_closing_loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+_original_cancel_all_tasks = asyncio.runners._cancel_all_tasks  # type: ignore[attr-defined]
+
+
+def _noting_cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    global _loops_closed
+    _loops_closed += 1
+    _left_pending.extend(repr(t) for t in asyncio.all_tasks(loop) if not t.done())
+    _closing_loops.append(weakref.ref(loop))
+    _original_cancel_all_tasks(loop)
+
+
+asyncio.runners._cancel_all_tasks = _noting_cancel_all_tasks  # type: ignore[attr-defined]
+
+
+class _AsyncioComplaints(logging.Handler):
+    """The asyncio log's records of a task dropped pending or with its exception unread."""
+
+    WORDS = ("Task was destroyed but it is pending", "exception was never retrieved")
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if any(w in text for w in self.WORDS):
+            self.said.append(text)
+
+
+_complaints = _AsyncioComplaints()
+logging.getLogger("asyncio").addHandler(_complaints)
+
+
+def leftovers_after(ran_a_loop: bool) -> list[str]:
+    """What the test just run left behind (see above); empties the records."""
+    found = [f"a task left pending when its loop closed: {t}" for t in _left_pending]
+    for ref in _closing_loops:
+        loop = ref()
+        if loop is not None and loop.is_closed():
+            found += [
+                f"a task still pending after its loop closed: {t!r}" for t in asyncio.all_tasks(loop) if not t.done()
+            ]
+    _closing_loops.clear()
+    if ran_a_loop:
+        unraisable: list[str] = []
+        hook = sys.unraisablehook
+
+        def note(u: sys.UnraisableHookArgs) -> None:
+            unraisable.append(f"{u.exc_type.__name__}: {u.exc_value} (in {u.object!r})")
+
+        sys.unraisablehook = note
+        try:
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        found += [f"at gc: {u}" for u in unraisable]
+    found += [f"asyncio said: {t}" for t in _complaints.said]
+    _left_pending.clear()
+    _complaints.said.clear()
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    leftovers_after(False)  # what an earlier phase left is not this test's
+    before = _loops_closed
+    try:
+        yield
+    finally:
+        found = leftovers_after(_loops_closed != before)
+        if found and sys.exc_info()[0] is None:
+            pytest.fail("the test left work behind:\n  " + "\n  ".join(found), pytrace=False)

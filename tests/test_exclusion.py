@@ -122,15 +122,17 @@ def test_sigkilled_holder_frees_the_lock_within_its_ttl(redis_backend: str, redi
     proc.stdout.close()
     cache = open_cache(redis_backend, redis_url)
     while True:
+        tried = time.monotonic()
         try:
             lock = cache.lock("crashy", ttl=5)
             break
         except hotlock.LockNotAcquired:
-            now = time.monotonic()
-            assert now - sent < ttl + 0.05, "the lock outlived its TTL + 50 ms"
+            # The key was there when the server ran this attempt, after `tried`: only a key
+            # that outlives its TTL fails this, never a reply the loaded machine delivers late.
+            assert tried - sent < ttl + 0.05, "the lock outlived its TTL + 50 ms"
             time.sleep(0.002)
     freed = time.monotonic() - sent
-    assert ttl - 0.01 < freed <= ttl + 0.05, freed
+    assert ttl - 0.01 < freed, freed  # not before its TTL (the loop above bounds it from above)
     lock.unlock()
     cache.close()
 

@@ -106,8 +106,8 @@ def test_native_sent_at_is_on_the_time_monotonic_clock(ncache: hotlock.Cache) ->
 def test_native_lock_wait_wakes_when_the_holder_expires_and_never_passes_the_deadline(
     ncache: hotlock.Cache,
 ) -> None:
+    started = time.monotonic()  # before the holder's TTL starts, so the wait is 0.2 s at least
     ncache.lock("short", ttl=0.2)
-    started = time.monotonic()
     lock = ncache.lock_wait("short", ttl=5, wait=5)
     # The holder's PTTL cuts the sleep: woken at its expiry, not seconds of backoff later.
     assert 0.19 <= time.monotonic() - started < 0.2 + 0.25
@@ -170,8 +170,10 @@ def test_native_round_trip_releases_the_gil(ncache: hotlock.Cache, redis_server:
     ran = counter.ran_for(before)
     assert elapsed >= 0.3, "the server did not hold the reply; the test proves nothing"
     # Had the call kept the GIL, the counter would have run for a switch interval or two
-    # (5 ms each) at most; released, it counts through most of the wait.
-    assert ran > 0.4 * elapsed, (ran, elapsed)
+    # (5 ms each, under 4% of the wait) at most; released, it counts through most of the
+    # wait. 15%: a loaded machine gives the counter less of a core than it had when it was
+    # calibrated, and the bound still stands well above what a held GIL allows.
+    assert ran > 0.15 * elapsed, (ran, elapsed)
     assert lock.unlock() is True
 
 
@@ -182,7 +184,7 @@ def test_native_lock_wait_sleeps_without_the_gil(ncache: hotlock.Cache, counter:
     with pytest.raises(LockNotAcquired):
         ncache.lock_wait("held", ttl=5, wait=0.5)
     elapsed = time.monotonic() - started
-    assert counter.ran_for(before) > 0.4 * elapsed
+    assert counter.ran_for(before) > 0.15 * elapsed  # as in the test above
 
 
 class Interrupted(Exception):

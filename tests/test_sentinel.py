@@ -223,8 +223,11 @@ def _check_resumed(outcome: dict[str, object]) -> None:
     assert switched is not None, "the sentinels never named a new primary"
     assert landed is not None, f"no lock landed on the new primary; errors: {errors}"
     print(f"\nresumed {landed - switched:.3f} s after the switch; {len(errors)} CacheErrors in the gap")  # type: ignore[operator]
-    # Resumed within a second of the sentinels' switch (the failover time plus a second).
-    assert landed - switched < 1.0, landed - switched  # type: ignore[operator]
+    # Resumed soon after the sentinels' switch: a client asks them again every 0.5 s
+    # (typically resumed 0.4-0.5 s after it here), where one that did not would write to
+    # the old primary until Sentinel demotes it (up to its 10 s INFO period). 4 s leaves a
+    # loaded machine room and still tells the two apart.
+    assert landed - switched < 4.0, landed - switched  # type: ignore[operator]
     # The gap shows only as CacheError: never "held elsewhere", never anything else.
     assert all(type(e) is CacheError for e in errors), {type(e).__name__ for e in errors}  # type: ignore[attr-defined]
 
