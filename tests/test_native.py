@@ -704,11 +704,25 @@ def test_native_module_facts() -> None:
         assert pinned is not None, "vendor/hiredis/ is missing: make vendor"
     if pinned is not None:
         assert pinned == native.HIREDIS_VERSION
-    assert native.HAS_TLS is False
-    # rediss:// goes to redis-py, saying why.
+    info = hotlock.backend_info()
     name, why = choose(parse_url("rediss://127.0.0.1:6380/0", connect_timeout=1, timeout=1), None)
-    assert name == "redis-py" and why is not None and "TLS" in why
-    assert hotlock.backend_info() == {"backend": "native", "reason": None, "hiredis": native.HIREDIS_VERSION}
+    if pinned is not None and os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1":
+        # make test: the TLS build, on the libssl of Python's own ssl module.
+        import ssl
+
+        assert native.__name__ == "hotlock._native_tls"
+        assert native.HAS_TLS is True and native.OPENSSL_VERSION == ssl.OPENSSL_VERSION
+        assert (name, why) == ("native", None)
+        assert info["tls"] == "native" and info["tls_reason"] is None
+    if not native.HAS_TLS:
+        # rediss:// goes to redis-py, saying why.
+        assert name == "redis-py" and why is not None and "TLS" in why
+        assert info["tls"] == "redis-py" and info["tls_reason"]
+    assert {k: info[k] for k in ("backend", "reason", "hiredis")} == {
+        "backend": "native",
+        "reason": None,
+        "hiredis": native.HIREDIS_VERSION,
+    }
 
 
 def test_native_builds_export_only_their_init_function() -> None:
