@@ -210,6 +210,8 @@ def extensions() -> list[Extension]:
 class BuildExt(build_ext):
     """Says in one line when the optional extension did not build."""
 
+    plain_failed = False
+
     def run(self) -> None:
         try:
             super().run()
@@ -219,10 +221,14 @@ class BuildExt(build_ext):
             say(f"the native extension did not build ({failure(exc)}): pure-Python install")
 
     def build_extension(self, ext: Extension) -> None:
+        tls = ext.name == "hotlock._native_tls"
+        if tls and self.plain_failed:
+            return  # the same sources and compiler: the one line about the plain build says it
         try:
             super().build_extension(ext)
         except Exception as exc:
-            tls = ext.name == "hotlock._native_tls"
+            if not tls:
+                BuildExt.plain_failed = True
             if REQUIRE or (tls and REQUIRE_TLS) or not getattr(ext, "optional", False):
                 raise
             if tls:

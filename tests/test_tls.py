@@ -25,7 +25,15 @@ from hotlock.errors import CacheError
 
 from .conftest import REQUIRE_NATIVE
 from .test_security import exercise
-from .tls import Pki, TLSServer, start_tls_redis
+from .tls import (
+    Pki,
+    TLSCluster,
+    TLSSentinel,
+    TLSServer,
+    start_tls_cluster,
+    start_tls_redis,
+    start_tls_sentinel,
+)
 
 AIO_BACKENDS = ["native", "redis-py"]
 
@@ -218,3 +226,72 @@ def test_without_the_tls_build_rediss_runs_on_redis_py_saying_why_once(by_name: 
     assert "'tls': 'redis-py'" in proc.stdout and "HOTLOCK_NATIVE_TLS=0" in proc.stdout
     said = [line for line in proc.stderr.splitlines() if line.startswith("hotlock ") and "redis-py backend" in line]
     assert len(said) == 1 and "HOTLOCK_NATIVE_TLS=0" in said[0], proc.stderr
+
+
+# -- Sentinel and Cluster over TLS ----------------------------------------------------
+
+
+SENTINEL_PASSWORD = "sentinel-secret"
+
+
+@pytest.fixture(scope="module")
+def tls_sentinel(pki: Pki) -> Iterator[TLSSentinel]:
+    sentinel = start_tls_sentinel(pki, password=SENTINEL_PASSWORD)
+    yield sentinel
+    sentinel.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(pki: Pki) -> Iterator[TLSCluster]:
+    cluster = start_tls_cluster(pki)
+    yield cluster
+    cluster.stop()
+
+
+def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_primary(
+    redis_backend: str, tls_sentinel: TLSSentinel
+) -> None:
+    url = tls_sentinel.url(ssl_ca_certs=str(tls_sentinel.primary.ca), sentinel_password=SENTINEL_PASSWORD)
+    with hotlock.connect(url, backend=redis_backend, timeout=2) as cache:
+        assert cache.backend == redis_backend
+        assert cache.server.startswith("rediss+sentinel://localhost:")
+        assert SENTINEL_PASSWORD not in cache.server and SENTINEL_PASSWORD not in repr(cache)
+        lock = cache.lock("s", ttl=5)
+        # The lock is on the primary the sentinel named, reached over TLS.
+        assert tls_sentinel.primary.plain.client().pttl(b"hotlock:lock:{s}") > 0
+        assert lock.unlock() is True
+
+
+def test_rediss_sentinel_refuses_a_wrong_sentinel_password(redis_backend: str, tls_sentinel: TLSSentinel) -> None:
+    url = tls_sentinel.url(ssl_ca_certs=str(tls_sentinel.primary.ca), sentinel_password="wrong")
+    with pytest.raises(CacheError, match="AUTH"):
+        hotlock.connect(url, backend=redis_backend, timeout=2)
+
+
+def test_rediss_sentinel_verifies_the_sentinels_certificate(
+    redis_backend: str, tls_sentinel: TLSSentinel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    with pytest.raises(CacheError, match=r"(?i)certificate verify failed"):
+        hotlock.connect(tls_sentinel.url(sentinel_password=SENTINEL_PASSWORD), backend=redis_backend, timeout=2)
+
+
+def test_rediss_cluster_verifies_each_node_by_its_announced_address(
+    redis_backend: str, tls_cluster: TLSCluster
+) -> None:
+    for node in tls_cluster.nodes:
+        node.plain.client().flushall()
+    with hotlock.connect(tls_cluster.url(ssl_ca_certs=str(tls_cluster.ca)), backend=redis_backend, timeout=2) as cache:
+        assert cache.backend == redis_backend
+        # Keys on every shard: a connection to each primary, each over TLS to its tls-port.
+        locks = cache.lock_many([f"k{i}" for i in range(30)], ttl=5)
+        assert all(node.plain.client().dbsize() > 0 for node in tls_cluster.nodes)
+        assert cache.unlock_many(locks) == [True] * 30
+
+
+def test_rediss_cluster_refuses_an_unknown_ca(
+    redis_backend: str, tls_cluster: TLSCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    with pytest.raises(CacheError, match=r"(?i)certificate verify failed"):
+        hotlock.connect(tls_cluster.url(), backend=redis_backend, timeout=2)

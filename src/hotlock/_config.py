@@ -6,12 +6,13 @@ the chooser in _backend and every backend, sync and async, import it, never each
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ._sentinel import SCHEME as SENTINEL_SCHEME
+from ._sentinel import SCHEMES as SENTINEL_SCHEMES
 from ._sentinel import parse_sentinel_netloc, primary_address
 from .errors import CacheError
 
@@ -58,6 +59,15 @@ class TLSOptions:
     @property
     def check_host(self) -> bool:
         return self.verify and self.check_hostname
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tls_context(options: TLSOptions, cert_file: str | None) -> ssl.SSLContext:
+    """tls_context(options), made once: the sentinels are asked every PrimaryWatch.REFRESH_S,
+    and loading a CA store each time costs milliseconds (cert_file is SSL_CERT_FILE, part
+    of what the context trusts)."""
+    del cert_file
+    return tls_context(options)
 
 
 def tls_context(options: TLSOptions) -> ssl.SSLContext:
@@ -145,9 +155,11 @@ class ServerConfig:
     db: int = 0
     connect_timeout: float = 2.0
     timeout: float = 2.0
-    # redis+sentinel://: the sentinels to ask and the name they know the primary by.
+    # redis+sentinel://: the sentinels to ask and the name they know the primary by, and
+    # the sentinels' own password (?sentinel_password=), when they have one.
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
     # redis+cluster://: the seed nodes asked for the slot map (any subset of the cluster).
     seeds: tuple[tuple[str, int], ...] = ()
     # connect(wait_replicas=N): WAIT for N replicas after each acquire, up to wait_timeout s.
@@ -165,7 +177,14 @@ class ServerConfig:
         if not self.sentinels:
             return self.host, self.port
         assert self.service is not None
-        return primary_address(self.sentinels, self.service, self.connect_timeout, self.display)
+        return primary_address(
+            self.sentinels,
+            self.service,
+            self.connect_timeout,
+            self.display,
+            _cached_tls_context(self.ssl, os.environ.get("SSL_CERT_FILE")) if self.tls else None,
+            self.sentinel_password,
+        )
 
     def node(self, host: str, port: int) -> ServerConfig:
         """This cluster's settings (credentials, TLS, timeouts) for one of its nodes."""
@@ -179,7 +198,7 @@ class ServerConfig:
             return f"{CLUSTER_SCHEMES[self.tls]}://{hosts}"
         if self.sentinels:
             hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
-            return f"redis+sentinel://{hosts}/{self.service}/{self.db}"
+            return f"{SENTINEL_SCHEMES[self.tls]}://{hosts}/{self.service}/{self.db}"
         if self.unix_path is not None:
             return f"unix://{self.unix_path}?db={self.db}"
         scheme = "rediss" if self.tls else "redis"
@@ -200,15 +219,16 @@ def parse_url(
         raise TypeError(f"url must be str, not {type(url).__name__}")
     parts = urlsplit(url)
     # Never echo the URL itself: it may carry a password.
-    if parts.scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, *CLUSTER_SCHEMES):
+    if parts.scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES):
         raise ValueError(
-            f"url scheme must be redis://, rediss://, unix://, {SENTINEL_SCHEME}:// or "
+            f"url scheme must be redis://, rediss://, unix://, {'://, '.join(SENTINEL_SCHEMES)}:// or "
             f"{'://, '.join(CLUSTER_SCHEMES)}://, not {parts.scheme or '(none)'}://"
         )
     waiting = {"wait_replicas": wait_replicas, "wait_timeout": wait_timeout}
     if parts.scheme in CLUSTER_SCHEMES:
-        if parts.query or parts.fragment:
-            raise ValueError(f"{parts.scheme}:// url takes no ?query or #fragment")
+        query = parse_qs(parts.query)
+        if parts.fragment or set(query) - set(TLS_QUERY_NAMES):
+            raise ValueError(f"{parts.scheme}:// url takes no #fragment and no ?query but the ssl_* settings")
         username, password, seeds = parse_sentinel_netloc(parts.netloc, parts.scheme, 6379)
         # A cluster has database 0 only; "/" and "/0" are accepted as the plain URL's habit.
         if _db_number(parts.path.strip("/")) != 0:
@@ -218,6 +238,7 @@ def parse_url(
             host=seeds[0][0],
             port=seeds[0][1],
             tls=parts.scheme == CLUSTER_SCHEMES[1],
+            ssl=_tls_options(query, parts.scheme, parts.scheme == CLUSTER_SCHEMES[1]),
             username=username,
             password=password,
             connect_timeout=connect_timeout,
@@ -225,13 +246,16 @@ def parse_url(
             seeds=seeds,
             **waiting,  # type: ignore[arg-type]
         )
-    if parts.scheme == SENTINEL_SCHEME:
-        username, password, sentinels = parse_sentinel_netloc(parts.netloc)
+    if parts.scheme in SENTINEL_SCHEMES:
+        tls = parts.scheme == SENTINEL_SCHEMES[1]
+        query = parse_qs(parts.query)
+        unknown = sorted(set(query) - {"sentinel_password", *TLS_QUERY_NAMES})
+        if unknown:
+            raise ValueError(f"{parts.scheme}:// url: unknown setting {unknown[0]}")
+        username, password, sentinels = parse_sentinel_netloc(parts.netloc, parts.scheme)
         service, _, db_text = parts.path.strip("/").partition("/")
         if not service:
-            raise ValueError(
-                f"{SENTINEL_SCHEME}:// url needs the primary's name, as in {SENTINEL_SCHEME}://h1,h2/mymaster"
-            )
+            raise ValueError(f"{parts.scheme}:// url needs the primary's name, as in {parts.scheme}://h1,h2/mymaster")
         return ServerConfig(
             url=url,
             host=sentinels[0][0],
@@ -243,6 +267,9 @@ def parse_url(
             timeout=timeout,
             sentinels=sentinels,
             service=unquote(service),
+            tls=tls,
+            ssl=_tls_options(query, parts.scheme, tls),
+            sentinel_password=query["sentinel_password"][-1] if "sentinel_password" in query else None,
             **waiting,  # type: ignore[arg-type]
         )
     query = parse_qs(parts.query)

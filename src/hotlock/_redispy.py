@@ -106,6 +106,11 @@ class _TLSConnection(redis.SSLConnection):
         return bool(super().can_read(timeout))
 
 
+class _PrimaryTLSConnection(_PrimaryConnection, _TLSConnection):
+    """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
+    checked against that announced address."""
+
+
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
     kwargs: dict[str, Any] = {
@@ -157,7 +162,8 @@ class RedisPyBackend:
             # accept writes until Sentinel demotes it.
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
-            pool = redis.ConnectionPool(connection_class=_PrimaryConnection, primary=self._watch, **kwargs)
+            primary_kind = _PrimaryTLSConnection if config.tls else _PrimaryConnection
+            pool = redis.ConnectionPool(connection_class=primary_kind, primary=self._watch, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)

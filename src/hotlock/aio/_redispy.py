@@ -153,6 +153,11 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
+class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+    """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
+    checked against that announced address."""
+
+
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     """redis.asyncio connection settings: our timeouts, its retries off, RESP2."""
     kwargs: dict[str, Any] = {
@@ -267,7 +272,7 @@ class RedisAsyncBackend:
             # out the old primary for a while after a switch), and _call drops every
             # connection once the sentinels name another primary.
             self._watch = PrimaryWatch(config.primary)
-            connection_class = _PrimaryConnection
+            connection_class = _PrimarySSLConnection if config.tls else _PrimaryConnection
             kwargs.update(primary=self._watch, socket_keepalive=True)
         else:
             connection_class = SSLConnection if config.tls else Connection
