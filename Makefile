@@ -143,12 +143,16 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
 
-bench: compile
+bench: compile vendor
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
 	$(PY) -m bench.cluster
+	# rediss://: native TLS against the redis-py path, redis-py's Lock and the C TLS loop on
+	# the same pinned hiredis, cycle and extend, in both placements.
+	$(PY) -m bench.tls --json bench/out/tls-split.json
+	$(PY) -m bench.tls --one-core --json bench/out/tls-one-core.json
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"
