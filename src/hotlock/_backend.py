@@ -7,6 +7,7 @@ reports a failure as contention.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Protocol
 
@@ -123,12 +124,12 @@ def native_module() -> tuple[ModuleType | None, str | None]:
             _native_error = "HOTLOCK_PURE_PYTHON is set"
             return _native, _native_error
         _tls_error = _tls_build_refused()
+        if _tls_error is None and importlib.util.find_spec(f"{__package__}._native_tls") is None:
+            # Built on a system libhiredis, or without OpenSSL's headers (setup.py said so).
+            _tls_error = "this install has no TLS build (hotlock._native_tls)"
         if _tls_error is None:
             try:
                 from . import _native_tls as tls_mod
-            except ModuleNotFoundError:
-                # Built on a system libhiredis, or without OpenSSL's headers (setup.py said so).
-                _tls_error = "this install has no TLS build (hotlock._native_tls)"
             except ImportError as exc:
                 _tls_error = f"the TLS build did not import: {exc}"
             else:
