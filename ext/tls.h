@@ -28,7 +28,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
@@ -207,15 +207,17 @@ static int hotlock_tls_handshake(redisContext *c, void *ctx, const char *host, i
 static int hotlock_tls_idle_data(void *ssl_, int fd) {
     SSL *ssl = (SSL *)ssl_;
     char byte;
-    int n, e, flags;
+    int n, e, on = 1, off = 0;
     if (SSL_pending(ssl) > 0)
         return 1;
-    flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+    /* The sync client's sockets are blocking (hiredis's REDIS_BLOCK): non-blocking for the
+     * peek only. FIONBIO rather than fcntl: under Python.h's _FILE_OFFSET_BITS=64, fcntl
+     * is glibc 2.28's fcntl64, which would raise the wheel's manylinux floor. */
+    if (ioctl(fd, FIONBIO, &on) < 0)
         return 1;
     n = SSL_peek(ssl, &byte, 1);
     e = SSL_get_error(ssl, n);
-    fcntl(fd, F_SETFL, flags);
+    ioctl(fd, FIONBIO, &off);
     ERR_clear_error();
     if (n > 0)
         return 1;
