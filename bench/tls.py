@@ -113,7 +113,7 @@ def run_c(exe: Path, port: int, mode: str, tag: str, client: list[str], ca: Path
     if ca is not None:
         env.update(CEILING_TLS_CA=str(ca), CEILING_TLS_NAME="localhost")
     scripts = ceiling.write_scripts()
-    cmd = [*client, str(exe), "localhost" if ca else "127.0.0.1", str(port), mode, "0.6", str(scripts), tag]
+    cmd = [*client, str(exe), "localhost" if ca else "127.0.0.1", str(port), mode, "2", str(scripts), tag]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
     if done.returncode != 0:
         raise SystemExit(f"bench.tls: C loop failed: {done.stderr.strip()}")
