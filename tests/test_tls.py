@@ -123,10 +123,16 @@ def test_an_ip_san_counts_and_a_name_it_lacks_does_not(
 
 
 def test_a_missing_client_certificate_says_so(redis_backend: str, mutual: TLSServer) -> None:
-    for _ in range(3):  # the server's alert races its reset: both are reported as the refusal
+    """Under TLS 1.3 the server judges the client certificate after the handshake, and its
+    alert races the reset that follows it. The native client tells either from a lost
+    connection (the server asked for a certificate none is configured for); on the
+    redis-py path a reset that wins is a lost handshake reply, tried once more, and the
+    second try meets the alert, which is not retried."""
+    for _ in range(3):
         with pytest.raises(CacheError, match=r"(?i)certificate required|client certificate") as caught:
             hotlock.connect(mutual.url("127.0.0.1", ssl_ca_certs=str(mutual.ca)), backend=redis_backend, timeout=2)
-        assert "retried" not in str(caught.value)
+        if redis_backend == "native":
+            assert "retried" not in str(caught.value)
 
 
 def test_checks_can_be_turned_off_by_name(redis_backend: str, by_name: TLSServer) -> None:
