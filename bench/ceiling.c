@@ -17,9 +17,18 @@
  *
  * CEILING_COUNT=N in the environment runs exactly N operations with no warm-up instead
  * of a timed loop: for instruction counts under callgrind (bench/profile_notes.md).
+ *
+ * Built with -DCEILING_TLS (bench/tls.py builds it so, on the pinned hiredis sources with
+ * its ssl.c), CEILING_TLS_CA=FILE in the environment makes it speak TLS, verifying the
+ * server's certificate against FILE and sending CEILING_TLS_NAME (default HOST) as SNI:
+ * the C loop over TLS that hotlock's native TLS client is measured against (what is
+ * checked at the handshake costs nothing per operation).
  */
 #define _GNU_SOURCE
 #include <hiredis.h>
+#ifdef CEILING_TLS
+#include <hiredis_ssl.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -203,6 +212,24 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ceiling: connect: %s\n", ctx ? ctx->errstr : "out of memory");
         return 1;
     }
+#ifdef CEILING_TLS
+    const char *ca = getenv("CEILING_TLS_CA");
+    if (ca) {
+        const char *name = getenv("CEILING_TLS_NAME") ? getenv("CEILING_TLS_NAME") : argv[1];
+        redisSSLContextError err = REDIS_SSL_CTX_NONE;
+        redisInitOpenSSL();
+        redisSSLContext *ssl = redisCreateSSLContext(ca, NULL, NULL, NULL, name, &err);
+        if (!ssl) {
+            fprintf(stderr, "ceiling: TLS context: %s\n", redisSSLContextGetError(err));
+            return 1;
+        }
+        redisSetTimeout(ctx, tv);
+        if (redisInitiateSSLWithContext(ctx, ssl) != REDIS_OK) {
+            fprintf(stderr, "ceiling: TLS handshake: %s\n", ctx->errstr);
+            return 1;
+        }
+    }
+#endif
     redisSetTimeout(ctx, tv); /* a reply timeout, so the loop can never hang */
     load(argv[5], "acquire", sha_acquire);
     load(argv[5], "extend", sha_extend);

@@ -41,12 +41,30 @@ from hotlock.errors import CacheError
 
 cdef extern from "compat.h" nogil:
     const char *HOTLOCK_HIREDIS_VERSION
-    int HOTLOCK_HAS_TLS
     int hotlock_timed_out(const redisContext *c)
+
+
+# The TLS layer (ext/tls.h): real in hotlock._native_tls, stubs in hotlock._native.
+cdef extern from "tls.h" nogil:
+    int HOTLOCK_HAS_TLS
+    int HOTLOCK_TLS_OK
+    int HOTLOCK_TLS_REFUSED
+    int HOTLOCK_TLS_LOST
+    const char *hotlock_openssl_version()
+    void *hotlock_tls_context(const char *ca, int ca_is_dir, const char *cert, const char *key, int verify,
+                              char *err, size_t cap)
+    void hotlock_tls_context_free(void *ctx)
+    int hotlock_tls_handshake(redisContext *c, void *ctx, const char *host, int check_host, void **ssl_out,
+                              char *err, size_t cap)
+    int hotlock_tls_idle_data(void *ssl, int fd)
+    int hotlock_tls_failure(void *ssl, int first_use, char *err, size_t cap)
 
 
 HIREDIS_VERSION = (<bytes>HOTLOCK_HIREDIS_VERSION).decode()
 HAS_TLS = bool(HOTLOCK_HAS_TLS)
+# The OpenSSL this build runs on (OpenSSL_version()), "" without TLS: hotlock._backend
+# compares it with Python's ssl.OPENSSL_VERSION.
+OPENSSL_VERSION = (<bytes>hotlock_openssl_version()).decode()
 
 cdef Py_ssize_t _TOKEN_BYTES = TOKEN_BYTES
 cdef bytes _SHA_ACQUIRE = ACQUIRE.sha

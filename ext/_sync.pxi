@@ -68,6 +68,8 @@ cdef class _Conn:
     held, or without the GIL between `busy = True` and `busy = False`."""
 
     cdef redisContext *ctx
+    cdef void *ssl  # over rediss://, ctx's SSL object (owned by ctx); else NULL
+    cdef bint answered  # a reply has arrived on ctx (see NativeBackend._lost)
     cdef unsigned long gen  # _fork_gen when it connected: another value means inherited
     cdef unsigned long epoch  # under Sentinel, the PrimaryWatch epoch it connected in
     cdef bint busy  # a round trip is in flight on ctx without the GIL
@@ -95,25 +97,30 @@ cdef void _drop(_Conn conn) noexcept:
         # socket stays open: close() only drops this process's reference) and leak the
         # struct rather than walk it.
         conn.ctx = NULL
+        conn.ssl = NULL
         if ctx.fd >= 0:
             close(ctx.fd)
         return
     conn.ctx = NULL
+    conn.ssl = NULL
     conn.doomed = False
     # redisFree closes the fd and frees memory; it writes nothing, so it is safe in a
     # forked child too (the parent's socket stays open).
     redisFree(ctx)
 
 
-cdef inline bint _stale(redisContext *ctx) noexcept nogil:
+cdef inline bint _stale(redisContext *ctx, void *ssl) noexcept nogil:
     # An idle connection must have nothing to read. If it has, the server closed it
     # (CLIENT KILL, timeout, restart) or sent something we did not ask for: reconnect
-    # before sending rather than lose the next command, as redis-py's pool does.
+    # before sending rather than lose the next command, as redis-py's pool does. Over
+    # TLS a readable socket may hold only session tickets: OpenSSL is asked.
     cdef pollfd p
     p.fd = ctx.fd
     p.events = POLLIN
     p.revents = 0
-    return poll(&p, 1, 0) != 0
+    if poll(&p, 1, 0) == 0:
+        return False
+    return ssl is NULL or hotlock_tls_idle_data(ssl, ctx.fd) != 0
 
 
 cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
@@ -135,6 +142,8 @@ cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
                 break
     conn.busy = False
     conn.used = _monotonic()
+    if rc == 0:
+        conn.answered = True
     if rc == 0 and conn.doomed:
         _drop(conn)
     return rc
@@ -346,11 +355,20 @@ cdef class NativeBackend:
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
     cdef readonly object _wakeups  # hotlock._wakeup.Slot (the wake-up subscriber), or None: wakeups=False
+    cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
+    cdef bint _check_host  # rediss://: the certificate must name the host connected to
+
+    def __dealloc__(self):
+        hotlock_tls_context_free(self._ssl_ctx)
+        self._ssl_ctx = NULL
 
     def __init__(self, config):
+        cdef char err[256]
         if config.tls:
-            # hotlock._backend.choose sends rediss:// to redis-py when HAS_TLS is False.
-            raise ValueError("this build of hotlock._native has no TLS")
+            if not HOTLOCK_HAS_TLS:
+                # hotlock._backend.choose sends rediss:// to redis-py on a build without TLS.
+                raise ValueError("this build of hotlock._native has no TLS")
+            self._tls_setup(config.ssl, config.display, err)
         self.server = config.display
         self._config = config
         self._watch = PrimaryWatch(config.primary) if getattr(config, "sentinels", ()) else None
@@ -387,6 +405,22 @@ cdef class NativeBackend:
         cdef _Conn conn = self._conn()
         self._ready(conn, "connect", None, &rule)
         self._settle(conn, &rule)
+
+    cdef int _tls_setup(self, object options, str server, char *err) except -1:
+        """The SSL_CTX of options (hotlock._config.TLSOptions), before any I/O."""
+        cdef bytes ca = os.fsencode(options.ca_certs) if options.ca_certs is not None else None
+        cdef bytes cert = os.fsencode(options.certfile) if options.certfile is not None else None
+        cdef bytes key = os.fsencode(options.keyfile) if options.keyfile is not None else None
+        cdef bint ca_dir = ca is not None and os.path.isdir(ca)
+        self._ssl_ctx = hotlock_tls_context(
+            <const char *>ca if ca is not None else NULL, ca_dir,
+            <const char *>cert if cert is not None else NULL,
+            <const char *>key if key is not None else NULL,
+            options.verify, err, 256)
+        if self._ssl_ctx is NULL:
+            raise cache_error(f"connect failed: {(<bytes>err).decode('utf-8', 'replace')}", server)
+        self._check_host = options.check_host
+        return 0
 
     # -- connections --------------------------------------------------------------------
 
@@ -453,7 +487,7 @@ cdef class NativeBackend:
         write, and the resend (same token) hides it from the caller; the price is that
         this resend is then spent. Calls never resent (extend, set_nx, incr) always poll."""
         if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or (
-                not (rule.resend and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx))):
+                not (rule.resend and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx, conn.ssl))):
             _drop(conn)
         elif conn.ctx is not NULL and self._watch is not None and conn.epoch != self._watch.refresh():
             # The sentinels name another primary: the old one may still take writes until
@@ -467,6 +501,10 @@ cdef class NativeBackend:
                 # The handshake's reply was lost: it sent nothing of the call, so any call
                 # may connect again under its rule.
                 if not self._may_retry(rule):
+                    if self._ssl_ctx is NULL and not self._unix and rule.spent and (
+                            "reset by peer" in lost or "closed the connection" in lost):
+                        # A TLS port hangs up on plaintext at its first bytes, every time.
+                        lost += " (if that port speaks TLS, the url must be rediss://)"
                     raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
             if conn.ctx is NULL:
                 # close() ran (from another thread) while this one was connecting.
@@ -490,6 +528,11 @@ cdef class NativeBackend:
         cdef bint unix = self._unix
         cdef timeval ctv = self._connect_tv
         cdef timeval rtv = self._reply_tv
+        cdef void *ssl_ctx = self._ssl_ctx
+        cdef bint check_host = self._check_host
+        cdef void *ssl = NULL
+        cdef int tls = HOTLOCK_TLS_OK
+        cdef char tls_err[256]
         if limit > 0.0:
             if limit < self._timeout:
                 rtv = _timeval(limit)
@@ -500,7 +543,12 @@ cdef class NativeBackend:
                 ctx = redisConnectUnixWithTimeout(host, ctv)
             else:
                 ctx = redisConnectWithTimeout(host, port, ctv)
-            if ctx is not NULL and not ctx.err:
+            if ctx is not NULL and not ctx.err and ssl_ctx is not NULL:
+                # The handshake runs under the connect timeout (on every read and write
+                # of the socket), the name to verify and send as SNI set beforehand.
+                redisSetTimeout(ctx, ctv)
+                tls = hotlock_tls_handshake(ctx, ssl_ctx, host, check_host, &ssl, tls_err, 256)
+            if ctx is not NULL and not ctx.err and tls == HOTLOCK_TLS_OK:
                 # A reply timeout on every read and write (SO_RCVTIMEO/SO_SNDTIMEO), so no
                 # nogil section blocks forever on a blackholed server.
                 redisSetTimeout(ctx, rtv)
@@ -510,11 +558,23 @@ cdef class NativeBackend:
                     redisEnableKeepAlive(ctx)
         if ctx is NULL:
             raise MemoryError()
+        if tls != HOTLOCK_TLS_OK:
+            text = (<bytes>tls_err).decode("utf-8", "replace")
+            redisFree(ctx)
+            if tls == HOTLOCK_TLS_LOST:
+                # Cut or timed out mid-handshake: nothing of the call was sent, so it may
+                # connect again under its rule, as after a lost handshake reply.
+                return text
+            # A certificate that does not verify, a refusal, no TLS on the port: the same
+            # again would fail the same way, so never retried and never downgraded.
+            raise cache_error(f"{what} failed: {text}", self.server, key)
         if ctx.err:
             text = _io_text(ctx)
             redisFree(ctx)
             raise cache_error(f"{what} failed: cannot connect: {text}", self.server, key)
         conn.ctx = ctx
+        conn.ssl = ssl
+        conn.answered = False
         conn.gen = _fork_gen
         if self._watch is not None:
             conn.epoch = self._watch.epoch
@@ -577,9 +637,16 @@ cdef class NativeBackend:
         return f"the server replied {text}"
 
     cdef str _lost(self, _Conn conn):
-        """The text of an I/O error or timeout; the connection is dropped (its state is unknown)."""
+        """The text of an I/O error or timeout; the connection is dropped (its state is unknown).
+
+        Over TLS, a failure OpenSSL recorded (the server's alert: a client certificate it
+        requires and did not get, say) is no lost reply: a CacheError, never retried."""
+        cdef char err[256]
+        cdef bint refused = conn.ssl is not NULL and hotlock_tls_failure(conn.ssl, not conn.answered, err, 256)
         text = _io_text(conn.ctx)
         _drop(conn)
+        if refused:
+            raise cache_error((<bytes>err).decode("utf-8", "replace"), self.server)
         return text
 
     # -- scripts ----------------------------------------------------------------------------

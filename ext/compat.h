@@ -1,5 +1,7 @@
-/* The differences between hiredis 0.14 and 1.x, and between CPython versions, that hotlock's
- * extension meets, in one place, so ext/_native.pyx compiles unchanged against all of them. */
+/* The differences between the hiredis builds and the CPython versions hotlock's extension
+ * meets, in one place, so ext/_native.pyx compiles unchanged against each: the pinned
+ * hiredis 1.x sources (plain, and with the TLS layer, ext/tls.h), a system libhiredis 0.14
+ * or 1.x (the fallback), and CPython 3.10 to 3.13. */
 #ifndef HOTLOCK_COMPAT_H
 #define HOTLOCK_COMPAT_H
 
@@ -14,13 +16,11 @@
 #define HOTLOCK_HIREDIS_VERSION \
     HOTLOCK_STR(HIREDIS_MAJOR) "." HOTLOCK_STR(HIREDIS_MINOR) "." HOTLOCK_STR(HIREDIS_PATCH)
 
-/* TLS lives in a separate library (hiredis_ssl) from 1.0 on, and 0.14 has none. This build
- * links plain libhiredis only, so rediss:// goes to the redis-py backend on every version
- * (hotlock._backend.choose reads HAS_TLS). */
-#define HOTLOCK_HAS_TLS 0
-
-/* A reply that did not arrive within the SO_RCVTIMEO set by redisSetTimeout: 1.x reports
- * REDIS_ERR_TIMEOUT; 0.14 reports REDIS_ERR_IO with strerror(EAGAIN) as its errstr. */
+/* A reply that did not arrive within the SO_RCVTIMEO set by redisSetTimeout. 1.x reports
+ * REDIS_ERR_TIMEOUT where the socket says ETIMEDOUT; a plain read that times out (EAGAIN,
+ * and every read on 0.14) is REDIS_ERR_IO with strerror(EAGAIN) as its errstr, and so is a
+ * TLS read that times out in 1.x's ssl.c ("Resource temporarily unavailable"): all of
+ * them are the same timeout to the caller. */
 static inline int hotlock_timed_out(const redisContext *c) {
 #ifdef REDIS_ERR_TIMEOUT
     if (c->err == REDIS_ERR_TIMEOUT)

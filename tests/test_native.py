@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -685,16 +688,60 @@ def test_native_unreachable_server_is_a_cache_error_naming_it() -> None:
 # -- the module, the environment, and hiredis-py -------------------------------------------
 
 
+def _pinned_hiredis() -> str | None:
+    """The hiredis version of the pinned sources in vendor/hiredis/ (make vendor), if present."""
+    header = Path(__file__).resolve().parent.parent / "vendor" / "hiredis" / "hiredis.h"
+    if not header.exists():
+        return None
+    text = header.read_text()
+    parts = [re.search(rf"#define HIREDIS_{p} (\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts if m is not None)
+
+
 def test_native_module_facts() -> None:
     assert isinstance(native.HIREDIS_VERSION, str) and native.HIREDIS_VERSION.count(".") == 2
-    pkg = subprocess.run(["pkg-config", "--modversion", "hiredis"], capture_output=True, text=True)
-    if pkg.returncode == 0:
-        assert pkg.stdout.strip() == native.HIREDIS_VERSION
-    assert native.HAS_TLS is False
-    # rediss:// goes to redis-py, saying why.
+    pinned = _pinned_hiredis()
+    if os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1":
+        # make test builds on the pinned sources, never on a system libhiredis.
+        assert pinned is not None, "vendor/hiredis/ is missing: make vendor"
+    if pinned is not None:
+        assert pinned == native.HIREDIS_VERSION
+    info = hotlock.backend_info()
     name, why = choose(parse_url("rediss://127.0.0.1:6380/0", connect_timeout=1, timeout=1), None)
-    assert name == "redis-py" and why is not None and "TLS" in why
-    assert hotlock.backend_info() == {"backend": "native", "reason": None, "hiredis": native.HIREDIS_VERSION}
+    if pinned is not None and os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1":
+        # make test: the TLS build, on the libssl of Python's own ssl module.
+        import ssl
+
+        assert native.__name__ == "hotlock._native_tls"
+        assert native.HAS_TLS is True and native.OPENSSL_VERSION == ssl.OPENSSL_VERSION
+        assert (name, why) == ("native", None)
+        assert info["tls"] == "native" and info["tls_reason"] is None
+    if not native.HAS_TLS:
+        # rediss:// goes to redis-py, saying why.
+        assert name == "redis-py" and why is not None and "TLS" in why
+        assert info["tls"] == "redis-py" and info["tls_reason"]
+    assert {k: info[k] for k in ("backend", "reason", "hiredis")} == {
+        "backend": "native",
+        "reason": None,
+        "hiredis": native.HIREDIS_VERSION,
+    }
+
+
+def test_native_builds_export_only_their_init_function() -> None:
+    """hiredis is linked in with hidden symbols: nothing of it is visible to, or resolved
+    against, another hiredis in the process (hiredis-py's, a system libhiredis)."""
+    if _pinned_hiredis() is None:
+        pytest.skip("built on the system libhiredis: no vendor/hiredis/")
+    nm = shutil.which("nm")
+    assert nm is not None, "nm (binutils) is needed"
+    built = sorted(Path(native.__file__).parent.glob("_native*.so"))
+    assert built
+    for so in built:
+        out = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True)
+        names = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+        assert names == {f"PyInit_{so.name.split('.')[0]}"}, (so.name, sorted(names)[:10])
+        undefined = subprocess.run([nm, "-D", "--undefined-only", str(so)], capture_output=True, text=True, check=True)
+        assert "redis" not in undefined.stdout, so.name
 
 
 def test_native_pure_python_env_really_runs_redis_py(redis_url: str) -> None:

@@ -4,17 +4,21 @@ Each test installs into a fresh venv outside the checkout and runs a lock round 
 and async) against the session's redis-server, in a child process whose `import hotlock`
 can only find the installed copy.
 
-- The wheel runs with the system libhiredis made unloadable: a private mount namespace
-  (unshare) binds /dev/null over every libhiredis the dynamic linker could find, and
-  the test first shows that the linker really cannot load it there. The extension must
-  still import, `backend_info()` must say `native`, `ldd` must resolve every dependency
-  inside the wheel's `hotlock.libs/` or to glibc, and `/proc/self/maps` must show the
-  bundled libhiredis mapped and no other.
-- The sdist, with libhiredis-dev present and nothing asked for, builds the extension from
-  the .pyx sources (it ships no generated C) against the system libhiredis.
-- The sdist without a compiler (CC=/bin/false), or without libhiredis (pkg-config finds no
-  hiredis.pc), installs pure Python and says so in one line; `backend_info()` says
-  `redis-py` and why.
+- The wheel carries both builds of the extension, each with the pinned hiredis linked in
+  (hidden symbols): hotlock._native, which needs only glibc, and hotlock._native_tls,
+  which needs glibc and the system's libssl.so.3/libcrypto.so.3 (never bundled: one
+  OpenSSL per process). It runs with the system libhiredis made unloadable: a private
+  mount namespace (unshare) binds /dev/null over every libhiredis the dynamic linker could
+  find, and the test first shows that the linker really cannot load it there.
+  `backend_info()` must say `native` for redis:// and for rediss://, a rediss:// cache
+  must be `native`, and `/proc/self/maps` must show no libhiredis at all and one libssl.
+- The sdist ships the pinned hiredis sources (vendor/hiredis/) and, with no libhiredis-dev
+  in sight and nothing asked for, builds both builds from them.
+- The sdist's sources without vendor/hiredis/ (a checkout with no network) build on the
+  system libhiredis, without TLS, saying so once.
+- The sdist without a compiler (CC=/bin/false), or the sources without vendor/hiredis/ nor
+  libhiredis, install pure Python and say so in one line; `backend_info()` says `redis-py`
+  and why.
 
 By default the session builds the sdist and one repaired wheel for the running Python (about
 a minute); `make dist-check` points HOTLOCK_TEST_DIST at dist/ to check what `make dist`
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +58,12 @@ GLIBC = re.compile(r"^(linux-vdso\.so\.1|ld-linux-x86-64\.so\.2|lib(c|m|dl|rt|pt
 # Run in the fresh venv with argv: url, then the system libhiredis paths that must not load.
 # Prints one JSON object; the test judges it.
 ROUND_TRIP = r"""
-import asyncio, ctypes, json, sys
+import asyncio, ctypes, json, os, sys
 
 import hotlock
 import hotlock.aio
 
-url, hidden = sys.argv[1], sys.argv[2:]
+url, tls_url, hidden = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = {"file": hotlock.__file__, "version": hotlock.__version__, "info": hotlock.backend_info()}
 
 # The control: in the namespace the wheel test runs in, the system library must not load.
@@ -84,6 +89,11 @@ with hotlock.connect(url) as cache:
     locks = cache.lock_many(["packaging:a", "packaging:b"], ttl=5)
     out["batch"] = cache.unlock_many(locks)
 
+if tls_url:
+    with hotlock.connect(tls_url) as cache:
+        out["tls_backend"] = cache.backend
+        out["tls_unlocked"] = cache.lock("packaging:tls", ttl=5).unlock()
+
 
 async def aio():
     cache = await hotlock.aio.connect(url)
@@ -98,7 +108,9 @@ async def aio():
 out["aio_backend"] = asyncio.run(aio())
 out["aio_info"] = hotlock.aio.backend_info()
 with open("/proc/self/maps") as maps:
-    out["mapped"] = sorted({line.split(None, 5)[5].strip() for line in maps if "libhiredis" in line})
+    names = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+out["mapped"] = sorted(n for n in names if "libhiredis" in n)
+out["libssl"] = sorted(n for n in names if os.path.basename(n).startswith("libssl"))
 print(json.dumps(out))
 """
 
@@ -169,11 +181,13 @@ def pip_install(venv_python: Path, *args: str, env: dict[str, str] | None = None
     )
 
 
-def round_trip(venv_python: Path, url: str, workdir: Path, *, hide: list[str] | None = None) -> dict[str, object]:
+def round_trip(
+    venv_python: Path, url: str, workdir: Path, *, hide: list[str] | None = None, tls_url: str = ""
+) -> dict[str, object]:
     """Run ROUND_TRIP with the venv's python, from workdir (not the checkout); its JSON."""
     script = workdir / "round_trip.py"
     script.write_text(ROUND_TRIP)
-    cmd = [str(venv_python), str(script), url, *(hide or [])]
+    cmd = [str(venv_python), str(script), url, tls_url, *(hide or [])]
     if hide is not None:
         cmd = hidden(hide, cmd)
     out = run(cmd, env=clean_env(), cwd=workdir)
@@ -182,10 +196,10 @@ def round_trip(venv_python: Path, url: str, workdir: Path, *, hide: list[str] | 
     return result
 
 
-def installed_extension(venv_python: Path) -> Path:
+def installed_extensions(venv_python: Path) -> dict[str, Path]:
+    """The installed builds of the extension by module name: _native, and _native_tls if built."""
     found = glob.glob(str(venv_python.parent.parent / "lib" / "python3*" / "site-packages" / "hotlock" / "_native*.so"))
-    assert len(found) == 1, f"expected one installed hotlock/_native*.so, found {found}"
-    return Path(found[0])
+    return {Path(f).name.split(".")[0]: Path(f) for f in found}
 
 
 def ldd(path: Path, *, hide: list[str] | None = None) -> dict[str, str]:
@@ -288,11 +302,13 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     raw = out / "raw"
     run(
         [sys.executable, "-m", "pip", "wheel", NO_CACHE, "--no-deps", "-w", str(raw), str(sdist)],
-        env=clean_env(HOTLOCK_REQUIRE_EXTENSIONS="1"),
+        env=clean_env(HOTLOCK_REQUIRE_EXTENSIONS="1", HOTLOCK_REQUIRE_TLS="1"),
     )
     (built,) = raw.glob("*.whl")
     env = clean_env(PATH=f"{Path(tool('patchelf')).parent}:{os.environ['PATH']}")
-    run([tool("auditwheel"), "repair", "--strip", "-w", str(out), str(built)], env=env)
+    # libssl and libcrypto stay the system's (one OpenSSL per process), as make dist does.
+    run([tool("auditwheel"), "repair", "--strip", "--exclude", "libssl.so.3", "--exclude", "libcrypto.so.3",
+         "-w", str(out), str(built)], env=env)  # fmt: skip
     (wheel,) = out.glob("hotlock-*manylinux*.whl")
     return Dist(sdist, {wheel_tag(wheel): wheel})
 
@@ -314,56 +330,76 @@ def wheel(request: pytest.FixtureRequest, dist: Dist) -> tuple[str, Path]:
 
 # --- the tests -------------------------------------------------------------------------------
 
+# What the TLS build may take from the system besides glibc: the OpenSSL that Python's own
+# ssl module runs on (hotlock._backend loads the build only then).
+OPENSSL = re.compile(r"^lib(ssl|crypto)\.so\.3$")
 
-def test_wheel_bundles_libhiredis_and_needs_only_glibc(wheel: tuple[str, Path]) -> None:
+
+@pytest.fixture(scope="module")
+def tls_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A rediss:// url (CA in the url) of a TLS redis-server started here."""
+    from .tls import Pki, start_tls_redis
+
+    pki = Pki.make(tmp_path_factory.mktemp("pki"))
+    server = start_tls_redis(pki, "packaging", "DNS:localhost")
+    yield server.url(ssl_ca_certs=str(pki.ca))
+    server.stop()
+
+
+def test_wheel_carries_both_builds_and_bundles_nothing(wheel: tuple[str, Path]) -> None:
     tag, path = wheel
     assert re.search(r"manylinux_2_\d+_x86_64", path.name), path.name
     names = zipfile.ZipFile(path).namelist()
-    bundled = [n for n in names if n.startswith("hotlock.libs/")]
-    assert [n for n in bundled if re.fullmatch(r"hotlock\.libs/libhiredis-[0-9a-f]{8}\.so[.0-9]*", n)], names
-    assert [n for n in names if re.fullmatch(rf"hotlock/_native\.cpython-{tag[2:]}-x86_64-linux-gnu\.so", n)], names
-    shown = run([tool("auditwheel"), "show", str(path)])
-    assert f'platform tag: "{re.search(r"manylinux_2_[0-9]+_x86_64", path.name).group(0)}"' in " ".join(  # type: ignore[union-attr]
-        shown.split()
-    ), shown
+    # hiredis is linked into each build; libssl stays the system's.
+    assert not [n for n in names if n.startswith("hotlock.libs/")], names
+    for module in ("_native", "_native_tls"):
+        assert [n for n in names if re.fullmatch(rf"hotlock/{module}\.cpython-{tag[2:]}-x86_64-linux-gnu\.so", n)], (
+            names
+        )
+    # auditwheel show judges the wheel as if libssl were to be bundled (it is not in the
+    # manylinux policy), so it names libssl and libcrypto; repair was told to leave them
+    # out (--exclude) and tagged the wheel from the rest. Nothing else is external.
+    shown = " ".join(run([tool("auditwheel"), "show", str(path)]).split())
+    assert "libhiredis" not in shown, shown
+    external = set(re.findall(r"(lib[a-z0-9_+-]+\.so\.[0-9]+) with versions", shown))
+    assert external <= {"libc.so.6", "libm.so.6", "libpthread.so.0", "libssl.so.3", "libcrypto.so.3"}, shown
 
 
-def test_wheel_runs_native_where_the_system_libhiredis_cannot_load(
-    wheel: tuple[str, Path], redis_url: str, tmp_path: Path, can_hide: None
+def test_wheel_runs_native_over_tls_where_the_system_libhiredis_cannot_load(
+    wheel: tuple[str, Path], redis_url: str, tls_url: str, tmp_path: Path, can_hide: None
 ) -> None:
     tag, path = wheel
     venv = new_venv(tmp_path / "venv", python_for(tag))
     pip_install(venv, str(path))
-    ext = installed_extension(venv)
-    libs = ext.parent.parent / "hotlock.libs"
+    exts = installed_extensions(venv)
+    assert sorted(exts) == ["_native", "_native_tls"], exts
     hide = system_libhiredis()
 
-    # What the extension asks for: the bundled copy by its hashed soname, found by RUNPATH.
     patchelf = tool("patchelf")
-    needed = run([patchelf, "--print-needed", str(ext)]).split()
-    assert not [n for n in needed if n.startswith("libhiredis.")], needed
-    assert [n for n in needed if re.fullmatch(r"libhiredis-[0-9a-f]{8}\.so[.0-9]*", n)], needed
-    assert "$ORIGIN/../hotlock.libs" in run([patchelf, "--print-rpath", str(ext)])
+    for module, ext in exts.items():
+        needed = run([patchelf, "--print-needed", str(ext)]).split()
+        assert not [n for n in needed if "hiredis" in n], needed
+        # Every dependency is glibc, or for the TLS build the system OpenSSL, with the system
+        # libhiredis hidden.
+        for name, target in ldd(ext, hide=hide).items():
+            allowed = GLIBC.match(name) or (module == "_native_tls" and OPENSSL.match(name))
+            assert allowed, f"{ext.name} needs {name} => {target}"
+            assert "not found" not in target, f"{ext.name}: {name} not found"
 
-    # Every dependency resolves inside the wheel or to glibc, with the system copy hidden.
-    for name, target in ldd(ext, hide=hide).items():
-        if target.startswith(os.path.realpath(libs) + "/"):
-            continue
-        assert GLIBC.match(name), f"{ext.name} needs {name} => {target}: neither bundled nor glibc"
-
-    got = round_trip(venv, redis_url, tmp_path, hide=hide)
+    got = round_trip(venv, redis_url, tmp_path, hide=hide, tls_url=tls_url)
     loads = got["system_loads"]
     assert isinstance(loads, dict)
     assert all(error is not None for error in loads.values()), f"the system libhiredis still loads: {loads}"
     assert str(got["file"]).startswith(str(venv.parent.parent)), got["file"]
     info = got["info"]
     assert isinstance(info, dict) and info["backend"] == "native" and info["reason"] is None, info
+    assert info["tls"] == "native" and info["tls_reason"] is None, info
     assert got["backend"] == "native" and got["aio_backend"] == "native", got
+    assert got["tls_backend"] == "native" and got["tls_unlocked"] is True, got
     assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
-    mapped = got["mapped"]
-    assert isinstance(mapped, list) and mapped, got
-    bundled = os.path.realpath(libs) + "/libhiredis-"
-    assert all(os.path.realpath(m).startswith(bundled) for m in mapped), f"libhiredis mapped from {mapped}"
+    assert got["mapped"] == [], f"a libhiredis is mapped: {got['mapped']}"
+    libssl = got["libssl"]
+    assert isinstance(libssl, list) and len({os.path.realpath(p) for p in libssl}) == 1, libssl
 
     # The console script from the wheel's entry points, in the same environment.
     cli = str(venv.parent / "hotlock")
@@ -372,35 +408,77 @@ def test_wheel_runs_native_where_the_system_libhiredis_cannot_load(
     assert "[]" in listed.splitlines(), listed  # every lock of the round trip was released
 
 
-def test_sdist_ships_the_sources_and_no_generated_c(dist: Dist) -> None:
+def test_sdist_ships_the_sources_and_the_pinned_hiredis_and_no_generated_c(dist: Dist) -> None:
     version = pyproject_version()
     assert dist.sdist.name == f"hotlock-{version}.tar.gz"
     with tarfile.open(dist.sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         pkg_info = tar.extractfile(f"hotlock-{version}/PKG-INFO").read().decode()  # type: ignore[union-attr]
-    for part in ["ext/_native.pyx", "ext/hiredis.pxd", "ext/compat.h", "setup.py", "pyproject.toml", "README.md"]:
+    for part in ["ext/_native.pyx", "ext/_native_tls.pyx", "ext/hiredis.pxd", "ext/compat.h", "ext/tls.h",
+                 "setup.py", "pyproject.toml", "README.md"]:  # fmt: skip
         assert part in names, f"{part} missing from {dist.sdist.name}"
+    for part in ["hiredis.c", "hiredis.h", "net.c", "read.c", "sds.c", "alloc.c", "ssl.c", "hiredis_ssl.h", "COPYING"]:
+        assert f"vendor/hiredis/{part}" in names, f"vendor/hiredis/{part} missing from {dist.sdist.name}"
     assert {n for n in names if n.startswith("ext/") and n.endswith(".pxi")}, names
     # Built from the .pyx at install time by the installer's own Cython, never a stale .c.
-    assert not [n for n in names if n.endswith((".c", ".so"))], names
+    assert not [n for n in names if n.endswith(".so") or (n.endswith(".c") and not n.startswith("vendor/"))], names
     assert f"\nVersion: {version}\n" in pkg_info
     assert "Requires-Python: >=3.10" in pkg_info
 
 
-def test_sdist_builds_the_native_backend_with_libhiredis_dev(dist: Dist, redis_url: str, tmp_path: Path) -> None:
-    if shutil.which("pkg-config") is None or subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode != 0:
-        need("libhiredis-dev is not installed")
+# pkg-config searches only here, so it finds no hiredis.pc, as on a machine without libhiredis-dev.
+NO_PKG_CONFIG = {"PKG_CONFIG_LIBDIR": "/nonexistent", "PKG_CONFIG_PATH": ""}
+
+
+def test_sdist_builds_both_builds_on_its_hiredis_without_libhiredis_dev(
+    dist: Dist, redis_url: str, tls_url: str, tmp_path: Path
+) -> None:
     venv = new_venv(tmp_path / "venv", sys.executable)
-    # A user's plain install: nothing required, nothing skipped. It must build the extension.
-    pip_install(venv, str(dist.sdist))
-    ext = installed_extension(venv)
-    linked = [target for name, target in ldd(ext).items() if name.startswith("libhiredis")]
-    assert len(linked) == 1 and not linked[0].startswith(str(venv.parent.parent)), linked
-    assert os.path.realpath(linked[0]) in system_libhiredis(), f"{ext.name} links {linked}, not the system libhiredis"
-    got = round_trip(venv, redis_url, tmp_path)
+    # A user's plain install, nothing required, nothing skipped, no libhiredis-dev in sight.
+    out = pip_install(venv, "-v", str(dist.sdist), env=clean_env(**NO_PKG_CONFIG))
+    said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
+    assert said == [], said
+    exts = installed_extensions(venv)
+    assert sorted(exts) == ["_native", "_native_tls"], exts
+    for ext in exts.values():
+        assert not [name for name in ldd(ext) if "hiredis" in name], ext
+    got = round_trip(venv, redis_url, tmp_path, tls_url=tls_url)
     assert got["info"]["backend"] == "native" and got["backend"] == "native", got  # type: ignore[index]
+    assert got["tls_backend"] == "native", got
     assert got["version"] == pyproject_version()
     assert (got["excluded"], got["unlocked"], got["batch"]) == (True, True, [True, True]), got
+
+
+def unpacked_without_vendor(dist: Dist, where: Path) -> Path:
+    """The sdist's sources with vendor/hiredis/ removed: a checkout that could not fetch it."""
+    with tarfile.open(dist.sdist) as tar:
+        tar.extractall(where, filter="data")
+    (root,) = where.iterdir()
+    shutil.rmtree(root / "vendor")
+    return root
+
+
+def test_sources_without_the_pinned_hiredis_build_on_the_system_libhiredis(
+    dist: Dist, redis_url: str, tmp_path: Path
+) -> None:
+    if shutil.which("pkg-config") is None or subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode != 0:
+        need("libhiredis-dev is not installed")
+    src = unpacked_without_vendor(dist, tmp_path / "src")
+    venv = new_venv(tmp_path / "venv", sys.executable)
+    out = pip_install(venv, "-v", str(src))
+    said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
+    assert said == [
+        "hotlock: no hiredis sources in vendor/hiredis/ (make vendor fetches them): building on the system "
+        "libhiredis, without TLS (rediss:// will run on redis-py)"
+    ], said
+    exts = installed_extensions(venv)
+    assert sorted(exts) == ["_native"], exts
+    linked = [target for name, target in ldd(exts["_native"]).items() if name.startswith("libhiredis")]
+    assert len(linked) == 1 and os.path.realpath(linked[0]) in system_libhiredis(), linked
+    got = round_trip(venv, redis_url, tmp_path)
+    info = got["info"]
+    assert isinstance(info, dict) and info["backend"] == "native" and got["backend"] == "native", got
+    assert info["tls"] == "redis-py" and "no TLS build" in str(info["tls_reason"]), info
 
 
 @pytest.mark.parametrize(
@@ -414,11 +492,11 @@ def test_sdist_builds_the_native_backend_with_libhiredis_dev(dist: Dist, redis_u
             id="no-compiler",
         ),
         pytest.param(
-            "no-libhiredis",
-            # pkg-config searches only here, so it finds no hiredis.pc, as on a machine without libhiredis-dev.
-            {"PKG_CONFIG_LIBDIR": "/nonexistent", "PKG_CONFIG_PATH": ""},
-            "hotlock: libhiredis not found by pkg-config (apt-get install libhiredis-dev): pure-Python install",
-            id="no-libhiredis",
+            "no-hiredis-at-all",
+            NO_PKG_CONFIG,
+            "hotlock: no hiredis sources in vendor/hiredis/ (make vendor fetches them), and no libhiredis found by "
+            "pkg-config (apt-get install libhiredis-dev): pure Python",
+            id="no-hiredis-at-all",
         ),
     ],
 )
@@ -426,11 +504,12 @@ def test_sdist_installs_pure_python_with_one_clear_line(
     dist: Dist, redis_url: str, tmp_path: Path, case: str, env: dict[str, str], line: str
 ) -> None:
     venv = new_venv(tmp_path / "venv", sys.executable)
+    target = str(dist.sdist) if case == "no-compiler" else str(unpacked_without_vendor(dist, tmp_path / "src"))
     # -v: pip shows the build's own output only when asked, and the line is in it.
-    out = pip_install(venv, "-v", str(dist.sdist), env=clean_env(**env))
+    out = pip_install(venv, "-v", target, env=clean_env(**env))
     said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
     assert said == [line], f"expected exactly one line {line!r}, got {said}"
-    assert not glob.glob(str(venv.parent.parent / "lib" / "python3*" / "site-packages" / "hotlock" / "_native*.so"))
+    assert not installed_extensions(venv)
     got = round_trip(venv, redis_url, tmp_path)
     info = got["info"]
     assert isinstance(info, dict)

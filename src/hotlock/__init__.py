@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ._backend import BACKEND_NAMES, Backend, native_module, open_backend
+from ._backend import BACKEND_NAMES, Backend, native_module, open_backend, tls_refused
 from ._cache import Cache
 from ._config import ServerConfig, parse_url
 from ._dialect import Dialect, check_scripts, commands_from, detect, probe_needed
@@ -228,15 +228,23 @@ def _log_server(info: dict[str, str] | None, dialect: Dialect, backend: str, ser
 
 
 def backend_info() -> dict[str, str | None]:
-    """Which backend connect() would use for a redis:// url, and why, when it is not native.
+    """Which backend connect() would use for a redis:// url, and why, when it is not native;
+    the same for a rediss:// url; and the hiredis and OpenSSL the native client runs on.
 
-    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None}``
+    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None,
+    "tls": "native" | "redis-py", "tls_reason": None | str, "openssl": version | None}``
     """
     native, why = native_module()
+    tls_why = tls_refused()
     return {
         "backend": "redis-py" if native is None else "native",
         "reason": why,
         "hiredis": None if native is None else native.HIREDIS_VERSION,
+        # rediss:// urls: native when the TLS build is loaded (it runs on the libssl of
+        # Python's own ssl module, whose version is in "openssl"), else redis-py and why.
+        "tls": "native" if native is not None and tls_why is None else "redis-py",
+        "tls_reason": why if native is None else tls_why,
+        "openssl": (native.OPENSSL_VERSION or None) if native is not None else None,
     }
 
 

@@ -135,14 +135,16 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_shards(reply: list[Any]) -> list[tuple[int, int, Address]]:
+def parse_shards(reply: list[Any], tls: bool = False) -> list[tuple[int, int, Address]]:
     """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges.
 
     A primary the answering node flags ``fail`` keeps its slots, as in CLUSTER SLOTS: a
     node clears that flag on a primary with slots only two node timeouts after setting it,
     so a replica frozen long enough to be flagged and then promoted is reported ``fail``
     while it serves. A primary that is really gone costs a refused (or timed-out) connect,
-    after which the call asks another node for the map."""
+    after which the call asks another node for the map.
+
+    Over TLS a node's address is its tls-port (a node may listen on both)."""
     ranges = []
     for shard in reply:
         fields = dict(zip(map(_text, shard[::2]), shard[1::2], strict=True))
@@ -152,7 +154,10 @@ def parse_shards(reply: list[Any]) -> list[tuple[int, int, Address]]:
             if _text(info.get("role")) != "master":
                 continue
             host = _text(info.get("endpoint") or info.get("ip"))
-            port = int(info.get("port") or info.get("tls-port") or 0)
+            if tls and info.get("tls-port"):
+                port = int(info["tls-port"])
+            else:
+                port = int(info.get("port") or info.get("tls-port") or 0)
             for first, last in zip(slots[::2], slots[1::2], strict=True):
                 ranges.append((first, last, (host, port)))
     return ranges
@@ -505,7 +510,7 @@ class ClusterCore:
         return merged
 
 
-def _map_ranges(reply: Any, fallback: Callable[[], Any]) -> list[tuple[int, int, Address]]:
+def _map_ranges(reply: Any, fallback: Callable[[], Any], tls: bool = False) -> list[tuple[int, int, Address]]:
     """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
     SHARDS is an unknown command (Redis 6 and older)."""
     if isinstance(reply, ReplyError):
@@ -513,7 +518,7 @@ def _map_ranges(reply: Any, fallback: Callable[[], Any]) -> list[tuple[int, int,
         if isinstance(slots, ReplyError):
             raise slots
         return parse_slots(slots)
-    return parse_shards(reply)
+    return parse_shards(reply, tls)
 
 
 MAP_ERRORS = (LinkLost, ReplyError, CacheError, ValueError, IndexError, TypeError, KeyError)
@@ -551,6 +556,7 @@ class ClusterBackend(ClusterCore):
                 ranges = _map_ranges(
                     self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
                     lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
+                    self.config.tls,
                 )
             except MAP_ERRORS as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")

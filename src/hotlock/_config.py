@@ -6,14 +6,136 @@ the chooser in _backend and every backend, sync and async, import it, never each
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ._sentinel import SCHEME as SENTINEL_SCHEME
+from ._sentinel import SCHEMES as SENTINEL_SCHEMES
 from ._sentinel import parse_sentinel_netloc, primary_address
 from .errors import CacheError
 
-__all__ = ["CLUSTER_SCHEMES", "ServerConfig", "cache_error", "parse_url"]
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "SSL_CERT_REQS",
+    "ServerConfig",
+    "TLSOptions",
+    "cache_error",
+    "parse_url",
+    "redispy_tls_kwargs",
+    "tls_context",
+]
+
+if TYPE_CHECKING:
+    import ssl
+
+# ssl_cert_reqs values, as redis-py takes them. "optional" verifies a certificate the
+# server sends; a server always sends one, so for a client it is "required".
+SSL_CERT_REQS = ("none", "optional", "required")
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    """rediss:// settings, named as redis-py's URL query arguments are.
+
+    ca_certs: a CA bundle file or directory to trust instead of the system store (without
+    it, OpenSSL's default paths, which honour SSL_CERT_FILE and SSL_CERT_DIR). certfile and
+    keyfile: a client certificate and its key, for servers that require one (mutual TLS).
+    cert_reqs "none" turns certificate verification off, check_hostname False the host
+    check alone; both are on by default.
+    """
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    cert_reqs: str = "required"
+    check_hostname: bool = True
+
+    @property
+    def verify(self) -> bool:
+        return self.cert_reqs != "none"
+
+    @property
+    def check_host(self) -> bool:
+        return self.verify and self.check_hostname
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tls_context(options: TLSOptions, cert_file: str | None) -> ssl.SSLContext:
+    """tls_context(options), made once: the sentinels are asked every PrimaryWatch.REFRESH_S,
+    and loading a CA store each time costs milliseconds (cert_file is SSL_CERT_FILE, part
+    of what the context trusts)."""
+    del cert_file
+    return tls_context(options)
+
+
+def tls_context(options: TLSOptions) -> ssl.SSLContext:
+    """A Python ssl context with these settings, for what speaks TLS through the ssl module
+    (the wake-up subscribers, the asyncio native client); checks as the native client does."""
+    import ssl
+
+    if options.ca_certs is not None and os.path.isdir(options.ca_certs):
+        context = ssl.create_default_context(capath=options.ca_certs)
+    else:
+        context = ssl.create_default_context(cafile=options.ca_certs)
+    if options.certfile is not None:
+        context.load_cert_chain(options.certfile, options.keyfile)
+    if not options.check_host:
+        context.check_hostname = False
+    if not options.verify:
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def redispy_tls_kwargs(options: TLSOptions) -> dict[str, object]:
+    """redis-py's SSLConnection arguments for these settings (sync and asyncio alike)."""
+    kwargs: dict[str, object] = {
+        "ssl_cert_reqs": options.cert_reqs,
+        "ssl_check_hostname": options.check_host,
+        "ssl_certfile": options.certfile,
+        "ssl_keyfile": options.keyfile,
+    }
+    if options.ca_certs is not None and os.path.isdir(options.ca_certs):
+        kwargs["ssl_ca_path"] = options.ca_certs
+    else:
+        kwargs["ssl_ca_certs"] = options.ca_certs
+    return kwargs
+
+
+TLS_QUERY_NAMES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
+def _tls_options(query: dict[str, list[str]], scheme: str, tls: bool) -> TLSOptions:
+    """The ssl_* query arguments of a URL, checked before any I/O."""
+    given = {name: values[-1] for name, values in query.items() if name.startswith("ssl_")}
+    if not given:
+        return TLSOptions()
+    if not tls:
+        raise ValueError(f"{scheme}:// url: {', '.join(sorted(given))} need a TLS url (rediss://...)")
+    unknown = sorted(set(given) - set(TLS_QUERY_NAMES))
+    if unknown:
+        raise ValueError(f"{scheme}:// url: unknown TLS setting {unknown[0]}")
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = given.get(name)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"{scheme}:// url: {name} names no file: {path}")
+    if "ssl_keyfile" in given and "ssl_certfile" not in given:
+        raise ValueError(f"{scheme}:// url: ssl_keyfile needs ssl_certfile")
+    reqs = given.get("ssl_cert_reqs", "required").lower()
+    if reqs not in SSL_CERT_REQS:
+        raise ValueError(f"{scheme}:// url: ssl_cert_reqs must be one of {', '.join(SSL_CERT_REQS)}, not {reqs!r}")
+    check = given.get("ssl_check_hostname", "true").lower()
+    if check not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{scheme}:// url: ssl_check_hostname must be true or false, not {check!r}")
+    return TLSOptions(
+        ca_certs=given.get("ssl_ca_certs"),
+        certfile=given.get("ssl_certfile"),
+        keyfile=given.get("ssl_keyfile"),
+        cert_reqs="required" if reqs == "optional" else reqs,
+        check_hostname=check in ("true", "1", "yes"),
+    )
+
 
 # redis+cluster://seed[,seed...] and its TLS twin: the seeds are any nodes of the cluster.
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -33,9 +155,11 @@ class ServerConfig:
     db: int = 0
     connect_timeout: float = 2.0
     timeout: float = 2.0
-    # redis+sentinel://: the sentinels to ask and the name they know the primary by.
+    # redis+sentinel://: the sentinels to ask and the name they know the primary by, and
+    # the sentinels' own password (?sentinel_password=), when they have one.
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
     # redis+cluster://: the seed nodes asked for the slot map (any subset of the cluster).
     seeds: tuple[tuple[str, int], ...] = ()
     # connect(wait_replicas=N): WAIT for N replicas after each acquire, up to wait_timeout s.
@@ -43,6 +167,8 @@ class ServerConfig:
     wait_timeout: float = 0.5
     # connect(wakeups=False): lock_wait polls only, no subscriber connection (_wakeup).
     wakeups: bool = True
+    # rediss://: how the server's certificate is checked, and the client's certificate.
+    ssl: TLSOptions = field(default_factory=TLSOptions)
 
     def primary(self) -> tuple[str, int]:
         """The (host, port) to connect to now: under Sentinel, whatever the sentinels name
@@ -51,7 +177,14 @@ class ServerConfig:
         if not self.sentinels:
             return self.host, self.port
         assert self.service is not None
-        return primary_address(self.sentinels, self.service, self.connect_timeout, self.display)
+        return primary_address(
+            self.sentinels,
+            self.service,
+            self.connect_timeout,
+            self.display,
+            _cached_tls_context(self.ssl, os.environ.get("SSL_CERT_FILE")) if self.tls else None,
+            self.sentinel_password,
+        )
 
     def node(self, host: str, port: int) -> ServerConfig:
         """This cluster's settings (credentials, TLS, timeouts) for one of its nodes."""
@@ -65,7 +198,7 @@ class ServerConfig:
             return f"{CLUSTER_SCHEMES[self.tls]}://{hosts}"
         if self.sentinels:
             hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
-            return f"redis+sentinel://{hosts}/{self.service}/{self.db}"
+            return f"{SENTINEL_SCHEMES[self.tls]}://{hosts}/{self.service}/{self.db}"
         if self.unix_path is not None:
             return f"unix://{self.unix_path}?db={self.db}"
         scheme = "rediss" if self.tls else "redis"
@@ -86,15 +219,16 @@ def parse_url(
         raise TypeError(f"url must be str, not {type(url).__name__}")
     parts = urlsplit(url)
     # Never echo the URL itself: it may carry a password.
-    if parts.scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, *CLUSTER_SCHEMES):
+    if parts.scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES):
         raise ValueError(
-            f"url scheme must be redis://, rediss://, unix://, {SENTINEL_SCHEME}:// or "
+            f"url scheme must be redis://, rediss://, unix://, {'://, '.join(SENTINEL_SCHEMES)}:// or "
             f"{'://, '.join(CLUSTER_SCHEMES)}://, not {parts.scheme or '(none)'}://"
         )
     waiting = {"wait_replicas": wait_replicas, "wait_timeout": wait_timeout}
     if parts.scheme in CLUSTER_SCHEMES:
-        if parts.query or parts.fragment:
-            raise ValueError(f"{parts.scheme}:// url takes no ?query or #fragment")
+        query = parse_qs(parts.query)
+        if parts.fragment or set(query) - set(TLS_QUERY_NAMES):
+            raise ValueError(f"{parts.scheme}:// url takes no #fragment and no ?query but the ssl_* settings")
         username, password, seeds = parse_sentinel_netloc(parts.netloc, parts.scheme, 6379)
         # A cluster has database 0 only; "/" and "/0" are accepted as the plain URL's habit.
         if _db_number(parts.path.strip("/")) != 0:
@@ -104,6 +238,7 @@ def parse_url(
             host=seeds[0][0],
             port=seeds[0][1],
             tls=parts.scheme == CLUSTER_SCHEMES[1],
+            ssl=_tls_options(query, parts.scheme, parts.scheme == CLUSTER_SCHEMES[1]),
             username=username,
             password=password,
             connect_timeout=connect_timeout,
@@ -111,13 +246,16 @@ def parse_url(
             seeds=seeds,
             **waiting,  # type: ignore[arg-type]
         )
-    if parts.scheme == SENTINEL_SCHEME:
-        username, password, sentinels = parse_sentinel_netloc(parts.netloc)
+    if parts.scheme in SENTINEL_SCHEMES:
+        tls = parts.scheme == SENTINEL_SCHEMES[1]
+        query = parse_qs(parts.query)
+        unknown = sorted(set(query) - {"sentinel_password", *TLS_QUERY_NAMES})
+        if unknown:
+            raise ValueError(f"{parts.scheme}:// url: unknown setting {unknown[0]}")
+        username, password, sentinels = parse_sentinel_netloc(parts.netloc, parts.scheme)
         service, _, db_text = parts.path.strip("/").partition("/")
         if not service:
-            raise ValueError(
-                f"{SENTINEL_SCHEME}:// url needs the primary's name, as in {SENTINEL_SCHEME}://h1,h2/mymaster"
-            )
+            raise ValueError(f"{parts.scheme}:// url needs the primary's name, as in {parts.scheme}://h1,h2/mymaster")
         return ServerConfig(
             url=url,
             host=sentinels[0][0],
@@ -129,6 +267,9 @@ def parse_url(
             timeout=timeout,
             sentinels=sentinels,
             service=unquote(service),
+            tls=tls,
+            ssl=_tls_options(query, parts.scheme, tls),
+            sentinel_password=query["sentinel_password"][-1] if "sentinel_password" in query else None,
             **waiting,  # type: ignore[arg-type]
         )
     query = parse_qs(parts.query)
@@ -147,6 +288,7 @@ def parse_url(
         **waiting,
     }
     if parts.scheme == "unix":
+        _tls_options(query, parts.scheme, False)  # refuses ssl_* on a unix socket
         if not parts.path:
             raise ValueError("unix:// url needs a socket path, as in unix:///run/redis.sock")
         return ServerConfig(unix_path=parts.path, **common)  # type: ignore[arg-type]
@@ -158,6 +300,7 @@ def parse_url(
         host=parts.hostname or "127.0.0.1",
         port=port,
         tls=parts.scheme == "rediss",
+        ssl=_tls_options(query, parts.scheme, parts.scheme == "rediss"),
         **common,  # type: ignore[arg-type]
     )
 

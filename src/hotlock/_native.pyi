@@ -6,8 +6,9 @@ from typing import Any, ClassVar
 from ._config import ServerConfig
 from ._dialect import Dialect
 
-HIREDIS_VERSION: str  # the libhiredis it was compiled against, "0.14.1"
+HIREDIS_VERSION: str  # the hiredis it was compiled from, "1.5.0" (or the system's, "0.14.1")
 HAS_TLS: bool  # whether it speaks rediss:// (False: hotlock._backend.choose uses redis-py)
+OPENSSL_VERSION: str  # the OpenSSL the TLS build runs on, as OpenSSL_version() says; "" without TLS
 
 class NativeBackend:
     """The Backend protocol (hotlock._backend.Backend) over libhiredis."""

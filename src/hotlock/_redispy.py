@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ._cluster import LinkLost, ReplyError
-from ._config import ServerConfig, cache_error
+from ._config import ServerConfig, cache_error, redispy_tls_kwargs
 from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
@@ -47,6 +48,23 @@ _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 class HandshakeLost(RedisConnectionError):
     """A new connection's handshake (AUTH, SELECT) lost its reply: nothing of the call was
     sent, so one more try is safe for any command. Shared with aio/_redispy."""
+
+
+def tls_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a TLS failure that the same try would meet again: a
+    certificate that does not verify, the server's alert (a client certificate it requires),
+    a protocol error (no TLS on that port). Never retried as a lost reply. A TLS stream cut
+    short (SSLEOFError) is a lost connection like any other. Shared with aio/_redispy."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError) and not isinstance(
+            seen, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLWantReadError | ssl.SSLWantWriteError
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _handshake(conn: Any) -> None:
@@ -88,6 +106,11 @@ class _TLSConnection(redis.SSLConnection):
         return bool(super().can_read(timeout))
 
 
+class _PrimaryTLSConnection(_PrimaryConnection, _TLSConnection):
+    """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
+    checked against that announced address."""
+
+
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
     kwargs: dict[str, Any] = {
@@ -111,6 +134,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         kwargs["driver_info"] = None
     else:
         kwargs["lib_name"] = kwargs["lib_version"] = None
+    if config.tls:
+        # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
+        kwargs.update(redispy_tls_kwargs(config.ssl))
     return kwargs
 
 
@@ -136,7 +162,8 @@ class RedisPyBackend:
             # accept writes until Sentinel demotes it.
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
-            pool = redis.ConnectionPool(connection_class=_PrimaryConnection, primary=self._watch, **kwargs)
+            primary_kind = _PrimaryTLSConnection if config.tls else _PrimaryConnection
+            pool = redis.ConnectionPool(connection_class=primary_kind, primary=self._watch, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
@@ -234,7 +261,7 @@ class RedisPyBackend:
         except _AMBIGUOUS as exc:
             until = self._retry_until() if retry_until is None else retry_until
             left = min(self._timeout, until - time.monotonic())
-            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)):
+            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)) or tls_refused(exc):
                 raise self._error(what, key, exc) from exc
             try:
                 return fn(left)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +16,11 @@ from urllib.parse import unquote
 
 from .errors import CacheError
 
-__all__ = ["SCHEME", "PrimaryWatch", "parse_sentinel_netloc", "primary_address"]
+__all__ = ["SCHEME", "SCHEMES", "PrimaryWatch", "parse_sentinel_netloc", "primary_address"]
 
 SCHEME = "redis+sentinel"
+# rediss+sentinel://: TLS to the sentinels and to the primary they name.
+SCHEMES = (SCHEME, "rediss+sentinel")
 
 
 def parse_sentinel_netloc(
@@ -35,7 +38,7 @@ def parse_sentinel_netloc(
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon else None
-    what = "sentinel" if scheme == SCHEME else "node"
+    what = "sentinel" if scheme in SCHEMES else "node"
     sentinels = []
     for item in hosts.split(","):
         item = item.strip()
@@ -54,7 +57,7 @@ def parse_sentinel_netloc(
             raise ValueError(f"{scheme}:// url: each {what} needs a host and a port from 1 to 65535")
         sentinels.append((host, port))
     if not sentinels:
-        example = "h1:26379,h2:26379/mymaster" if scheme == SCHEME else "h1:7000,h2:7000"
+        example = "h1:26379,h2:26379/mymaster" if scheme in SCHEMES else "h1:7000,h2:7000"
         raise ValueError(f"{scheme}:// url needs at least one {what}, as in {scheme}://{example}")
     return username, password, tuple(sentinels)
 
@@ -66,10 +69,34 @@ def _command(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-def _ask(host: str, port: int, service: str, timeout: float) -> tuple[str, int] | None:
-    """One sentinel's answer to SENTINEL get-master-addr-by-name: an address, or None."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+def _ask(
+    host: str,
+    port: int,
+    service: str,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    password: str | None = None,
+) -> tuple[str, int] | None:
+    """One sentinel's answer to SENTINEL get-master-addr-by-name: an address, or None.
+
+    Over TLS when ``tls`` (the sentinel's certificate checked against ``host``); AUTH with
+    the sentinels' own ``password`` first when given (requirepass on the sentinels)."""
+    with contextlib.ExitStack() as stack:
+        sock: socket.socket = stack.enter_context(socket.create_connection((host, port), timeout=timeout))
+        if tls is not None:
+            # The TLS socket takes over the descriptor: it is the one to close.
+            sock = stack.enter_context(tls.wrap_socket(sock, server_hostname=host))
         sock.settimeout(timeout)
+        if password is not None:
+            sock.sendall(_command(b"AUTH", password.encode()))
+            line = b""
+            while not line.endswith(b"\r\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise OSError("sentinel closed the connection")
+                line += chunk
+            if not line.startswith(b"+OK"):
+                raise OSError(f"AUTH: {line.strip()[1:].decode('utf-8', 'replace')}")
         sock.sendall(_command(b"SENTINEL", b"get-master-addr-by-name", service.encode()))
         data = b""
         # The reply is small: "*2\r\n$9\r\n127.0.0.1\r\n$4\r\n6379\r\n", or "*-1\r\n" when unknown.
@@ -88,7 +115,12 @@ def _ask(host: str, port: int, service: str, timeout: float) -> tuple[str, int] 
 
 
 def primary_address(
-    sentinels: tuple[tuple[str, int], ...], service: str, timeout: float, display: str
+    sentinels: tuple[tuple[str, int], ...],
+    service: str,
+    timeout: float,
+    display: str,
+    tls: ssl.SSLContext | None = None,
+    password: str | None = None,
 ) -> tuple[str, int]:
     """The primary's (host, port) for ``service``, from the first sentinel that knows it.
 
@@ -97,7 +129,11 @@ def primary_address(
     errors = []
     for host, port in sentinels:
         try:
-            found = _ask(host, port, service, timeout)
+            found = _ask(host, port, service, timeout, tls, password)
+        except ssl.SSLCertVerificationError as exc:
+            # The same certificate would fail the same way at every sentinel's next ask.
+            errors.append(f"{host}:{port}: TLS: certificate verify failed: {exc.verify_message or exc}")
+            continue
         except (OSError, ValueError) as exc:
             errors.append(f"{host}:{port}: {exc or type(exc).__name__}")
             continue

@@ -42,7 +42,6 @@ import logging
 import os
 import select
 import socket
-import ssl
 import sys
 import threading
 import time
@@ -50,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._backoff import Backoff, poll
-from ._config import ServerConfig
+from ._config import ServerConfig, tls_context
 from ._keys import wake_channel
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
 from ._sentinel import PrimaryWatch
@@ -283,10 +282,9 @@ class Wakeups:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if config.tls:
-                # As redis-py's defaults for rediss://: the certificate and the hostname
-                # checked (a private CA in SSL_CERT_FILE).
+                # The url's TLS settings, checked as the backend's connections check them.
                 try:
-                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                    sock = tls_context(config.ssl).wrap_socket(sock, server_hostname=host)
                 except BaseException:
                     sock.close()
                     raise

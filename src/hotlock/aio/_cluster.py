@@ -75,7 +75,7 @@ class AsyncClusterBackend(ClusterCore):
                 slots = None
                 if isinstance(shards, ReplyError):
                     slots = (await link.link_call([(b"CLUSTER", b"SLOTS")], None))[0]
-                ranges = _map_ranges(shards, lambda slots=slots: slots)  # type: ignore[misc]
+                ranges = _map_ranges(shards, lambda slots=slots: slots, self.config.tls)  # type: ignore[misc]
             except MAP_ERRORS as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
                 continue

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._cluster import LinkLost, ReplyError
-from .._config import ServerConfig, cache_error
+from .._config import ServerConfig, cache_error, tls_context
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -98,7 +97,7 @@ class NativeAsyncBackend:
                 host, port = await loop.run_in_executor(None, self._watch.address)
                 self._epoch = self._watch.epoch
             # The loop's transport does TLS, so rediss:// needs nothing from hiredis.
-            tls = ssl.create_default_context() if config.tls else None
+            tls = tls_context(config.ssl) if config.tls else None
             opening = loop.create_connection(factory, host, port, ssl=tls)
         try:
             _, proto = await within(opening, config.connect_timeout)

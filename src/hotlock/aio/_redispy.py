@@ -31,9 +31,9 @@ from redis.retry import Retry
 
 from .._cluster import LinkLost
 from .._cluster import ReplyError as ClusterReplyError
-from .._config import ServerConfig, cache_error
+from .._config import ServerConfig, cache_error, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
-from .._redispy import _ERROR_CODES, HandshakeLost, _describe
+from .._redispy import _ERROR_CODES, HandshakeLost, _describe, tls_refused
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -153,6 +153,11 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
+class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+    """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
+    checked against that announced address."""
+
+
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     """redis.asyncio connection settings: our timeouts, its retries off, RESP2."""
     kwargs: dict[str, Any] = {
@@ -172,6 +177,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         kwargs["driver_info"] = None
     else:
         kwargs["lib_name"] = kwargs["lib_version"] = None
+    if config.tls:
+        # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
+        kwargs.update(redispy_tls_kwargs(config.ssl))
     return kwargs
 
 
@@ -264,7 +272,7 @@ class RedisAsyncBackend:
             # out the old primary for a while after a switch), and _call drops every
             # connection once the sentinels name another primary.
             self._watch = PrimaryWatch(config.primary)
-            connection_class = _PrimaryConnection
+            connection_class = _PrimarySSLConnection if config.tls else _PrimaryConnection
             kwargs.update(primary=self._watch, socket_keepalive=True)
         else:
             connection_class = SSLConnection if config.tls else Connection
@@ -306,7 +314,7 @@ class RedisAsyncBackend:
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or self._closing:
+            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or tls_refused(exc) or self._closing:
                 raise await self._error(what, key, exc) from exc
             left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
             if left < 0.001:

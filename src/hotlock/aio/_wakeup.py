@@ -18,13 +18,12 @@ import collections
 import contextlib
 import logging
 import os
-import ssl
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import _wakeup
-from .._config import ServerConfig
+from .._config import ServerConfig, tls_context
 from .._sentinel import PrimaryWatch
 from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
 from ._retry import within
@@ -179,8 +178,8 @@ class AsyncWakeups:
                 # The sentinels' answer is a blocking lookup: off the loop.
                 host, port = await asyncio.get_running_loop().run_in_executor(None, self._watch.address)
                 self._epoch = self._watch.epoch
-            # TLS as redis-py's defaults: the certificate and the hostname checked.
-            tls = ssl.create_default_context() if config.tls else None
+            # The url's TLS settings, checked as the backend's connections check them.
+            tls = tls_context(config.ssl) if config.tls else None
             reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
         if config.password is not None or config.username:
             auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
