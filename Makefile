@@ -50,8 +50,10 @@ $(VENV)/.installed: pyproject.toml
 venv: deps $(VENV)/.installed
 
 # The pinned hiredis sources (tools/fetch_hiredis.py checks the sha256); a no-op once there.
-vendor/hiredis/.pinned: Makefile tools/fetch_hiredis.py
-	$(PYTHON) tools/fetch_hiredis.py $(HIREDIS_PY_VERSION) $(HIREDIS_PY_SHA256) vendor
+# Run by the venv's Python: pip reads the sdist's metadata with the setuptools and wheel
+# installed there (a fresh system Python may have no wheel package).
+vendor/hiredis/.pinned: Makefile tools/fetch_hiredis.py | venv
+	$(PY) tools/fetch_hiredis.py $(HIREDIS_PY_VERSION) $(HIREDIS_PY_SHA256) vendor
 
 vendor: vendor/hiredis/.pinned
 
