@@ -156,8 +156,9 @@ def test_leftovers_fail_the_test_that_left_them(tmp_path: Path) -> None:
     }
     assert outcome == expected, out
     # Three left pending, two by a task that also started one as it was cancelled (the
-    # failing test reports its own failure only).
-    assert out.count("a task left pending when its loop closed") == 5, out
+    # failing test reports its own failure only); under load the task started as the
+    # runner cancels can be seen pending at the close too, so at least five.
+    assert out.count("a task left pending when its loop closed") >= 5, out
     assert len(re.findall(r"a task still pending after its loop closed: <Task pending .*cleanup\(\)", out)) == 2, out
     assert "ResourceWarning" in out, out
     assert "KeyError: 'its own'" in out, out

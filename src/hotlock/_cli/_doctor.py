@@ -373,7 +373,7 @@ def check_acl(target: Target) -> list[Check]:
                 "acl",
                 FAIL,
                 f"the server refuses {names} to this user ({first})",
-                f"ACL SETUSER <user> {names} (README: the least-privilege ACL user)",
+                f"ACL SETUSER <user> {names} (docs/operations.md: the least-privilege ACL user)",
             )
         ]
     checked = sorted({n for n, _, _ in probes if n not in optional_refused})
