@@ -51,6 +51,9 @@ class FaultProxy:
         self.dropped_replies = 0
         self.resets = 0
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        # Every connection either side ever had, so that stopping closes them all (one
+        # accepted while the proxy stops is in no pair yet).
+        self._writers: set[asyncio.StreamWriter] = set()
         # Pairs about to be reset: their replies are swallowed meanwhile, so the reply to
         # the request that doomed them is surely lost.
         self._doomed: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -147,6 +150,9 @@ class FaultProxy:
             for task in pending:
                 task.cancel()
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            for writer in self._writers:
+                writer.transport.abort()
+            self._loop.run_until_complete(asyncio.sleep(0))  # the aborts' connection_lost
             self._loop.close()
 
     async def _reset_now(self) -> None:
@@ -170,11 +176,13 @@ class FaultProxy:
 
     async def _accept(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(cwriter)
         try:
             ureader, uwriter = await asyncio.wait_for(asyncio.open_connection(*self.upstream), 5)
         except (OSError, asyncio.TimeoutError):
             self._rst(cwriter)
             return
+        self._writers.add(uwriter)
         pair = (cwriter, uwriter)
         self._pairs.add(pair)
         to_server = asyncio.ensure_future(self._pump(creader, uwriter, self._on_request, pair))
