@@ -292,7 +292,7 @@ cdef object _as_given(object method, object self, PyObject **args, Py_ssize_t na
 
 
 cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
-    # Cache.lock(key, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None)
+    # Cache.lock(key, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None, limit=1)
     cdef PyObject *taker
     cdef Py_ssize_t i
     cdef object key, ttl = DEFAULT_TTL
@@ -303,14 +303,15 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
     if got_ttl:
         ttl = <object>args[1]
     if kwnames is not NULL:
-        # Only a ttl=..., auto_extend=False or max_hold=None keyword keeps the common case.
+        # Only a ttl=..., auto_extend=False, max_hold=None or limit=1 keyword keeps the common case.
         for i in range(PyTuple_GET_SIZE(<object>kwnames)):
             name = <object>PyTuple_GET_ITEM(<object>kwnames, i)
             value = <object>args[nargs + i]
             if name == "ttl" and not got_ttl:
                 ttl = value
                 got_ttl = True
-            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
+            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)
+                      or (name == "limit" and type(value) is int and value == 1)):
                 return _as_given(_py_lock, self, args, nargs, kwnames)
     if isinstance(self, _cache_cls):
         taker = _slot(self, _at_take)

@@ -29,7 +29,7 @@ from hiredis cimport *
 from hotlock import _backoff
 from hotlock._cluster import LinkLost, ReplyError
 from hotlock._config import cache_error
-from hotlock._dialect import COMMAND_PROBE, UNDETECTED, bare_tokens
+from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script
 from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel
 from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, held_value

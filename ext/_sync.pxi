@@ -919,15 +919,17 @@ cdef class NativeBackend:
     cdef int _extend(self, bytes key, bytes token, long long ttl_ms) except -1:
         """extend(), also Lock.extend's one-call path (ext/_lease.pxi): 1 if extended, else 0."""
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
+        # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
+        cdef int plain = _PLAIN_NONE if _permit(token) else -1
         try:
-            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value)
+            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
         except CacheError as exc:
-            if not _oom_on_plain(self._plain, exc):
+            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
                 raise
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
                           _PLAIN_NONE)
-        if value == 0 and self._plain != _PLAIN_NONE:
+        if value == 0 and plain and self._plain != _PLAIN_NONE:
             # SET IFEQ compares the whole value: a lock a waiter marked ('+') is extended
             # by the script, which accepts the mark (only under contention, or when lost).
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
@@ -935,13 +937,14 @@ cdef class NativeBackend:
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
+        plain = _PLAIN_NONE if by_script(tokens) else -1
         try:
-            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many")
+            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
         except CacheError as exc:
-            if not _oom_on_plain(self._plain, exc):
+            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
                 raise
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", _PLAIN_NONE)
-        if self._plain != _PLAIN_NONE:
+        if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", values)
         return [v != 0 for v in values]
 
@@ -952,10 +955,16 @@ cdef class NativeBackend:
         """release(), also Lock.unlock's one-call path (ext/_lease.pxi): 1 if released, else 0."""
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
-        # A bare token (fence unknown) goes by script: hotlock._dialect.bare_tokens.
+        # A bare token (fence unknown) or a permit's value goes by script:
+        # hotlock._dialect.by_script.
         cdef long long value
-        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES else -1
-        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
+        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES or _permit(token) else -1
+        try:
+            self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
+        except CacheError as exc:
+            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
+                raise
+            value = 0  # the key now holds permits (WRONGTYPE): the script below says 0
         if value == 0 and plain and self._plain != _PLAIN_NONE:
             # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
             # released by the script, which accepts the mark and wakes the waiter (only
@@ -965,8 +974,13 @@ cdef class NativeBackend:
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
-        plain = _PLAIN_NONE if bare_tokens(tokens) else -1
-        values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
+        plain = _PLAIN_NONE if by_script(tokens) else -1
+        try:
+            values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
+        except CacheError as exc:
+            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
+                raise
+            values = [0] * len(keys)  # a key now holds permits (WRONGTYPE): all once more by script
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_RELEASE, keys, tokens, -1, True, "release_many", values)
         return [v != 0 for v in values]
@@ -1106,12 +1120,20 @@ cdef object _py_reply(redisReply *r):
     return None
 
 
-cdef inline bint _oom_on_plain(int plain, object exc):
-    # SET is refused at maxmemory under noeviction (it may grow the key) while the EXTEND
-    # script's PEXPIRE is not: a Lua-free extend refused OOM runs again as the script
-    # (extending twice is harmless: the TTL is set from now), so a full server still
-    # lets holders keep their locks, as on the script path.
-    return plain != _PLAIN_NONE and "replied OOM" in str(exc)
+cdef inline bint _permit(bytes value) noexcept:
+    """A permit's held value: token '#' fence (hotlock._scripts.PERMIT_MARK)."""
+    return PyBytes_GET_SIZE(value) > _TOKEN_BYTES and PyBytes_AS_STRING(value)[_TOKEN_BYTES] == 35
+
+
+cdef inline bint _script_serves(int plain, object exc):
+    # hotlock._dialect.script_serves: a Lua-free extend or release refused OOM (SET is
+    # refused at maxmemory under noeviction, the EXTEND script's PEXPIRE is not; running
+    # an extend twice is harmless, the TTL is set from now) or WRONGTYPE (the key now holds
+    # permits; the script finds no lock of ours there) runs again as the script.
+    if plain == _PLAIN_NONE:
+        return False
+    text = str(exc)
+    return "replied OOM" in text or "replied WRONGTYPE" in text
 
 
 cdef class _ReplyError:

@@ -12,8 +12,13 @@ from multiprocessing.sharedctypes import Synchronized
 
 
 class OverlapChecker:
-    def __init__(self, keys: int) -> None:
+    """``allowed``: how many may be inside one key's section at once (a concurrency limit);
+    one more is an overlap."""
+
+    def __init__(self, keys: int, allowed: int = 1) -> None:
         ctx = mp.get_context("fork")
+        self._allowed = allowed
+        self._most: Synchronized[int] = ctx.Value("i", 0, lock=False)
         self._guard = ctx.Lock()  # the checker's own instrument, not the lock under test
         self._inside: list[Synchronized[int]] = [ctx.Value("i", 0, lock=False) for _ in range(keys)]
         self._overlaps: Synchronized[int] = ctx.Value("i", 0, lock=False)
@@ -22,7 +27,8 @@ class OverlapChecker:
     def enter(self, key: int) -> None:
         with self._guard:
             self._inside[key].value += 1
-            if self._inside[key].value > 1:
+            self._most.value = max(self._most.value, self._inside[key].value)
+            if self._inside[key].value > self._allowed:
                 self._overlaps.value += 1
 
     def exit(self, key: int) -> None:
@@ -33,6 +39,11 @@ class OverlapChecker:
     @property
     def overlaps(self) -> int:
         return int(self._overlaps.value)
+
+    @property
+    def most(self) -> int:
+        """The most ever inside one key's section at once."""
+        return int(self._most.value)
 
     @property
     def sections(self) -> int:

@@ -90,6 +90,7 @@ def test_server_info_names_the_server_and_the_path(
             "lua_free": False,
             "extend": "script",
             "release": "script",
+            "limits": "script",
             "reason": "in-process: no server",
         }
         return

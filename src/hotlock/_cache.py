@@ -12,6 +12,7 @@ from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
 from ._renewer import Renewer
+from ._scripts import KIND_CONFLICT, PERMIT_MARK, permit_ask
 from ._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -19,6 +20,7 @@ from ._validate import (
     auto_extend_ms,
     key_bytes,
     key_list,
+    limit_int,
     ttl_ms,
     value_bytes,
     wait_ms,
@@ -77,9 +79,21 @@ class CacheBase(Generic[L]):
     def __repr__(self) -> str:
         return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
 
-    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None) -> LockNotAcquired:
-        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), or 0 if unknown."""
-        held = "held elsewhere" if result == 0 else f"held elsewhere for up to {-result / 1000:.3f} s more"
+    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None, limit: int = 1) -> LockNotAcquired:
+        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), 0 if
+        unknown, or KIND_CONFLICT when the key is held as the other kind."""
+        if result == KIND_CONFLICT:
+            held = (
+                f"held as a plain lock, and a key is never also held with a limit (limit={limit})"
+                if limit > 1
+                else "held with a concurrency limit (as permits), and a key is never also held as a plain lock"
+            )
+        elif limit > 1:
+            held = f"held by {limit} holders already (limit={limit}); a place frees in up to {-result / 1000:.3f} s"
+        elif result == 0:
+            held = "held elsewhere"
+        else:
+            held = f"held elsewhere for up to {-result / 1000:.3f} s more"
         after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
         return LockNotAcquired(
             f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
@@ -142,6 +156,7 @@ class Cache(CacheBase[Lock]):
         *,
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
+        limit: int = 1,
     ) -> Lock:
         """Try once. Returns a Lock, or raises LockNotAcquired when another holder has the key.
 
@@ -149,16 +164,21 @@ class Cache(CacheBase[Lock]):
         every ttl/3 until it is released, lost, ``max_hold`` seconds have passed, or the
         cache is closed; ``lock.lost``, ``lock.check()`` and ``lock.on_lost()`` tell the
         work when it is lost, and leaving a ``with`` block then raises LockLost.
+
+        ``limit=N`` lets up to N holders have the key at once, each with a Lock of its own
+        (a permit: its own token, TTL, fence, extend and release); LockNotAcquired when N
+        hold it. A key is held either plainly (limit 1) or with a limit, never both.
         """
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
+        n = limit_int(limit)
         token = new_token()
         sent = time.monotonic()
-        result = self._backend.acquire(name, token, ms)
+        result = self._backend.acquire(name, token if n == 1 else permit_ask(token, n), ms)
         if result <= 0:
-            raise self._not_acquired(key, result, None)
-        lock = Lock(self._backend, key, name, token, result, ms, sent)
+            raise self._not_acquired(key, result, None, n)
+        lock = Lock(self._backend, key, name, token if n == 1 else token + PERMIT_MARK, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -171,21 +191,24 @@ class Cache(CacheBase[Lock]):
         *,
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
+        limit: int = 1,
     ) -> Lock:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
 
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
-        exactly one attempt. ``auto_extend`` and ``max_hold`` as for lock().
+        exactly one attempt. ``auto_extend``, ``max_hold`` and ``limit`` as for lock(); a
+        release of a permit wakes a waiter as a plain lock's release does.
         """
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
+        n = limit_int(limit)
         token = new_token()
-        result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
+        result, sent = self._backend.acquire_wait(name, token if n == 1 else permit_ask(token, n), ms, wait_for)
         if result <= 0:
-            raise self._not_acquired(key, result, wait_for)
-        lock = Lock(self._backend, key, name, token, result, ms, sent)
+            raise self._not_acquired(key, result, wait_for, n)
+        lock = Lock(self._backend, key, name, token if n == 1 else token + PERMIT_MARK, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock

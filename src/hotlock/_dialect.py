@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ._ident import TOKEN_BYTES
+from ._scripts import PERMIT_MARK
 
 __all__ = [
     "COMMAND_PROBE",
@@ -38,7 +39,7 @@ __all__ = [
     "SCRIPTS_POLICIES",
     "UNDETECTED",
     "Dialect",
-    "bare_tokens",
+    "by_script",
     "check_scripts",
     "commands_from",
     "detect",
@@ -46,6 +47,7 @@ __all__ = [
     "kind_and_version",
     "probe_needed",
     "release_command",
+    "script_serves",
 ]
 
 # connect(scripts=...): "auto" sends the Lua-free commands where the server has them;
@@ -85,6 +87,9 @@ class Dialect:
                 "lua_free": self.lua_free,
                 "extend": "SET IFEQ" if self.lua_free else "script",
                 "release": "DELEX IFEQ" if self.release == "DELEX" else self.release,
+                # Keys held with a limit are hashes of permits: every call on them is a
+                # script, Lua-free server or not.
+                "limits": "script",
                 "reason": self.reason,
             }
         )
@@ -179,12 +184,20 @@ def commands_from(reply: object) -> dict[str, bool] | None:
     return {"DELIFEQ": bool(reply[0]), "DELEX": bool(reply[1])}
 
 
-def bare_tokens(values: Iterable[bytes]) -> bool:
-    """Whether a release names a bare token (exactly TOKEN_BYTES bytes): an async acquire
-    interrupted before its reply, whose fence is unknown. Only the RELEASE script matches
-    "this token followed by any fence"; DELIFEQ/DELEX compare whole values, so such a
-    release goes by script on every path."""
-    return any(len(v) == TOKEN_BYTES for v in values)
+def by_script(values: Iterable[bytes]) -> bool:
+    """Whether extend or release of these held values must go by script on every path:
+    a bare token (exactly TOKEN_BYTES bytes: an async acquire interrupted before its reply,
+    whose fence is unknown; only the RELEASE script matches "this token followed by any
+    fence"), or a permit's value (token '#' fence: a field of a hash, which SET IFEQ and
+    DELIFEQ/DELEX cannot reach)."""
+    return any(len(v) == TOKEN_BYTES or v[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK for v in values)
+
+
+def script_serves(error: str) -> bool:
+    """Whether a Lua-free extend or release refused with this error text is to go again by
+    script: OOM (a full server refuses SET, not the script's PEXPIRE) and WRONGTYPE (the
+    key now holds permits: the script finds no lock of ours there and says 0)."""
+    return error.startswith(("OOM", "WRONGTYPE"))
 
 
 def extend_command(key: bytes, value: bytes, ttl_ms: int) -> tuple[bytes, ...]:

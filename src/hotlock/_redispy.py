@@ -31,7 +31,7 @@ from redis.retry import Retry
 
 from ._cluster import LinkLost, ReplyError
 from ._config import ServerConfig, cache_error, redispy_tls_kwargs
-from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
+from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from ._sentinel import PrimaryWatch
 from ._wakeup import slot, wait
@@ -344,29 +344,37 @@ class RedisPyBackend:
         ttl_ms: int,
         what: str = "extend_many",
         key: bytes | None = None,
-        by_script: bool = False,
+        scripted: bool = False,
     ) -> list[bool]:
-        if self.dialect.lua_free and not by_script:
+        if self.dialect.lua_free and not scripted and not by_script(tokens):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
                 done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
             except CacheError as exc:
-                if not isinstance(exc.__cause__, OutOfMemoryError):
+                if not _script_serves(exc):
                     raise
-                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+                # Refused at maxmemory, or a key now holds permits: the script serves (see _dialect).
             else:
                 # SET IFEQ compares the whole value: one a waiter marked ('+') is extended
                 # by the script, which accepts the mark (only under contention, or when lost).
-                missed = [i for i, ok in enumerate(done) if not ok]
-                if missed:
-                    mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]
-                    again = self.extend_many(mk, mt, ttl_ms, what, key, True)
-                    for i, ok in zip(missed, again, strict=True):
-                        done[i] = ok
-                return done
+                return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
         return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
+
+    @staticmethod
+    def _missed(
+        done: list[bool],
+        keys: list[bytes],
+        tokens: list[bytes],
+        again: Callable[[list[bytes], list[bytes]], list[bool]],
+    ) -> list[bool]:
+        """After a Lua-free batch: what it missed once more by script (``again``)."""
+        missed = [i for i, ok in enumerate(done) if not ok]
+        if missed:
+            for i, ok in zip(missed, again([keys[i] for i in missed], [tokens[i] for i in missed]), strict=True):
+                done[i] = ok
+        return done
 
     def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried: the second try finds the key gone (False) or
@@ -379,24 +387,22 @@ class RedisPyBackend:
         tokens: list[bytes],
         what: str = "release_many",
         key: bytes | None = None,
-        by_script: bool = False,
+        scripted: bool = False,
     ) -> list[bool]:
-        if self.dialect.lua_free and not by_script and not bare_tokens(tokens):
+        if self.dialect.lua_free and not scripted and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, t), True)]
+            try:
+                done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, t), True)]
+            except CacheError as exc:
+                if not _script_serves(exc):
+                    raise
+                done = [False] * len(keys)  # a key now holds permits: all once more by script
             # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
             # by the script, which accepts the mark and wakes the waiter (only under
             # contention, or when the lock was lost anyway).
-            missed = [i for i, ok in enumerate(done) if not ok]
-            if missed:
-                again = self.release_many([keys[i] for i in missed], [tokens[i] for i in missed], what, key, True)
-                for i, ok in zip(missed, again, strict=True):
-                    done[i] = ok
-            return done
-        else:
-            calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-            replies = self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)
-        return [bool(r) for r in replies]
+            return self._missed(done, keys, tokens, lambda k, t: self.release_many(k, t, what, key, True))
+        calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
+        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         return bool(self._call("set_nx", key, lambda _t: self._redis.set(key, value, nx=True, px=ttl_ms)))
@@ -506,6 +512,12 @@ class RedisPyLink:
 
 
 _ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
+
+
+def _script_serves(exc: CacheError) -> bool:
+    """_dialect.script_serves for a Lua-free command's CacheError (redis-py drops the OOM
+    code from the message, and keeps it in the exception's type)."""
+    return isinstance(exc.__cause__, OutOfMemoryError) or script_serves(str(exc.__cause__))
 
 
 def _describe(exc: BaseException) -> str:

@@ -15,12 +15,16 @@ __all__ = [
     "ACQUIRE_CHAIN",
     "ACQUIRE_WAIT",
     "EXTEND",
+    "KIND_CONFLICT",
+    "PERMIT_MARK",
     "RELEASE",
     "RELEASE_SHARDED",
     "SCRIPTS",
     "WAITED",
     "Script",
     "held_value",
+    "is_permit",
+    "permit_ask",
 ]
 
 
@@ -33,6 +37,95 @@ class Script:
 
     def __repr__(self) -> str:
         return f"<Script {self.sha.decode()[:12]}>"
+
+
+# A key held with a concurrency limit (lock(key, limit=N)) is a hash of permits where a
+# plain lock is a string, under the same name, so the two kinds can never share a key: each
+# script finds the other kind and refuses it (KIND_CONFLICT, or "not held"), never an error.
+#   <token>  '<fence>:<deadline>' per permit: its fence and its expiry on the server's
+#            clock in ms; a permit past its deadline is no longer held, and is deleted by
+#            the next call that reads the hash (no sweeper)
+#   f        the last fence handed out on this key: a new one is above it and above the
+#            clock, so fences increase across permits taken in the same microsecond
+#   w        a waiter asked to be woken by the next release (as '+' on a plain lock)
+# The key's own TTL is never below its longest permit's; a release never shortens it (f
+# must outlive every permit taken with it), so it goes when its last permit would expire.
+# A permit's held value (what extend and release send) is its token, '#', then its fence:
+# the '#' where a plain lock's fence digits start is what tells the two apart.
+PERMIT_MARK = b"#"
+
+# The acquire's reply when the key is held as the other kind (a plain lock where permits
+# were asked for, or permits where a plain lock was): below any -(TTL in ms) it can return.
+KIND_CONFLICT = -(2**52)
+
+# Lua shared by the scripts that serve permits: n is TOKEN_BYTES, t the server's TIME.
+_NOW = "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end\n"
+_WAKE = """local function wake()
+  local i = string.find(KEYS[1], '{', 1, true)
+  if i and i > 5 then
+    redis.pcall('@PUBLISH@', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
+  end
+end
+"""
+# Keeps the key's TTL at least ms.
+_AT_LEAST = """local function at_least(ms)
+  if redis.call('PTTL', KEYS[1]) < ms then redis.call('PEXPIRE', KEYS[1], ms) end
+end
+"""
+_PERMIT_ACQUIRE = (
+    _NOW
+    + _AT_LEAST
+    + """local function permits_gone()
+  local all = redis.call('HGETALL', KEYS[1])
+  local now, last = now_ms(redis.call('TIME')), 0
+  for i = 1, #all, 2 do
+    local f, v = all[i], all[i + 1]
+    if #f == n then
+      if tonumber(string.sub(v, string.find(v, ':', 1, true) + 1)) > now then return nil end
+    elseif f == 'f' then
+      last = tonumber(v)
+    end
+  end
+  return last
+end
+local function permit_acquire()
+  local tok = string.sub(ARGV[1], 1, n)
+  local limit = tonumber(string.sub(ARGV[1], n + 2))
+  local all = redis.pcall('HGETALL', KEYS[1])
+  if all.err then return KIND_CONFLICT end
+  local t = redis.call('TIME')
+  local now, ms = now_ms(t), tonumber(ARGV[2])
+  local held, soonest, last, fence = 0, 0, 0, nil
+  for i = 1, #all, 2 do
+    local f, v = all[i], all[i + 1]
+    if #f == n then
+      local c = string.find(v, ':', 1, true)
+      local left = tonumber(string.sub(v, c + 1)) - now
+      if left <= 0 then
+        redis.call('HDEL', KEYS[1], f)
+      elseif f == tok then
+        fence = string.sub(v, 1, c - 1)
+      else
+        held = held + 1
+        if soonest == 0 or left < soonest then soonest = left end
+      end
+    elseif f == 'f' then
+      last = tonumber(v)
+    end
+  end
+  if fence == nil then
+    if held >= limit then
+      @PERMIT_MARK@return -soonest
+    end
+    fence = string.format('%.0f', math.max(tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]), last + 1))
+    redis.call('HSET', KEYS[1], 'f', fence)
+  end
+  redis.call('HSET', KEYS[1], tok, fence .. ':' .. string.format('%.0f', now + ms)@PERMIT_OWN_MARK@)
+  at_least(ms)
+  return tonumber(fence)
+end
+"""
+)
 
 
 # KEYS[1] lock key; ARGV[1] token (TOKEN_BYTES random bytes); ARGV[2] TTL in ms.
@@ -49,16 +142,32 @@ class Script:
 #   a server set to replicate scripts verbatim refuses the SET (an error, never a fence).
 # - it already held this token (a retry after a lost reply must not turn our own
 #   acquire into a conflict): the fence stored with it, TTL refreshed.
-# Otherwise (held) returns -(the holder's remaining TTL in ms) (<= -1), or 0 when the
-# holder's key has no TTL (not written by hotlock).
-_ACQUIRE_FREE = """local v = redis.call('GET', KEYS[1])
+# Otherwise (held) returns -(the holder's remaining TTL in ms) (<= -1), 0 when the
+# holder's key has no TTL (not written by hotlock), or KIND_CONFLICT when it holds live
+# permits. A hash of permits none of which is live any more (permits_gone: its last fence,
+# or nil) is deleted and the key taken, with a fence above that hash's last one.
+# With a limit, ARGV[1] is the token, '#', then the limit in decimal: a permit is taken
+# when fewer than limit others are live (the same returns, -(the TTL left to the permit
+# that expires first) when none is free, KIND_CONFLICT when the key is a plain lock); a
+# retried acquire finds its own permit and takes no second place.
+_ACQUIRE_FREE = """local n = @TOKEN_BYTES@
+local KIND_CONFLICT = @KIND_CONFLICT@
+@PERMITS@if #ARGV[1] > n then return permit_acquire() end
+local v = redis.pcall('GET', KEYS[1])
+local floor = 0
+if type(v) == 'table' then
+  floor = permits_gone()
+  if floor == nil then return KIND_CONFLICT end
+  redis.call('DEL', KEYS[1])
+  v = false
+end
 if v == false then
   local t = redis.call('TIME')
   local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
-  redis.call('SET', KEYS[1], ARGV[1] .. f{own_mark}, 'PX', ARGV[2])
+  if floor >= tonumber(f) then f = string.format('%.0f', floor + 1) end
+  redis.call('SET', KEYS[1], ARGV[1] .. f@OWN_MARK@, 'PX', ARGV[2])
   return tonumber(f)
 end
-local n = #ARGV[1]
 if #v > n and string.sub(v, 1, n) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   local e = -1
@@ -68,9 +177,21 @@ end
 local t = redis.call('PTTL', KEYS[1])
 if t == -1 then return 0 end
 if t < 1 then return -1 end
-{mark}return -t"""
+@MARK@return -t"""
 
-ACQUIRE = Script(_ACQUIRE_FREE.format(own_mark="", mark=""))
+
+def _acquire(own_mark: str, mark: str, permit_own_mark: str, permit_mark: str) -> Script:
+    permits = _PERMIT_ACQUIRE.replace("@PERMIT_OWN_MARK@", permit_own_mark).replace("@PERMIT_MARK@", permit_mark)
+    return Script(
+        _ACQUIRE_FREE.replace("@PERMITS@", permits)
+        .replace("@OWN_MARK@", own_mark)
+        .replace("@MARK@", mark)
+        .replace("@TOKEN_BYTES@", str(TOKEN_BYTES))
+        .replace("@KIND_CONFLICT@", str(KIND_CONFLICT))
+    )
+
+
+ACQUIRE = _acquire("", "", "", "")
 
 # The waiting forms of ACQUIRE (lock_wait with wake-ups on; same KEYS, ARGV and returns).
 # ACQUIRE_WAIT also marks a holder's value with a trailing '+' (SET ... KEEPTTL: the TTL and
@@ -79,24 +200,69 @@ ACQUIRE = Script(_ACQUIRE_FREE.format(own_mark="", mark=""))
 # (OOM under noeviction) refusing the mark must not fail the attempt, which then polls.
 # ACQUIRE_CHAIN is ACQUIRE_WAIT for a waiter that knows others wait on the same key in its
 # process: the value it writes is marked from the start, so its own release wakes the next.
+# On permits the mark is the hash's field w, set by a waiter that found no place free
+# (and, chained, by the permit taken), taken by the release that publishes.
 _MARK = "if string.byte(v, -1) ~= 43 then redis.pcall('SET', KEYS[1], v .. '+', 'KEEPTTL') end\n"
-ACQUIRE_WAIT = Script(_ACQUIRE_FREE.format(own_mark="", mark=_MARK))
-ACQUIRE_CHAIN = Script(_ACQUIRE_FREE.format(own_mark=" .. '+'", mark=_MARK))
+_PERMIT_MARK = "redis.pcall('HSET', KEYS[1], 'w', '')\n      "
+ACQUIRE_WAIT = _acquire("", _MARK, "", _PERMIT_MARK)
+ACQUIRE_CHAIN = _acquire(" .. '+'", _MARK, ", 'w', ''", _PERMIT_MARK)
 
 # The mark ACQUIRE_WAIT leaves on a value: a waiter is to be woken by its release.
 WAITED = b"+"
 
 
 def held_value(token: bytes, fence: int) -> bytes:
-    """The value ACQUIRE stored for ``token`` with ``fence``: what extend and release compare."""
+    """The value ACQUIRE stored for ``token`` with ``fence``: what extend and release compare.
+
+    For a permit, ``token`` ends in PERMIT_MARK, so its held value is token '#' fence."""
     return token + b"%d" % fence
 
 
+def permit_ask(token: bytes, limit: int) -> bytes:
+    """ACQUIRE's ARGV[1] for a permit: the token, '#', the limit."""
+    return token + PERMIT_MARK + b"%d" % limit
+
+
+def is_permit(value: bytes) -> bool:
+    """Whether a held value is a permit's (token '#' fence), not a plain lock's."""
+    return value[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK
+
+
+# The permit's fence as the hash stores it ('<fence>:'), and whether the permit p (its
+# field's value) is still live at now.
+_PERMIT_FIND = """local function permit_find()
+  local v = redis.pcall('HGET', KEYS[1], string.sub(ARGV[1], 1, n))
+  if type(v) ~= 'string' then return nil end
+  if #ARGV[1] > n then
+    local want = string.sub(ARGV[1], n + 2) .. ':'
+    if string.sub(v, 1, #want) ~= want then return nil end
+  end
+  local t = redis.call('TIME')
+  local c = string.find(v, ':', 1, true)
+  if tonumber(string.sub(v, c + 1)) <= now_ms(t) then
+    redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n))
+    return nil
+  end
+  return string.sub(v, 1, c - 1), t
+end
+"""
+
 # KEYS[1] lock key; ARGV[1] the held value (token + fence); ARGV[2] TTL in ms.
 # Returns 1 and sets the TTL to ARGV[2] from now (it never adds to what is left) when
-# the key holds ARGV[1], marked by a waiter ('+') or not; returns 0 and changes nothing otherwise.
+# the key holds ARGV[1], marked by a waiter ('+') or not; returns 0 and changes nothing
+# otherwise (a key of the other kind included). A permit's held value (token '#' fence)
+# extends that permit, when live, to ARGV[2] from now, and the key's TTL to at least that.
 EXTEND = Script(
-    """local v = redis.call('GET', KEYS[1])
+    f"""local n = {TOKEN_BYTES}
+if string.byte(ARGV[1], n + 1) == 35 then
+  {_NOW}{_AT_LEAST}{_PERMIT_FIND}  local fence, t = permit_find()
+  if fence == nil then return 0 end
+  local ms = tonumber(ARGV[2])
+  redis.call('HSET', KEYS[1], string.sub(ARGV[1], 1, n), fence .. ':' .. string.format('%.0f', now_ms(t) + ms))
+  at_least(ms)
+  return 1
+end
+local v = redis.pcall('GET', KEYS[1])
 if v == ARGV[1] or v == ARGV[1] .. '+' then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
@@ -108,24 +274,30 @@ return 0"""
 # interrupted async acquisition released in the background).
 # Returns 1 and deletes the key when it holds ARGV[1] (marked by a waiter or not), or that
 # bare token followed by a fence; returns 0 and changes nothing otherwise (expired, taken
-# over: never someone else's lock). A marked value ('+': a waiter asked to be woken) is
-# announced on the key's wake-up channel, <prefix>wake:{K} for KEYS[1] = <prefix>lock:{K}
-# (the prefix has no '{', so the first '{' starts the tag; same slot). An unmarked one,
-# the uncontended release, publishes nothing. pcall: an ACL without the channel leaves
-# the waiters to their backoff, never fails the release.
-_RELEASE = f"""local v = redis.call('GET', KEYS[1])
-local n = {TOKEN_BYTES}
-if v == ARGV[1] or (v and (v == ARGV[1] .. '+' or (#ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]))) then
-  redis.call('DEL', KEYS[1])
-  if string.byte(v, -1) == 43 then
-    local i = string.find(KEYS[1], '{{', 1, true)
-    if i and i > 5 then
-      redis.pcall('@PUBLISH@', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
+# over, a key of the other kind: never someone else's lock). A marked value ('+': a waiter
+# asked to be woken) is announced on the key's wake-up channel, <prefix>wake:{K} for
+# KEYS[1] = <prefix>lock:{K} (the prefix has no '{', so the first '{' starts the tag; same
+# slot). An unmarked one, the uncontended release, publishes nothing. pcall: an ACL
+# without the channel leaves the waiters to their backoff, never fails the release.
+# A permit's held value (token '#' fence), or a bare token on a hash of permits, deletes
+# that permit when live, and wakes a waiter that marked the hash.
+_RELEASE = f"""local n = {TOKEN_BYTES}
+{_WAKE}if string.byte(ARGV[1], n + 1) ~= 35 then
+  local v = redis.pcall('GET', KEYS[1])
+  if type(v) == 'string' then
+    if v == ARGV[1] or v == ARGV[1] .. '+' or (#ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]) then
+      redis.call('DEL', KEYS[1])
+      if string.byte(v, -1) == 43 then wake() end
+      return 1
     end
+    return 0
   end
-  return 1
+  if v == false or #ARGV[1] ~= n then return 0 end
 end
-return 0"""
+{_NOW}{_PERMIT_FIND}if permit_find() == nil then return 0 end
+redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n))
+if redis.call('HDEL', KEYS[1], 'w') == 1 then wake() end
+return 1"""
 RELEASE = Script(_RELEASE.replace("@PUBLISH@", "PUBLISH"))
 # RELEASE on a Redis Cluster: the wake-up goes out by sharded pub/sub (SPUBLISH, Redis 7+),
 # to the subscribers of the lock's own shard only, where a PUBLISH would cross the whole

@@ -126,6 +126,19 @@ def auto_extend_ms(auto_extend: object, max_hold: object, ttl: int) -> int | Non
     return ms
 
 
+def limit_int(limit: object) -> int:
+    """A concurrency limit: an int >= 1 (1, the default, is a plain lock)."""
+    if type(limit) is int and limit == 1:  # the hot path: one type test
+        return 1
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int (the most holders at once), not {type(limit).__name__}")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    if limit >= 2**31:
+        raise ValueError(f"limit must be below 2**31, not {limit}")
+    return limit
+
+
 def value_bytes(value: object, name: str = "value") -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")

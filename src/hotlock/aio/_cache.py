@@ -14,7 +14,7 @@ from .._cache import CacheBase
 from .._ident import new_token, new_tokens
 from .._keys import stored, wake_channel
 from .._renewer import warn_unreleased
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, PERMIT_MARK, permit_ask
 from .._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -22,6 +22,7 @@ from .._validate import (
     auto_extend_ms,
     key_bytes,
     key_list,
+    limit_int,
     ttl_ms,
     value_bytes,
     wait_ms,
@@ -72,6 +73,7 @@ class AsyncCache(CacheBase[AsyncLock]):
         *,
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
+        limit: int = 1,
     ) -> Acquiring:
         """Try once: ``await cache.lock(key)`` gives an AsyncLock or raises LockNotAcquired;
         ``async with cache.lock(key):`` also releases it however the block ends.
@@ -79,12 +81,13 @@ class AsyncCache(CacheBase[AsyncLock]):
         The arguments are checked here, before anything is awaited or sent.
         ``auto_extend=True`` hands the lease to the cache's renewer (a task on this loop),
         as in hotlock.Cache.lock(); at a loss the task running the ``async with`` block is
-        cancelled and the block raises LockLost.
+        cancelled and the block raises LockLost. ``limit=N``: up to N holders at once, as
+        in hotlock.Cache.lock().
         """
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
-        return Acquiring(self, key, name, ms, None, auto_extend, hold)
+        return Acquiring(self, key, name, ms, None, auto_extend, hold, limit_int(limit))
 
     def lock_wait(
         self,
@@ -94,6 +97,7 @@ class AsyncCache(CacheBase[AsyncLock]):
         *,
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
+        limit: int = 1,
     ) -> Acquiring:
         """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
 
@@ -104,13 +108,21 @@ class AsyncCache(CacheBase[AsyncLock]):
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
-        return Acquiring(self, key, name, ms, wait_for, auto_extend, hold)
+        return Acquiring(self, key, name, ms, wait_for, auto_extend, hold, limit_int(limit))
 
     async def _acquire(
-        self, key: str | bytes, name: bytes, ms: int, wait_for: int | None, auto: bool = False, hold: int | None = None
+        self,
+        key: str | bytes,
+        name: bytes,
+        ms: int,
+        wait_for: int | None,
+        auto: bool = False,
+        hold: int | None = None,
+        limit: int = 1,
     ) -> AsyncLock:
         loop = asyncio.get_running_loop()
         token = new_token()
+        ask = token if limit == 1 else permit_ask(token, limit)
         backoff = None if wait_for is None else Backoff(wait_for)
         # The backend's wake-up subscriber (hotlock.aio._wakeup), for a lock_wait: after
         # POLL_FIRST plain attempts the wait marks, and joins the key's channel when its
@@ -136,10 +148,11 @@ class AsyncCache(CacheBase[AsyncLock]):
                     script = ACQUIRE_CHAIN if watched is not None and watched.waiters else ACQUIRE_WAIT
                 sent = loop.time()
                 maybe_held = True
-                result = await self._backend.acquire(name, token, ms, since, wait_for or 0, script)
+                result = await self._backend.acquire(name, ask, ms, since, wait_for or 0, script)
                 if result > 0:
+                    held = token if limit == 1 else token + PERMIT_MARK
                     lock = AsyncLock(
-                        self._backend, self._release_in_background, loop, key, name, token, result, ms, sent
+                        self._backend, self._release_in_background, loop, key, name, held, result, ms, sent
                     )
                     if auto:
                         self._renew([lock], hold)
@@ -162,7 +175,7 @@ class AsyncCache(CacheBase[AsyncLock]):
                             seq = waiter.entry.seq - (1 if waiter.entry.confirmed else 0)
                 sleep = None if backoff is None else backoff.next_sleep(-result)
                 if sleep is None:
-                    raise self._not_acquired(key, result, wait_for)
+                    raise self._not_acquired(key, result, wait_for, limit)
                 if waiter is None or waiter.entry is None:
                     await asyncio.sleep(sleep)
                     continue
@@ -346,7 +359,7 @@ class Acquiring:
     Each await is one acquisition with its own token.
     """
 
-    __slots__ = ("_auto", "_cache", "_held", "_hold_ms", "_key", "_name", "_ttl_ms", "_wait_ms")
+    __slots__ = ("_auto", "_cache", "_held", "_hold_ms", "_key", "_limit", "_name", "_ttl_ms", "_wait_ms")
 
     def __init__(
         self,
@@ -357,6 +370,7 @@ class Acquiring:
         wait: int | None,
         auto: bool = False,
         hold: int | None = None,
+        limit: int = 1,
     ) -> None:
         self._cache = cache
         self._key = key
@@ -365,11 +379,12 @@ class Acquiring:
         self._wait_ms = wait
         self._auto = auto
         self._hold_ms = hold
+        self._limit = limit
         self._held: AsyncLock | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncLock]:
         return self._cache._acquire(
-            self._key, self._name, self._ttl_ms, self._wait_ms, self._auto, self._hold_ms
+            self._key, self._name, self._ttl_ms, self._wait_ms, self._auto, self._hold_ms, self._limit
         ).__await__()
 
     async def __aenter__(self) -> AsyncLock:

@@ -29,7 +29,14 @@ class MeteredAsyncCache(AsyncCache):
         self._meter = Meter(listener)
 
     async def _acquire(
-        self, key: str | bytes, name: bytes, ms: int, wait_for: int | None, auto: bool = False, hold: int | None = None
+        self,
+        key: str | bytes,
+        name: bytes,
+        ms: int,
+        wait_for: int | None,
+        auto: bool = False,
+        hold: int | None = None,
+        limit: int = 1,
     ) -> AsyncLock:
         # lock() and lock_wait() both end here; wait_for is None for a try-once acquire.
         # The signature is the parent's own, so mypy flags this override if that one changes.
@@ -37,7 +44,7 @@ class MeteredAsyncCache(AsyncCache):
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            lock = await super()._acquire(key, name, ms, wait_for, auto, hold)
+            lock = await super()._acquire(key, name, ms, wait_for, auto, hold, limit)
         except LockNotAcquired:
             meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
             raise

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from .._cluster import LinkLost, ReplyError
 from .._config import ServerConfig, cache_error, tls_context
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -333,10 +333,10 @@ class NativeAsyncBackend:
         raise unconfirmed(what, int(confirmed), config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             reply = await self._roundtrip("extend", key, lambda p: p.execute(*extend_command(key, token, ttl_ms)))
-            if not _oom(reply):  # refused at maxmemory: the script is not (see _dialect)
+            if not _script_serves(reply):  # refused at maxmemory, or the key holds permits (see _dialect)
                 if isinstance(reply, ReplyError):
                     raise self._refused("extend", key, reply)
                 if reply is not None:
@@ -346,12 +346,12 @@ class NativeAsyncBackend:
         return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not by_script(tokens):
             sets: list[tuple[bytes | int, ...]] = [
                 extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
             ]
             replies: list[Any] = await self._roundtrip("extend_many", None, lambda p: p.pipeline(sets))
-            if not any(_oom(r) for r in replies):  # refused at maxmemory: the script is not (see _dialect)
+            if not any(_script_serves(r) for r in replies):  # refused at maxmemory, or permits (see _dialect)
                 for reply in replies:
                     if isinstance(reply, ReplyError):
                         raise self._refused("extend_many", None, reply)
@@ -372,18 +372,25 @@ class NativeAsyncBackend:
         # (False) or still ours (releases it), and either way the caller sees no error.
         # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is released
         # by the script, which accepts the mark and wakes the waiter.
-        if (
-            self.dialect.lua_free
-            and not bare_tokens([token])
-            and await self._command("release", key, *release_command(self.dialect, key, token), retry=True)
-        ):
-            return True
+        if self.dialect.lua_free and not by_script([token]):
+            command = release_command(self.dialect, key, token)
+            reply = await self._roundtrip("release", key, lambda p: p.execute(*command), True)
+            if reply == 1:
+                return True
+            if isinstance(reply, ReplyError) and not _script_serves(reply):  # WRONGTYPE: the key holds permits
+                raise self._refused("release", key, reply)
         return bool(await self._script("release", RELEASE, key, token, retry=True))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        if self.dialect.lua_free and not bare_tokens(tokens):
-            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            done = [bool(r) for r in await self._commands("release_many", dels, retry=True)]
+        if self.dialect.lua_free and not by_script(tokens):
+            dels: list[tuple[bytes | int, ...]] = [
+                release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)
+            ]
+            replies: list[Any] = await self._roundtrip("release_many", None, lambda p: p.pipeline(dels), True)
+            for reply in replies:
+                if isinstance(reply, ReplyError) and not _script_serves(reply):
+                    raise self._refused("release_many", None, reply)
+            done = [r == 1 for r in replies]
             missed = [i for i, ok in enumerate(done) if not ok]  # once more by script, as in release
             if missed:
                 again = await self._script_many(
@@ -449,8 +456,8 @@ async def _connected(proto: AioConnection) -> None:
     """What connect() sends once connected: nothing (the handshake was the round trip)."""
 
 
-def _oom(reply: object) -> bool:
-    return isinstance(reply, ReplyError) and str(reply).startswith("OOM")
+def _script_serves(reply: object) -> bool:
+    return isinstance(reply, ReplyError) and script_serves(str(reply))
 
 
 def _noscript(reply: object) -> bool:

@@ -21,7 +21,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
     NoPermissionError,
     NoScriptError,
-    OutOfMemoryError,
     ReadOnlyError,
     RedisError,
     ResponseError,
@@ -32,8 +31,8 @@ from redis.retry import Retry
 from .._cluster import LinkLost
 from .._cluster import ReplyError as ClusterReplyError
 from .._config import ServerConfig, cache_error, redispy_tls_kwargs
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, bare_tokens, extend_command, release_command
-from .._redispy import _ERROR_CODES, HandshakeLost, _describe, tls_refused
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
+from .._redispy import _ERROR_CODES, HandshakeLost, _describe, _script_serves, tls_refused
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -487,7 +486,7 @@ class RedisAsyncBackend:
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
             try:
@@ -496,20 +495,20 @@ class RedisAsyncBackend:
                 # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
                 # extended by the script, which accepts the mark (contended, or lost).
             except CacheError as exc:
-                if not isinstance(exc.__cause__, OutOfMemoryError):
+                if not _script_serves(exc):
                     raise
-                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+                # Refused at maxmemory, or the key now holds permits: the script serves (see _dialect).
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        if self.dialect.lua_free:
+        if self.dialect.lua_free and not by_script(tokens):
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
                 done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
             except CacheError as exc:
-                if not isinstance(exc.__cause__, OutOfMemoryError):
+                if not _script_serves(exc):
                     raise
-                # Refused at maxmemory: the script is not (see _dialect), so it extends instead.
+                # Refused at maxmemory, or the key now holds permits: the script serves (see _dialect).
             else:
                 # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
                 missed = [i for i, ok in enumerate(done) if not ok]
@@ -526,12 +525,16 @@ class RedisAsyncBackend:
         await self._inflight.settled([token])
         # A lost release reply is retried, as in sync: the second try finds the key gone
         # (False) or still ours (releases it), and either way the caller sees no error.
-        if self.dialect.lua_free and not bare_tokens([token]):
+        if self.dialect.lua_free and not by_script([token]):
             command = release_command(self.dialect, key, token)
 
             async def plain_then_script() -> bool:
-                if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
-                    return True
+                try:
+                    if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
+                        return True
+                except CacheError as exc:
+                    if not _script_serves(exc):  # WRONGTYPE: the key now holds permits
+                        raise
                 # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
                 # released by the script, which accepts the mark and wakes the waiter.
                 return bool(await self._call("release", key, lambda: self._evalsha(RELEASE, key, token), True))
@@ -542,11 +545,16 @@ class RedisAsyncBackend:
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
-        if self.dialect.lua_free and not bare_tokens(tokens):
+        if self.dialect.lua_free and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
 
             async def plain_then_script() -> list[Any]:
-                done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
+                try:
+                    done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
+                except CacheError as exc:
+                    if not _script_serves(exc):  # WRONGTYPE: a key now holds permits
+                        raise
+                    done = [0] * len(keys)
                 missed = [i for i, r in enumerate(done) if not r]  # once more by script, as in release
                 if missed:
                     mk, mt = [keys[i] for i in missed], [tokens[i] for i in missed]

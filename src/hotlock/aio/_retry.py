@@ -101,11 +101,12 @@ class InFlight:
     def shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
         """Run ``work`` to completion even if its caller is cancelled, recorded under ``tokens``."""
         task = asyncio.ensure_future(work)
-        for token in tokens:
+        bare = [token[:TOKEN_BYTES] for token in tokens]  # a permit's acquire sends token '#' limit
+        for token in bare:
             self._tasks[token] = task
 
         def done(finished: asyncio.Future[Any]) -> None:
-            for token in tokens:
+            for token in bare:
                 if self._tasks.get(token) is finished:
                     del self._tasks[token]
             if not finished.cancelled():
