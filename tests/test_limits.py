@@ -6,6 +6,9 @@ cluster; faults through the fault proxy; a multi-process soak with a checker sho
 a limit that admits one too many; a Hypothesis state machine against a reference model.
 """
 
+# The aio fixtures come from test_aio, and pytest passes them by name.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import asyncio
