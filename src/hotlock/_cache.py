@@ -223,7 +223,8 @@ class Cache(CacheBase[Lock]):
         once (lock()) and raises LockNotAcquired when the key is held elsewhere; with
         ``wait=S`` it waits up to S seconds (lock_wait()). ``limit``, ``auto_extend`` and
         ``max_hold`` are lock()'s; with ``auto_extend=True`` a lease lost during the call
-        raises LockLost as the call returns, as a ``with`` block does.
+        raises LockLost as the call returns, as a ``with`` block does (an exception of the
+        function's own propagates instead).
 
         Everything but the key is checked here, before any call: a template field that
         names no parameter, a positional field (``{}``, ``{0}``), a generator function, a
