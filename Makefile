@@ -24,7 +24,7 @@ PYTHONS ?= 3.10 3.11 3.12 3.13
 TOOLS  := .venv-tools
 # The behaviour suite: what every supported Python must pass. The fault, soak, Sentinel and
 # packaging suites run on the main Python only (make test).
-BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py
+BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py tests/test_locked.py
 
 .PHONY: deps venv vendor tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
 

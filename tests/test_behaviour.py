@@ -386,6 +386,20 @@ def test_keys_live_under_the_prefix(redis_backend: str, redis_server: RedisServe
         assert client.exists(b"app1:lock:{k}") == 0
 
 
+def test_close_disconnects_every_connection(redis_backend: str, redis_server: RedisServer, redis_url: str) -> None:
+    client = redis_server.client()
+    before = {c["id"] for c in client.client_list()}
+    cache = hotlock.connect(redis_url, backend=redis_backend)
+    cache.lock("k", ttl=5).unlock()
+    assert {c["id"] for c in client.client_list()} - before, "the cache is connected"
+    cache.close()
+    # The server sees a close a moment after it is made.
+    deadline = time.monotonic() + 2
+    while (left := {c["id"] for c in client.client_list()} - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not left, "a connection outlived close()"
+
+
 def test_redis_down_is_cache_error_not_contention(redis_backend: str, server_kind: str) -> None:
     server = start_redis(kind=server_kind)
     cache = hotlock.connect(server.url, backend=redis_backend, timeout=0.5, connect_timeout=0.5)

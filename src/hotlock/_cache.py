@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
 from ._backend import native_module
+from ._decorate import Locking
 from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
@@ -219,6 +221,57 @@ class Cache(CacheBase[Lock]):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         with self.lock(key, ttl):
             return fn(*args, **kwargs)
+
+    def locked(
+        self,
+        template: str,
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        wait: Seconds | None = None,
+        limit: int = 1,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """A decorator: each call of the function holds the lock on
+        ``template.format(**arguments)``, released however the call ends.
+
+        ```python
+        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
+        def export(tenant, full=False): ...
+        ```
+
+        The arguments are the call's, bound to the function's signature with the defaults
+        applied, so ``{tenant.id}`` and ``{ids[0]}`` work as in ``str.format``; on an
+        instance method ``self`` is one (``"{self.id}"``). With ``wait=None`` the call tries
+        once (lock()) and raises LockNotAcquired when the key is held elsewhere; with
+        ``wait=S`` it waits up to S seconds (lock_wait()). ``limit``, ``auto_extend`` and
+        ``max_hold`` are lock()'s; with ``auto_extend=True`` a lease lost during the call
+        raises LockLost as the call returns, as a ``with`` block does (an exception of the
+        function's own propagates instead).
+
+        Everything but the key is checked here, before any call: a template field that
+        names no parameter, a positional field (``{}``, ``{0}``), a generator function, a
+        coroutine function (use hotlock.aio.AsyncCache.locked), a bad ttl, wait, limit,
+        auto_extend or max_hold raise TypeError/ValueError. Put ``@staticmethod`` or
+        ``@classmethod`` above it (``cls`` is then an argument). The wrapper keeps the
+        function's name, docstring and signature (functools.wraps).
+        """
+        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
+        options = locking.options
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            key_of = locking.keys(fn, coroutine=False)
+
+            @functools.wraps(fn)
+            def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+                key = key_of(args, kwargs)
+                lock = self.lock(key, ttl, **options) if wait is None else self.lock_wait(key, ttl, wait, **options)
+                with lock:
+                    return fn(*args, **kwargs)
+
+            return locked_call
+
+        return decorate
 
     def lock_many(
         self,

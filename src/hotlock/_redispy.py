@@ -438,6 +438,8 @@ class RedisPyBackend:
         if self._wakeups is not None:
             self._wakeups.close()
         self._redis.close()
+        # Redis.close() leaves a pool it was given open: its sockets would wait for the gc.
+        self._redis.connection_pool.disconnect()
 
 
 # ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from .._backoff import Backoff
 from .._cache import CacheBase
+from .._decorate import Locking
 from .._ident import new_token, new_tokens
 from .._keys import stored, wake_channel
 from .._renewer import warn_unreleased
@@ -209,6 +211,48 @@ class AsyncCache(CacheBase[AsyncLock]):
             raise TypeError(f"fn must be a coroutine function, not {type(fn).__name__}")
         async with self.lock(key, ttl):
             return await fn(*args, **kwargs)
+
+    def locked(
+        self,
+        template: str,
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        wait: Seconds | None = None,
+        limit: int = 1,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
+        """A decorator for coroutine functions: each call holds the lock on
+        ``template.format(**arguments)`` while it is awaited, released however it ends.
+
+        ```python
+        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
+        async def export(tenant, full=False): ...
+        ```
+
+        As hotlock.Cache.locked(), awaited: ``wait=None`` tries once (lock()),
+        ``wait=S`` waits up to S seconds (lock_wait()); a cancelled call releases the lock
+        and re-raises CancelledError; with ``auto_extend=True`` a loss cancels the call
+        and raises LockLost. Everything but the key is checked here, before any call; a
+        plain function (use hotlock.Cache.locked) or an async generator function is a
+        TypeError.
+        """
+        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
+        options = locking.options
+
+        def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+            key_of = locking.keys(fn, coroutine=True)
+
+            @functools.wraps(fn)
+            async def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+                key = key_of(args, kwargs)
+                lock = self.lock(key, ttl, **options) if wait is None else self.lock_wait(key, ttl, wait, **options)
+                async with lock:
+                    return await fn(*args, **kwargs)
+
+            return locked_call
+
+        return decorate
 
     async def lock_many(
         self,
