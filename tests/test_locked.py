@@ -256,6 +256,20 @@ def test_wait_waits_for_the_holder_then_gives_up_at_the_deadline(cache: Cache) -
         assert 0.2 <= time.monotonic() - t0 < 0.2 + 1.0
 
 
+def test_a_limit_admits_that_many_calls_at_once(cache: Cache) -> None:
+    @cache.locked("export:{tenant}", ttl=5, limit=2)
+    def export(tenant: str, depth: int) -> int:
+        # Inside: this call holds one of the two places; one more call fits, a third not.
+        if depth == 0:
+            return 1 + export(tenant, 1)
+        with pytest.raises(LockNotAcquired, match="limit=2"):
+            cache.lock(f"export:{tenant}", 5, limit=2)
+        return 1
+
+    assert export("acme", 0) == 2
+    assert len([cache.lock("export:acme", 5, limit=2) for _ in range(2)]) == 2  # both places freed
+
+
 def test_released_when_the_function_raises(cache: Cache) -> None:
     class Boom(Exception):
         pass
@@ -338,6 +352,32 @@ def test_async_the_key_is_the_template_filled_from_the_bound_arguments(aio: Aio)
 
             assert await Account(3).sync((1, 2)) is True
             assert not await aheld(cache, "sync:3:2")
+
+    aio.run(main())
+
+
+def test_async_a_limit_admits_that_many_calls_at_once(aio: Aio) -> None:
+    async def main() -> None:
+        async with await aio.connect() as cache:
+            inside: list[str] = []
+            both_in = asyncio.Event()
+            go = asyncio.Event()
+
+            @cache.locked("sync-tenant:{tenant}", ttl=5, limit=2)
+            async def sync(tenant: str) -> None:
+                inside.append(tenant)
+                if len(inside) == 2:
+                    both_in.set()
+                await go.wait()
+
+            tasks = [asyncio.ensure_future(sync("acme")) for _ in range(2)]
+            await both_in.wait()
+            with pytest.raises(LockNotAcquired, match="limit=2"):
+                await sync("acme")
+            go.set()
+            await asyncio.gather(*tasks)
+            held = [await cache.lock("sync-tenant:acme", 5, limit=2) for _ in range(2)]  # both freed
+            await cache.unlock_many(held)
 
     aio.run(main())
 

@@ -9,7 +9,7 @@ import string
 from collections.abc import Callable
 from typing import Any
 
-from ._validate import auto_extend_ms, ttl_ms, wait_ms
+from ._validate import auto_extend_ms, limit_int, ttl_ms, wait_ms
 
 __all__ = ["Locking"]
 
@@ -41,14 +41,6 @@ def _field_names(template: str, fields: str) -> list[str]:
     return names
 
 
-def _check_limit(limit: object) -> None:
-    # bool is an int subclass; limit=True is a bug, not one holder.
-    if isinstance(limit, bool) or not isinstance(limit, int):
-        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit!r}")
-
-
 class Locking:
     """locked()'s arguments, checked as lock() and lock_wait() would check them."""
 
@@ -64,11 +56,10 @@ class Locking:
         if wait is not None:
             wait_ms(wait)
         auto_extend_ms(auto_extend, max_hold, ms)
-        _check_limit(limit)
+        limit = limit_int(limit)
         self.template = template
         # lock()'s keywords, only where they differ from its defaults: the common case then
-        # stays on lock()'s one-call native path, and limit=1 works on a lock() without the
-        # keyword.
+        # stays on lock()'s one-call native path.
         given = (("auto_extend", auto_extend, False), ("max_hold", max_hold, None), ("limit", limit, 1))
         self.options: dict[str, Any] = {name: value for name, value, default in given if value != default}
 
