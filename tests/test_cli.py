@@ -422,6 +422,49 @@ def test_locks_on_a_non_string_key_under_the_prefix_is_skipped(redis_server: Red
         assert [r["key"] for r in as_json(cli("locks", "--json", url=redis_url))] == ["real"]
 
 
+def test_locks_shows_a_limited_key_with_each_permit_and_no_token(redis_server: RedisServer, redis_url: str) -> None:
+    with hotlock.connect(redis_url) as cache:
+        permits = [cache.lock("export:acme", ttl=ttl, limit=3) for ttl in (30, 5, 60)]
+        plain = cache.lock("settle:1", ttl=10)
+        rows = as_json(cli("locks", "--json", url=redis_url))
+        assert [r["key"] for r in rows] == ["export:acme", "settle:1"]  # by the first TTL to run out
+        limited = rows[0]
+        assert limited["holders"] == 3 and "permits" not in rows[1]
+        assert [p["fence"] for p in limited["permits"]] == [permits[i].fence for i in (1, 0, 2)]
+        assert [round(p["ttl"]) for p in limited["permits"]] == [5, 30, 60]
+        assert (limited["ttl"], limited["fence"]) == (limited["permits"][0]["ttl"], permits[1].fence)
+        assert all(0 <= p["held"] < 30 for p in limited["permits"])
+        text = out(cli("locks", url=redis_url))
+        assert text.count("export:acme (3 holders)") == 3
+        for lk in (*permits, plain):
+            assert lk._token[:16].hex() not in text and str(lk._token[:16]) not in text
+        permits[0].unlock()
+        assert as_json(cli("locks", "--json", url=redis_url))[0]["holders"] == 2
+        for lk in (*permits, plain):
+            lk.unlock()
+    assert as_json(cli("locks", "--json", url=redis_url)) == []  # a hash whose permits all ended holds nothing
+
+
+def test_release_force_on_a_limited_key_releases_every_permit(redis_server: RedisServer, redis_url: str) -> None:
+    with hotlock.connect(redis_url) as cache:
+        permits = [cache.lock("sync:acct", ttl=60, limit=2) for _ in range(2)]
+        result = cli("release", "sync:acct", "--force", "--yes", "--json", url=redis_url)
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["released"] is True and data["holders"] == 2
+        assert sorted(p["fence"] for p in data["permits"]) == sorted(p.fence for p in permits)
+        assert redis_server.client().exists(lock_key(b"sync:acct")) == 0
+        again = [cache.lock("sync:acct", ttl=60, limit=2) for _ in range(2)]  # both places are free
+        for lk in permits:
+            with pytest.raises(hotlock.LockLost):
+                lk.extend()
+            assert lk.unlock() is False
+        for lk in again:
+            lk.unlock()
+    gone = cli("release", "sync:acct", "--force", "--yes", url=redis_url)
+    assert gone.returncode == 1 and "no lock is held" in gone.stderr.decode()
+
+
 # -- release -----------------------------------------------------------------------------
 
 HOLDER = """

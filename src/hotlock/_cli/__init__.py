@@ -321,15 +321,17 @@ def _cmd_locks(target: Target, pattern: bytes | None, as_json: bool, out: TextIO
         what = "" if pattern is None else f" matching {pattern.decode('utf-8', 'backslashreplace')!r}"
         out.write(f"no locks held{what} under {_shown_prefix(target)} on {target.display}\n")
         return OK
+    # A key held with a limit: a row per permit, the key marked with its number of holders.
     rows = [
         [
-            shown_key(lk.key),
-            "no TTL" if lk.ttl is None else duration(lk.ttl),
-            "-" if lk.fence is None else str(lk.fence),
-            "-" if lk.held is None else duration(lk.held),
+            shown_key(lk.key) if lk.permits is None else f"{shown_key(lk.key)} ({len(lk.permits)} holders)",
+            "no TTL" if held.ttl is None else duration(held.ttl),
+            "-" if held.fence is None else str(held.fence),
+            "-" if held.held is None else duration(held.held),
         ]
         + ([lk.node] if target.kind == "cluster" else [])
         for lk in found
+        for held in lk.holders()
     ]
     header = ["KEY", "TTL", "FENCE", "HELD"] + (["NODE"] if target.kind == "cluster" else [])
     table(out, header, rows)
@@ -350,7 +352,8 @@ def _cmd_release(target: Target, key: bytes, *, yes: bool, as_json: bool, out: T
             raise CliError(f"no lock is held on {shown!r} under {_shown_prefix(target)} ({target.display})")
         ttl = "no TTL" if held.ttl is None else f"{duration(held.ttl)} left"
         fence = "" if held.fence is None else f", fence {held.fence}"
-        sys.stderr.write(f"release the lock on {shown!r} ({ttl}{fence}) on {target.display}? [y/N] ")
+        what = "the lock" if held.permits is None else f"all {len(held.permits)} holders of the limited key"
+        sys.stderr.write(f"release {what} on {shown!r} ({ttl}{fence}) on {target.display}? [y/N] ")
         sys.stderr.flush()
         answer = sys.stdin.readline().strip().lower()
         if answer not in ("y", "yes"):
@@ -372,5 +375,6 @@ def _cmd_release(target: Target, key: bytes, *, yes: bool, as_json: bool, out: T
         print_json(out, {**removed.as_json(), "released": True})
     else:
         left = "no TTL" if removed.ttl is None else f"{duration(removed.ttl)} of its TTL left"
-        out.write(f"released {shown!r} ({left}, fence {fence})\n")
+        holders = "" if removed.permits is None else f"{len(removed.permits)} holders, the first to expire with "
+        out.write(f"released {shown!r} ({holders}{left}, fence {fence})\n")
     return OK
