@@ -22,6 +22,11 @@ refuses SET (it may grow a key) with OOM but runs the EXTEND script (its PEXPIRE
 grows memory). So a Lua-free extend refused OOM is sent again as the script, at once (an
 extend that runs twice only sets the same TTL from now again): a full server still lets
 holders keep their locks, on every path. DELIFEQ/DELEX free memory and are never refused.
+
+Keys held with a concurrency limit are hashes of permits, which no Lua-free command
+reaches: a permit's extend and release always go by script (``by_script``). A plain lock's
+Lua-free extend or release that meets such a hash (its key expired and was since taken
+with a limit) is refused WRONGTYPE, and goes again by script too, which says "not held".
 """
 
 from __future__ import annotations
