@@ -122,6 +122,8 @@ cdef bytes _held(bytes token, long long fence):
         raise ValueError("a fence is > 0")
     cdef int n_digits = _decimal(digits, <unsigned long long>fence)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(token)
+    if n > _TOKEN_BYTES + 1:  # a permit's acquire argument (token '#' limit): keep token '#'
+        n = _TOKEN_BYTES + 1
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n + n_digits)
     cdef char *p = PyBytes_AS_STRING(out)
     memcpy(p, PyBytes_AS_STRING(token), n)

@@ -31,7 +31,7 @@ from hotlock import Cache, CacheError, LockLost, LockNotAcquired
 from .conftest import RedisServer, lock_name, open_cache
 from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
-from .test_aio import Aio, aio, loop_kind  # noqa: F401  (fixtures)
+from .test_aio import Aio, aio, loop_kind, raio  # noqa: F401  (fixtures)
 from .test_validation import check_nothing_sent
 
 on_every_topology = pytest.mark.topologies("single", "cluster")
@@ -447,6 +447,25 @@ def test_redis_down_is_a_cache_error_not_a_full_limit(pcache: Cache, proxy: Faul
     proxy.blackhole(True)
     with pytest.raises(CacheError):
         pcache.lock("down", 10, limit=3)
+
+
+def test_wait_replicas_undoes_a_permit_too_few_replicas_confirmed(rcache: Cache, redis_server: RedisServer) -> None:
+    """The session's server has no replica: WAIT 1 confirms nothing, and the permit taken is
+    released again, so its place is not held until its TTL."""
+    confirmed = hotlock.connect(redis_server.url, backend=rcache.backend, wait_replicas=1, wait_timeout=0.05)
+    with confirmed, pytest.raises(CacheError, match="0 of 1 replicas confirmed"):
+        confirmed.lock("undone", 30, limit=2)
+    assert permits_stored(redis_server, "undone") == 0
+
+
+def test_async_wait_replicas_undoes_a_permit(raio: Aio, redis_server: RedisServer) -> None:
+    async def main() -> None:
+        async with await raio.connect(wait_replicas=1, wait_timeout=0.05) as cache:
+            with pytest.raises(CacheError, match="replicas"):
+                await cache.lock("a-undone", 30, limit=2)
+
+    raio.run(main())
+    assert permits_stored(redis_server, "a-undone") == 0
 
 
 # -- many processes: never N+1 inside -----------------------------------------------------------

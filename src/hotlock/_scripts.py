@@ -214,8 +214,9 @@ WAITED = b"+"
 def held_value(token: bytes, fence: int) -> bytes:
     """The value ACQUIRE stored for ``token`` with ``fence``: what extend and release compare.
 
-    For a permit, ``token`` ends in PERMIT_MARK, so its held value is token '#' fence."""
-    return token + b"%d" % fence
+    For a permit, ``token`` is what its acquire sent (token '#' limit) or token '#': its
+    held value is token '#' fence."""
+    return token[: TOKEN_BYTES + 1] + b"%d" % fence
 
 
 def permit_ask(token: bytes, limit: int) -> bytes:
