@@ -15,7 +15,6 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.strategies as st
@@ -28,10 +27,11 @@ import hotlock.aio
 import hotlock.metrics
 from hotlock import Cache, CacheError, LockLost, LockNotAcquired
 
-from .conftest import RedisServer, lock_name, open_cache
+from .conftest import RedisServer, lock_name
 from .faultproxy import FaultProxy
 from .overlap import OverlapChecker
 from .test_aio import Aio, aio, loop_kind, raio  # noqa: F401  (fixtures)
+from .test_faults import pcache, proxy  # noqa: F401  (fixtures)
 from .test_validation import check_nothing_sent
 
 on_every_topology = pytest.mark.topologies("single", "cluster")
@@ -396,22 +396,6 @@ def test_async_cancelled_acquire_of_a_permit_frees_its_place(aio: Aio) -> None:
 
 
 # -- faults ------------------------------------------------------------------------------------
-
-REPLY_TIMEOUT = 0.5
-
-
-@pytest.fixture
-def proxy(redis_server: RedisServer, redis_url: str) -> Iterator[FaultProxy]:
-    with FaultProxy(redis_server.port) as p:
-        yield p
-
-
-@pytest.fixture
-def pcache(redis_backend: str, proxy: FaultProxy) -> Iterator[Cache]:
-    c = open_cache(redis_backend, proxy.url, timeout=REPLY_TIMEOUT, connect_timeout=REPLY_TIMEOUT)
-    yield c
-    proxy.clear()
-    c.close()
 
 
 def permits_stored(server: RedisServer, key: str) -> int:
