@@ -14,7 +14,7 @@ from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import Lease, Lock, shown
 from ._renewer import Renewer
-from ._scripts import KIND_CONFLICT, PERMIT_MARK, permit_ask
+from ._scripts import KIND_CONFLICT, permit_ask
 from ._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -175,12 +175,12 @@ class Cache(CacheBase[Lock]):
         ms = ttl_ms(ttl)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
         n = limit_int(limit)
-        token = new_token()
+        token = permit_ask(new_token(), n)
         sent = time.monotonic()
-        result = self._backend.acquire(name, token if n == 1 else permit_ask(token, n), ms)
+        result = self._backend.acquire(name, token, ms)
         if result <= 0:
             raise self._not_acquired(key, result, None, n)
-        lock = Lock(self._backend, key, name, token if n == 1 else token + PERMIT_MARK, result, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -206,11 +206,11 @@ class Cache(CacheBase[Lock]):
         wait_for = wait_ms(wait)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
         n = limit_int(limit)
-        token = new_token()
-        result, sent = self._backend.acquire_wait(name, token if n == 1 else permit_ask(token, n), ms, wait_for)
+        token = permit_ask(new_token(), n)
+        result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
         if result <= 0:
             raise self._not_acquired(key, result, wait_for, n)
-        lock = Lock(self._backend, key, name, token if n == 1 else token + PERMIT_MARK, result, ms, sent)
+        lock = Lock(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock

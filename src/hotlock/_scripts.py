@@ -220,8 +220,9 @@ def held_value(token: bytes, fence: int) -> bytes:
 
 
 def permit_ask(token: bytes, limit: int) -> bytes:
-    """ACQUIRE's ARGV[1] for a permit: the token, '#', the limit."""
-    return token + PERMIT_MARK + b"%d" % limit
+    """ACQUIRE's ARGV[1] for ``limit``: the token itself for a plain lock (limit 1), else
+    the token, '#', the limit. held_value of it is the lease's held value either way."""
+    return token if limit == 1 else token + PERMIT_MARK + b"%d" % limit
 
 
 def is_permit(value: bytes) -> bool:

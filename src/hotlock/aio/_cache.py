@@ -16,7 +16,7 @@ from .._decorate import Locking
 from .._ident import new_token, new_tokens
 from .._keys import stored, wake_channel
 from .._renewer import warn_unreleased
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, PERMIT_MARK, permit_ask
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, permit_ask
 from .._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -124,7 +124,7 @@ class AsyncCache(CacheBase[AsyncLock]):
     ) -> AsyncLock:
         loop = asyncio.get_running_loop()
         token = new_token()
-        ask = token if limit == 1 else permit_ask(token, limit)
+        ask = permit_ask(token, limit)
         backoff = None if wait_for is None else Backoff(wait_for)
         # The backend's wake-up subscriber (hotlock.aio._wakeup), for a lock_wait: after
         # POLL_FIRST plain attempts the wait marks, and joins the key's channel when its
@@ -152,9 +152,8 @@ class AsyncCache(CacheBase[AsyncLock]):
                 maybe_held = True
                 result = await self._backend.acquire(name, ask, ms, since, wait_for or 0, script)
                 if result > 0:
-                    held = token if limit == 1 else token + PERMIT_MARK
                     lock = AsyncLock(
-                        self._backend, self._release_in_background, loop, key, name, held, result, ms, sent
+                        self._backend, self._release_in_background, loop, key, name, ask, result, ms, sent
                     )
                     if auto:
                         self._renew([lock], hold)
