@@ -163,6 +163,8 @@ bench: compile vendor
 	$(PY) -m bench.tls --one-core --json bench/out/tls-one-core.json
 	# How late LockLost reaches the caller when Redis goes dark (a known loss does no I/O).
 	$(PY) -m bench.lateness
+	# Concurrency limits on one core: limit=4 against plain, cycle and contention on one key.
+	$(PY) -m bench.limits
 
 demo: venv
 	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"

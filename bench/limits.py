@@ -17,10 +17,11 @@ taskset (as the other benches' ``--one-core``; ``--split`` puts them on two core
   with ``limit=1`` (a plain lock), native backend: acquisitions/s, the most holders ever
   inside at once (counted by the workers themselves, so at most the server's count; it must
   be <= the limit and should reach it), wait p50/p99 and per-worker min/max.
-- **scripts** (with ``--before TREE``, a checkout of an older hotlock): the server's cost of
-  the plain acquire, extend and release scripts of TREE against this tree's, both loaded
-  on the same server and sent as EVALSHA with the same arguments (pipelined by 100 from
-  redis-py): usec_per_call from commandstats and the server's CPU per call.
+- **scripts**: the server's cost of one acquire, extend and release script call on fresh
+  keys, sent as EVALSHA from redis-py pipelined by 100: usec_per_call from commandstats and
+  the server's CPU per call (INFO cpu), for a plain lock and for a permit (limit=4). With
+  ``--before TREE`` (a checkout of an older hotlock) TREE's plain scripts are loaded on the
+  same server too and sent the same arguments: the plain path's server cost before and after.
 
 Rounds are interleaved (every measurement of round 1 in a shuffled order, then round 2,
 ...); the tables give medians over the rounds. The leftover hashes of the limited cycle
@@ -53,8 +54,13 @@ WORKERS = 8
 HOLD_S = 0.001
 WARM_S = 0.3
 BACKENDS = ("native", "redis-py")
-KINDS = ("plain", "limited", "limited, one key")
-# The scripts compared with --before, and the commandstats name they run under.
+KINDS = ("plain", "plain, Python lock()", "limited", "limited, one key")
+# The native lock() takes a plain lock in one C call; keywords only (lock(key=k, ttl=30))
+# send it to the Python lock() that every limited lock goes through, and the same unlock:
+# the row between plain and limited splits the client's extra cost into the Python path's
+# and the permit's own. The redis-py backend has only the Python path.
+NATIVE_ONLY = ("plain, Python lock()",)
+# The scripts section: calls per script and per round, and how many go in one pipeline.
 SCRIPT_CALLS = 20_000
 SCRIPT_BATCH = 100
 
@@ -111,6 +117,10 @@ def child_cycle(url: str, backend: str, kind: str, seconds: float, tag: str) -> 
 
         def op() -> None:
             cache.lock(f"limits:{tag}:{next(serial)}", 30).unlock()
+    elif kind == "plain, Python lock()":
+
+        def op() -> None:
+            cache.lock(key=f"limits:{tag}:{next(serial)}", ttl=30).unlock()
     elif kind == "limited":
 
         def op() -> None:
@@ -285,7 +295,9 @@ def child_contention(url: str, backend: str, mode: str, limit: int, seconds: flo
 
 
 def child_scripts(url: str, sources_path: str, tag: str) -> dict[str, Any]:
-    """Each tree's plain acquire, extend and release on fresh keys, pipelined: server figures."""
+    """Each tree's acquire, extend and release on fresh keys, pipelined: the server's figures.
+
+    Plain locks with every tree's scripts; permits (limit=4) with this tree's."""
     from hotlock._ident import TOKEN_BYTES
     from hotlock._keys import stored
 
@@ -294,16 +306,20 @@ def child_scripts(url: str, sources_path: str, tag: str) -> dict[str, Any]:
     side = ServerSide(url)
     r = side.r
     shas = {name: {op: r.script_load(src) for op, src in ops.items()} for name, ops in trees.items()}
+    variants = [(name, name, False) for name in trees] + [("after, permit", "after", True)]
+    random.Random(tag).shuffle(variants)
     out: dict[str, Any] = {}
-    for name in trees:
-        sha = shas[name]
+    for name, tree, permit in variants:
+        sha = shas[tree]
         keys = [stored(b"hotlock:lock:", f"limits:{tag}:{name}:{i}".encode()) for i in range(SCRIPT_CALLS)]
         tokens = [os.urandom(TOKEN_BYTES) for _ in keys]
+        ask = [t + b"#%d" % LIMIT for t in tokens] if permit else tokens
         held: list[bytes] = []
         row: dict[str, Any] = {}
         for op in ("ACQUIRE", "EXTEND", "RELEASE"):
+            calls: list[tuple[bytes | int, ...]]
             if op == "ACQUIRE":
-                calls = [(keys[i], tokens[i], 30_000) for i in range(SCRIPT_CALLS)]
+                calls = [(keys[i], ask[i], 30_000) for i in range(SCRIPT_CALLS)]
             elif op == "EXTEND":
                 calls = [(keys[i], held[i], 30_000) for i in range(SCRIPT_CALLS)]
             else:
@@ -321,7 +337,8 @@ def child_scripts(url: str, sources_path: str, tag: str) -> dict[str, Any]:
             if op == "ACQUIRE":
                 if min(replies) <= 0:
                     raise RuntimeError(f"{name}: an acquire on a fresh key failed: {min(replies)}")
-                held = [tokens[i] + b"%d" % replies[i] for i in range(SCRIPT_CALLS)]
+                mark = b"#" if permit else b""
+                held = [tokens[i] + mark + b"%d" % replies[i] for i in range(SCRIPT_CALLS)]
             elif replies.count(1) != SCRIPT_CALLS:
                 raise RuntimeError(f"{name}: {op.lower()} did not return 1 for every held lock")
             row[op.lower()] = {"usec_per_call": usec, "server_cpu_us": spent / n * 1e6, "calls": n}
@@ -364,6 +381,10 @@ def tree_scripts(tree: Path) -> dict[str, str]:
     return scripts
 
 
+def kinds(backend: str) -> tuple[str, ...]:
+    return tuple(k for k in KINDS if backend == "native" or k not in NATIVE_ONLY)
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -388,14 +409,15 @@ def main(argv: list[str] | None = None) -> int:
 
     pin = pinning(one_core=not args.split)
     info = hotlock.backend_info()
-    sources_path = None
-    jobs: list[tuple[str, ...]] = [("cycle", b, k) for b in BACKENDS for k in KINDS]
+    jobs: list[tuple[str, ...]] = [("cycle", b, k) for b in BACKENDS for k in kinds(b)]
     jobs += [("contention", "native", mode, str(limit)) for mode in ("threads", "processes") for limit in (1, LIMIT)]
+    sources = {"after": tree_scripts(ROOT)}
     if args.before is not None:
-        sources_path = ROOT / "bench" / "out" / "limits-scripts.json"
-        sources_path.parent.mkdir(exist_ok=True)
-        sources_path.write_text(json.dumps({"before": tree_scripts(args.before), "after": tree_scripts(ROOT)}))
-        jobs.append(("scripts",))
+        sources["before"] = tree_scripts(args.before)
+    sources_path = ROOT / "bench" / "out" / "limits-scripts.json"
+    sources_path.parent.mkdir(exist_ok=True)
+    sources_path.write_text(json.dumps(sources))
+    jobs.append(("scripts",))
     raw: dict[str, list[dict[str, Any]]] = {" / ".join(j): [] for j in jobs}
     with start_redis(pin.server) as server:
         side = redis.Redis.from_url(server.url)
@@ -403,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# bench.limits: limit={LIMIT} against plain; {args.runs} interleaved rounds, medians")
         print(f"# backends: native (hiredis {info['hiredis']}), redis-py {redis.__version__} (cycle only)")
         print(f"# server: redis-server {version} on 127.0.0.1:{server.port}, no persistence, started by this run")
-        print(f"# placement: {pin.note}")
+        print(f"# placement: {pin.note}", flush=True)
         for rnd in range(args.runs):
             order = list(jobs)
             random.Random(rnd).shuffle(order)
@@ -422,14 +444,15 @@ def main(argv: list[str] | None = None) -> int:
         side.close()
         load = os.getloadavg()
     medians: dict[str, Any] = {}
-    print(f"# load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (2 cores shared with other work)")
+    cores = len(os.sched_getaffinity(0))
+    print(f"# machine: {cores} cores; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
     print("\n## cycle: lock(k, 30).unlock() against lock(k, 30, limit=4).unlock()")
-    head = f"{'backend':9} {'kind':17} {'ops/s':>8} {'x plain':>7} {'CPU us':>7} {'x plain':>7}"
+    head = f"{'backend':9} {'kind':20} {'ops/s':>8} {'x plain':>7} {'CPU us':>7} {'x plain':>7}"
     print(f"{head} {'srv us':>7} {'EVALSHA us':>10}")
     for backend in BACKENDS:
         base: dict[str, float] = {}
-        for kind in KINDS:
+        for kind in kinds(backend):
             runs = raw[f"cycle / {backend} / {kind}"]
             m = {f: med([r[f] for r in runs]) for f in ("rate", "cpu_us", "server_cpu_us", "evalsha_usec")}
             if kind == "plain":
@@ -441,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             m["rate_x_paired"] = med([r["rate"] / p["rate"] for r, p in zip(runs, plain, strict=True)])
             medians[f"cycle / {backend} / {kind}"] = m
             print(
-                f"{backend:9} {kind:17} {m['rate']:8,.0f} {m['rate_x']:7.2f} {m['cpu_us']:7.2f} {m['cpu_x']:7.2f}"
+                f"{backend:9} {kind:20} {m['rate']:8,.0f} {m['rate_x']:7.2f} {m['cpu_us']:7.2f} {m['cpu_x']:7.2f}"
                 f" {m['server_cpu_us']:7.2f} {m['evalsha_usec']:10.2f}"
             )
     print("  CPU us: the client's user + system per cycle; srv us: the server's CPU per cycle (INFO cpu);")
@@ -450,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         m = medians[f"cycle / {backend} / limited"]
         verdict = "met" if m["rate_x"] >= 0.8 else "missed"
         print(
-            f"  target limited >= 0.8x plain ({backend}): {m['rate_x']:.2f}x"
-            f" (paired per round {m['rate_x_paired']:.2f}x): {verdict}"
+            f"  target limited >= 0.8x plain ({backend}): {m['rate_x']:.3f}x"
+            f" (paired per round {m['rate_x_paired']:.3f}x): {verdict}"
         )
 
     print(f"\n## contention: {WORKERS} workers on one key, lock_wait(key, ttl=5, wait=5, limit=N), ~1 ms held")
@@ -482,31 +505,32 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  most inside at once over every round: at most {worst} (must be <= {LIMIT}); every round reached {reached}"
     )
-    print("  most inside: over all rounds (min-max of the rounds); per worker: acquisitions, median round")
+    print("  most inside: min-max over the rounds; per worker: the fewest and the most acquisitions of one")
+    print("  worker in the window (each a median over the rounds); wait: from calling lock_wait to holding")
     timeouts = sum(medians[k]["timeouts"] for k in medians if k.startswith("contention"))
     print(f"  timeouts (LockNotAcquired after wait=5): {timeouts}")
 
-    if args.before is not None:
-        print(f"\n## scripts: the plain acquire/extend/release, {args.before} against this tree, one server")
-        print(f"   EVALSHA on {SCRIPT_CALLS:,} fresh keys per round, pipelined by {SCRIPT_BATCH} (redis-py)")
-        print(
-            f"{'script':8} {'usec_per_call before':>20} {'after':>7} {'x':>5}"
-            f"   {'server CPU us before':>20} {'after':>7} {'x':>5}"
-        )
-        runs = raw["scripts"]
-        for op in ("acquire", "extend", "release"):
-            m = {
-                f"{side_}_{f}": med([r[side_][op][f] for r in runs])
-                for side_ in ("before", "after")
-                for f in ("usec_per_call", "server_cpu_us")
-            }
-            medians[f"scripts / {op}"] = m
-            print(
-                f"{op:8} {m['before_usec_per_call']:20.2f} {m['after_usec_per_call']:7.2f}"
-                f" {m['after_usec_per_call'] / m['before_usec_per_call']:5.2f}"
-                f"   {m['before_server_cpu_us']:20.2f} {m['after_server_cpu_us']:7.2f}"
-                f" {m['after_server_cpu_us'] / m['before_server_cpu_us']:5.2f}"
-            )
+    names = ["before", "after", "after, permit"] if args.before is not None else ["after", "after, permit"]
+    print("\n## scripts: the server's cost of each call, EVALSHA with the same arguments, one server")
+    print(f"   {SCRIPT_CALLS:,} fresh keys per round, pipelined by {SCRIPT_BATCH} (redis-py): plain locks", end="")
+    print(f" with the scripts of {args.before} (before) and of this tree (after)," if args.before else "", end="")
+    print(f" permits (limit={LIMIT}) with this tree's (after, permit)")
+    print(f"{'':14}" + "".join(f"{name:>16}" for name in names) + "   (usec_per_call, then server CPU us per call)")
+    for op in ("acquire", "extend", "release"):
+        m = {
+            f"{name} / {f}": med([r[name][op][f] for r in raw["scripts"]])
+            for name in names
+            for f in ("usec_per_call", "server_cpu_us")
+        }
+        medians[f"scripts / {op}"] = m
+        cells = "".join(f"{m[f'{name} / usec_per_call']:16.2f}" for name in names)
+        cpu_cells = "".join(f"{m[f'{name} / server_cpu_us']:16.2f}" for name in names)
+        ratio = ""
+        if args.before is not None:
+            ratio = f"   after/before {m['after / usec_per_call'] / m['before / usec_per_call']:.2f}x"
+            ratio += f", CPU {m['after / server_cpu_us'] / m['before / server_cpu_us']:.2f}x"
+        print(f"{op + ' usec':14}{cells}{ratio}")
+        print(f"{op + ' CPU us':14}{cpu_cells}")
 
     if args.json is not None:
         meta = {
