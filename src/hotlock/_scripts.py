@@ -58,15 +58,9 @@ PERMIT_MARK = b"#"
 # were asked for, or permits where a plain lock was): below any -(TTL in ms) it can return.
 KIND_CONFLICT = -(2**52)
 
-# Lua shared by the scripts that serve permits: n is TOKEN_BYTES, t the server's TIME.
+# Lua of the permit branches. Each sits inside its script's `if` for permits, so a plain
+# lock's call defines and runs none of it. n is TOKEN_BYTES.
 _NOW = "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end\n"
-_WAKE = """local function wake()
-  local i = string.find(KEYS[1], '{', 1, true)
-  if i and i > 5 then
-    redis.pcall('@PUBLISH@', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
-  end
-end
-"""
 # Keeps the key's TTL at least ms.
 _AT_LEAST = """local function at_least(ms)
   if redis.call('PTTL', KEYS[1]) < ms then redis.call('PEXPIRE', KEYS[1], ms) end
@@ -75,24 +69,10 @@ end
 _PERMIT_ACQUIRE = (
     _NOW
     + _AT_LEAST
-    + """local function permits_gone()
-  local all = redis.call('HGETALL', KEYS[1])
-  local now, last = now_ms(redis.call('TIME')), 0
-  for i = 1, #all, 2 do
-    local f, v = all[i], all[i + 1]
-    if #f == n then
-      if tonumber(string.sub(v, string.find(v, ':', 1, true) + 1)) > now then return nil end
-    elseif f == 'f' then
-      last = tonumber(v)
-    end
-  end
-  return last
-end
-local function permit_acquire()
-  local tok = string.sub(ARGV[1], 1, n)
+    + """local tok = string.sub(ARGV[1], 1, n)
   local limit = tonumber(string.sub(ARGV[1], n + 2))
   local all = redis.pcall('HGETALL', KEYS[1])
-  if all.err then return KIND_CONFLICT end
+  if all.err then return @KIND_CONFLICT@ end
   local t = redis.call('TIME')
   local now, ms = now_ms(t), tonumber(ARGV[2])
   local held, soonest, last, fence = 0, 0, 0, nil
@@ -113,16 +93,61 @@ local function permit_acquire()
       last = tonumber(v)
     end
   end
-  if fence == nil then
+  local until_ms = string.format('%.0f', now + ms)
+  if fence then
+    redis.call('HSET', KEYS[1], tok, fence .. ':' .. until_ms@PERMIT_OWN_MARK@)
+  else
     if held >= limit then
       @PERMIT_MARK@return -soonest
     end
     fence = string.format('%.0f', math.max(tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]), last + 1))
-    redis.call('HSET', KEYS[1], 'f', fence)
+    redis.call('HSET', KEYS[1], tok, fence .. ':' .. until_ms, 'f', fence@PERMIT_OWN_MARK@)
   end
-  redis.call('HSET', KEYS[1], tok, fence .. ':' .. string.format('%.0f', now + ms)@PERMIT_OWN_MARK@)
-  at_least(ms)
+  if #all == 0 then redis.call('PEXPIRE', KEYS[1], ms) else at_least(ms) end
   return tonumber(fence)
+"""
+)
+# A plain acquire that met a hash: its last fence when none of its permits is live any
+# more (the key is then taken as a plain lock), else KIND_CONFLICT.
+_PERMITS_GONE = (
+    _NOW
+    + """local now = now_ms(redis.call('TIME'))
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    local f, w = all[i], all[i + 1]
+    if #f == n then
+      if tonumber(string.sub(w, string.find(w, ':', 1, true) + 1)) > now then return @KIND_CONFLICT@ end
+    elseif f == 'f' then
+      floor = tonumber(w)
+    end
+  end
+"""
+)
+# Publishes on the key's wake-up channel, <prefix>wake:{K} for KEYS[1] = <prefix>lock:{K}
+# (the prefix has no '{', so the first '{' starts the tag; same slot). pcall: an ACL
+# without the channel leaves the waiters to their backoff, never fails the release.
+_WAKE = """local i = string.find(KEYS[1], '{', 1, true)
+    if i and i > 5 then
+      redis.pcall('@PUBLISH@', string.sub(KEYS[1], 1, i - 6) .. 'wake:' .. string.sub(KEYS[1], i), '')
+    end"""
+# The permit ARGV[1] names (token '#' fence, or a bare token: any fence), when it is live:
+# its fence, and TIME; nil otherwise (an expired one is deleted).
+_PERMIT_FIND = (
+    _NOW
+    + """local function permit_find()
+  local v = redis.pcall('HGET', KEYS[1], string.sub(ARGV[1], 1, n))
+  if type(v) ~= 'string' then return nil end
+  if #ARGV[1] > n then
+    local want = string.sub(ARGV[1], n + 2) .. ':'
+    if string.sub(v, 1, #want) ~= want then return nil end
+  end
+  local t = redis.call('TIME')
+  local c = string.find(v, ':', 1, true)
+  if tonumber(string.sub(v, c + 1)) <= now_ms(t) then
+    redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n))
+    return nil
+  end
+  return string.sub(v, 1, c - 1), t
 end
 """
 )
@@ -151,14 +176,12 @@ end
 # that expires first) when none is free, KIND_CONFLICT when the key is a plain lock); a
 # retried acquire finds its own permit and takes no second place.
 _ACQUIRE_FREE = """local n = @TOKEN_BYTES@
-local KIND_CONFLICT = @KIND_CONFLICT@
-@PERMITS@if #ARGV[1] > n then return permit_acquire() end
+if #ARGV[1] > n then
+  @PERMITS@end
 local v = redis.pcall('GET', KEYS[1])
 local floor = 0
 if type(v) == 'table' then
-  floor = permits_gone()
-  if floor == nil then return KIND_CONFLICT end
-  redis.call('DEL', KEYS[1])
+  @PERMITS_GONE@  redis.call('DEL', KEYS[1])
   v = false
 end
 if v == false then
@@ -184,6 +207,7 @@ def _acquire(own_mark: str, mark: str, permit_own_mark: str, permit_mark: str) -
     permits = _PERMIT_ACQUIRE.replace("@PERMIT_OWN_MARK@", permit_own_mark).replace("@PERMIT_MARK@", permit_mark)
     return Script(
         _ACQUIRE_FREE.replace("@PERMITS@", permits)
+        .replace("@PERMITS_GONE@", _PERMITS_GONE)
         .replace("@OWN_MARK@", own_mark)
         .replace("@MARK@", mark)
         .replace("@TOKEN_BYTES@", str(TOKEN_BYTES))
@@ -230,25 +254,6 @@ def is_permit(value: bytes) -> bool:
     return value[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK
 
 
-# The permit's fence as the hash stores it ('<fence>:'), and whether the permit p (its
-# field's value) is still live at now.
-_PERMIT_FIND = """local function permit_find()
-  local v = redis.pcall('HGET', KEYS[1], string.sub(ARGV[1], 1, n))
-  if type(v) ~= 'string' then return nil end
-  if #ARGV[1] > n then
-    local want = string.sub(ARGV[1], n + 2) .. ':'
-    if string.sub(v, 1, #want) ~= want then return nil end
-  end
-  local t = redis.call('TIME')
-  local c = string.find(v, ':', 1, true)
-  if tonumber(string.sub(v, c + 1)) <= now_ms(t) then
-    redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n))
-    return nil
-  end
-  return string.sub(v, 1, c - 1), t
-end
-"""
-
 # KEYS[1] lock key; ARGV[1] the held value (token + fence); ARGV[2] TTL in ms.
 # Returns 1 and sets the TTL to ARGV[2] from now (it never adds to what is left) when
 # the key holds ARGV[1], marked by a waiter ('+') or not; returns 0 and changes nothing
@@ -257,7 +262,7 @@ end
 EXTEND = Script(
     f"""local n = {TOKEN_BYTES}
 if string.byte(ARGV[1], n + 1) == 35 then
-  {_NOW}{_AT_LEAST}{_PERMIT_FIND}  local fence, t = permit_find()
+  {_AT_LEAST}{_PERMIT_FIND}  local fence, t = permit_find()
   if fence == nil then return 0 end
   local ms = tonumber(ARGV[2])
   redis.call('HSET', KEYS[1], string.sub(ARGV[1], 1, n), fence .. ':' .. string.format('%.0f', now_ms(t) + ms))
@@ -284,21 +289,24 @@ return 0"""
 # A permit's held value (token '#' fence), or a bare token on a hash of permits, deletes
 # that permit when live, and wakes a waiter that marked the hash.
 _RELEASE = f"""local n = {TOKEN_BYTES}
-{_WAKE}if string.byte(ARGV[1], n + 1) ~= 35 then
+if string.byte(ARGV[1], n + 1) ~= 35 then
   local v = redis.pcall('GET', KEYS[1])
   if type(v) == 'string' then
     if v == ARGV[1] or v == ARGV[1] .. '+' or (#ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]) then
       redis.call('DEL', KEYS[1])
-      if string.byte(v, -1) == 43 then wake() end
+      if string.byte(v, -1) == 43 then
+        {_WAKE}
+      end
       return 1
     end
     return 0
   end
   if v == false or #ARGV[1] ~= n then return 0 end
 end
-{_NOW}{_PERMIT_FIND}if permit_find() == nil then return 0 end
-redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n))
-if redis.call('HDEL', KEYS[1], 'w') == 1 then wake() end
+{_PERMIT_FIND}if permit_find() == nil then return 0 end
+if redis.call('HDEL', KEYS[1], string.sub(ARGV[1], 1, n), 'w') == 2 then
+  {_WAKE}
+end
 return 1"""
 RELEASE = Script(_RELEASE.replace("@PUBLISH@", "PUBLISH"))
 # RELEASE on a Redis Cluster: the wake-up goes out by sharded pub/sub (SPUBLISH, Redis 7+),
