@@ -311,6 +311,9 @@ def child_scripts(url: str, sources_path: str, tag: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, tree, permit in variants:
         sha = shas[tree]
+        # Every variant on an empty keyspace: one that ran while the server grew (rehashed)
+        # its key table after another's 20,000 keys would pay for that growth.
+        r.flushall()
         keys = [stored(b"hotlock:lock:", f"limits:{tag}:{name}:{i}".encode()) for i in range(SCRIPT_CALLS)]
         tokens = [os.urandom(TOKEN_BYTES) for _ in keys]
         ask = [t + b"#%d" % LIMIT for t in tokens] if permit else tokens

@@ -179,15 +179,17 @@ _ACQUIRE_FREE = """local n = @TOKEN_BYTES@
 if #ARGV[1] > n then
   @PERMITS@end
 local v = redis.pcall('GET', KEYS[1])
-local floor = 0
 if type(v) == 'table' then
+  local floor = 0
   @PERMITS_GONE@  redis.call('DEL', KEYS[1])
-  v = false
+  local t = redis.call('TIME')
+  local f = string.format('%.0f', math.max(tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]), floor + 1))
+  redis.call('SET', KEYS[1], ARGV[1] .. f@OWN_MARK@, 'PX', ARGV[2])
+  return tonumber(f)
 end
 if v == false then
   local t = redis.call('TIME')
   local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
-  if floor >= tonumber(f) then f = string.format('%.0f', floor + 1) end
   redis.call('SET', KEYS[1], ARGV[1] .. f@OWN_MARK@, 'PX', ARGV[2])
   return tonumber(f)
 end
