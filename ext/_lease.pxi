@@ -18,7 +18,8 @@ from libc.math cimport isfinite, rint
 from types import MemberDescriptorType
 
 from hotlock import _ident
-from hotlock._validate import DEFAULT_TTL, MAX_KEY_BYTES, MAX_TTL_MS, key_bytes, ttl_ms
+from hotlock._scripts import permit_ask
+from hotlock._validate import DEFAULT_TTL, MAX_KEY_BYTES, MAX_LIMIT, MAX_TTL_MS, key_bytes, ttl_ms
 
 
 cdef extern from "Python.h":
@@ -38,6 +39,7 @@ cdef extern from "Python.h":
 
 cdef Py_ssize_t _MAX_KEY = MAX_KEY_BYTES
 cdef long long _MAX_TTL_MS = MAX_TTL_MS
+cdef long long _MAX_LIMIT = MAX_LIMIT
 # The fields a new lease gets from its acquisition; Lease.__init__ sets the same ones.
 cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_pid", "_deadline", "_since")
 DEF _MAX_SLOTS = 64
@@ -130,8 +132,9 @@ cdef class _Taker:
             self._n_rest += 1
         self._pop = _ident._pool.popleft
 
-    cdef object _take(self, key, ttl):
-        """Cache.lock(key, ttl): the Lock, or the acquire's result (<= 0) when held elsewhere."""
+    cdef object _take(self, key, ttl, long long limit):
+        """Cache.lock(key, ttl, limit=limit): the Lock, or the acquire's result (<= 0) when
+        held elsewhere."""
         cdef const char *s = NULL
         cdef Py_ssize_t n = 0, p
         cdef long long ms, fence
@@ -175,6 +178,8 @@ cdef class _Taker:
             token = self._pop()
         except IndexError:
             token = _ident.new_token()  # the pool is empty: it refills
+        if limit != 1:
+            token = permit_ask(token, limit)  # the lease's held value is then token '#' fence
         sent = _monotonic()
         self._backend._scripts(_SHA_ACQUIRE, name, token, 1, ms, self._backend._rule(0.0, True),
                                "acquire", name, &fence)
@@ -296,6 +301,7 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
     cdef PyObject *taker
     cdef Py_ssize_t i
     cdef object key, ttl = DEFAULT_TTL
+    cdef long long limit = 1
     cdef bint got_ttl = nargs == 2
     if nargs < 1 or nargs > 2:
         return _as_given(_py_lock, self, args, nargs, kwnames)
@@ -303,22 +309,24 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
     if got_ttl:
         ttl = <object>args[1]
     if kwnames is not NULL:
-        # Only a ttl=..., auto_extend=False, max_hold=None or limit=1 keyword keeps the common case.
+        # Only a ttl=..., auto_extend=False, max_hold=None or limit=<an int limit_int takes
+        # as it is> keyword keeps the common case.
         for i in range(PyTuple_GET_SIZE(<object>kwnames)):
             name = <object>PyTuple_GET_ITEM(<object>kwnames, i)
             value = <object>args[nargs + i]
             if name == "ttl" and not got_ttl:
                 ttl = value
                 got_ttl = True
-            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)
-                      or (name == "limit" and type(value) is int and value == 1)):
+            elif name == "limit" and type(value) is int and 1 <= value <= _MAX_LIMIT:
+                limit = value
+            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
                 return _as_given(_py_lock, self, args, nargs, kwnames)
     if isinstance(self, _cache_cls):
         taker = _slot(self, _at_take)
         if taker is not NULL and type(<object>taker) is _Taker:
-            lock = (<_Taker><object>taker)._take(key, ttl)
+            lock = (<_Taker><object>taker)._take(key, ttl, limit)
             if type(lock) is int:
-                raise self._not_acquired(key, lock, None)
+                raise self._not_acquired(key, lock, None, limit)
             return lock
     return _as_given(_py_lock, self, args, nargs, kwnames)
 

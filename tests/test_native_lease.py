@@ -119,6 +119,32 @@ def test_the_one_call_lock_is_the_python_paths_lock(
     assert redis_server.client().keys("hotlock:lock:*") == []
 
 
+@pytest.mark.parametrize("limit", [2, 4, 2**31 - 1])
+def test_the_one_call_permit_is_the_python_paths_permit(
+    caches: tuple[hotlock.Cache, hotlock.Cache], redis_server: RedisServer, limit: int
+) -> None:
+    fast, slow = caches
+    a = fast.lock("permits", 30, limit=limit)
+    b = slow.lock("permits", 30, limit=limit)
+    try:
+        assert type(a) is type(b) is hotlock.Lock
+        for slot in SLOTS:
+            assert type(getattr(a, slot)) is type(getattr(b, slot)), slot
+        for lk in (a, b):
+            assert lk._token[16:] == b"#%d" % lk.fence  # token '#' fence
+        assert a.fence < b.fence and a._name == b._name
+        a.extend(20)
+        assert 19 < a.valid_for() <= 20
+    finally:
+        assert a.unlock() is True and b.unlock() is True
+    if limit == 2:
+        held = [fast.lock("full", 30, limit=2), slow.lock("full", 30, limit=2)]
+        for cache in caches:
+            with pytest.raises(hotlock.LockNotAcquired, match=r"limit=2"):
+                cache.lock("full", 30, limit=2)
+        assert all(lk.unlock() for lk in held)
+
+
 def test_a_one_call_lock_extends_releases_and_reports_held(caches: tuple[hotlock.Cache, hotlock.Cache]) -> None:
     fast, slow = caches
     lock = fast.lock("shared", 30)
@@ -333,12 +359,21 @@ def test_cache_lock_takes_the_python_method_only_off_the_common_case(
             fast.lock("route-3", ttl=2.5),
             fast.lock(b"route-4", 30, auto_extend=False, max_hold=None),
             fast.lock("route-5", max_hold=None),
+            fast.lock("route-9", 30, limit=1),
+            fast.lock("route-10", 30, limit=3),
         ]
         assert calls == []
         taken.append(fast.lock("route-6", 30, auto_extend=True))
         taken.append(fast.lock(key="route-7"))  # the key by keyword: the Python method
         taken.append(redispy.lock("route-8"))  # another backend
-        assert calls == [("route-6", 30, ("auto_extend", True)), (("key", "route-7"),), ("route-8",)]
+        with pytest.raises(ValueError):
+            fast.lock("route-11", 30, limit=0)  # refused by the Python method's limit_int
+        assert calls == [
+            ("route-6", 30, ("auto_extend", True)),
+            (("key", "route-7"),),
+            ("route-8",),
+            ("route-11", 30, ("limit", 0)),
+        ]
         assert all(lk.unlock() for lk in taken)
     finally:
         native.cache_lock(Cache, python_lock)

@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_TTL",
     "MAX_KEY_BYTES",
+    "MAX_LIMIT",
     "MAX_TTL_MS",
     "MIN_AUTO_TTL_MS",
     "Seconds",
@@ -126,6 +127,9 @@ def auto_extend_ms(auto_extend: object, max_hold: object, ttl: int) -> int | Non
     return ms
 
 
+MAX_LIMIT = 2**31 - 1
+
+
 def limit_int(limit: object) -> int:
     """A concurrency limit: an int >= 1 (1, the default, is a plain lock)."""
     if type(limit) is int and limit == 1:  # the hot path: one type test
@@ -134,7 +138,7 @@ def limit_int(limit: object) -> int:
         raise TypeError(f"limit must be an int (the most holders at once), not {type(limit).__name__}")
     if limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
-    if limit >= 2**31:
+    if limit > MAX_LIMIT:
         raise ValueError(f"limit must be below 2**31, not {limit}")
     return limit
 
