@@ -133,8 +133,8 @@ dist-check: dist compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin HOTLOCK_TEST_DIST=$(CURDIR)/dist \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
 
-test-slow: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m slow
+test-slow: compile tools
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -m slow
 
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv
