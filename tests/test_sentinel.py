@@ -30,6 +30,12 @@ from hotlock.aio._backend import native_aio
 from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy
 
+# Each test starts its own topology and most wait out a failover. On the first server kind
+# (Redis) in make test; on Valkey (its own sentinel mode) the discovery and the planned
+# failover are followed in make test too (the two tests marked slow_variants() below), the
+# rest in make test-slow.
+pytestmark = pytest.mark.slow_variants("server_kind")
+
 SERVICE = "mymaster"
 # Short timeouts: the gap a failover leaves is made of them.
 TIMEOUT = 0.3
@@ -218,6 +224,7 @@ def test_bad_sentinel_urls_are_value_errors(url: str) -> None:
         parse_url(url, connect_timeout=1, timeout=1)
 
 
+@pytest.mark.slow_variants()
 def test_unknown_service_is_a_cache_error_naming_it(redis_backend: str, topology: Topology) -> None:
     url = topology.url.replace(SERVICE, "nosuch")
     with pytest.raises(CacheError, match="nosuch"):
@@ -274,6 +281,7 @@ def _check_resumed(outcome: dict[str, object]) -> None:
     assert all(type(e) is CacheError for e in errors), {type(e).__name__ for e in errors}  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow_variants()
 def test_follows_the_primary_through_sentinel_failover(redis_backend: str, topology: Topology) -> None:
     old = topology.primary_port()
     cache = hotlock.connect(topology.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT)
