@@ -96,6 +96,13 @@ def _wait(what: str, ok: object, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _replica_acks(primary: RedisServer) -> bool:
+    side = primary.client()
+    side.set("topology-ack", 1)
+    side.delete("topology-ack")
+    return int(side.wait(1, 100)) >= 1
+
+
 def _ping_period(topo: Topology, i: int, ms: int) -> int:
     """Set sentinel i's ping period (which also paces its reconnects) to ``ms``, once it
     answers; return the one it had (SENTINEL DEBUG, Redis 7.0+ and Valkey)."""
@@ -133,6 +140,10 @@ def start_topology(kind: str, replica_via_proxy: bool = False) -> Topology:
     ids = {port: os.urandom(20).hex() for port in topo.sentinel_ports}
     try:
         _wait("the replica to sync", lambda: replica.client().info("replication")["master_link_status"] == "up")
+        # ...and to have acknowledged a write: after a diskless sync the primary sends the
+        # replica nothing (a WAIT's GETACK included) until the replica's first ACK, up to
+        # a second later, and a test under wait_replicas would see 0 replicas.
+        _wait("the replica to acknowledge a write", lambda: _replica_acks(primary))
         for port in topo.sentinel_ports:
             conf = os.path.join(workdir, f"sentinel-{port}.conf")
             known = "".join(
