@@ -287,14 +287,16 @@ def test_the_release_of_a_lost_block_still_happens_in_the_background(raio: Aio) 
     raio.run(main())
 
 
-def test_a_release_racing_renewals_leaves_no_key_behind(raio: Aio) -> None:
+# Eight tasks of ``rounds`` leases each: 64 in make test, 160 in make test-slow.
+@pytest.mark.parametrize("rounds", [8, pytest.param(20, marks=pytest.mark.slow)])
+def test_a_release_racing_renewals_leaves_no_key_behind(raio: Aio, rounds: int) -> None:
     async def main() -> None:
         async with await raio.connect() as cache:
             lies: list[Any] = []
             released: set[Any] = set()
 
             async def worker(n: int) -> None:
-                for i in range(20):
+                for i in range(rounds):
                     lock = await cache.lock(f"race-{n}-{i}", ttl=0.3, auto_extend=True)
                     lock.on_lost(lambda lk: lies.append(lk) if lk in released else None)
                     await asyncio.sleep((n * 7 + i * 13) % 25 / 100)  # 0..0.24 s: renewals in flight

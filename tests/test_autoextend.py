@@ -40,10 +40,11 @@ LONG_REPLY_TIMEOUT = 2.5
 # interval, a round trip. The measured lateness is far below it (see bench/results.md).
 SLACK = 0.25
 # The tests marked slow_variants("server_kind") wait on what the client times: the renewer's
-# deadlines and batching, reply timeouts, max_hold, cancellation. They run on Redis in make
-# test and on Valkey in make test-slow; the ones that show the server's own extend and
-# release under the renewer (outliving the TTL, lock_wait/lock_many, a manual extend, a
-# deletion or takeover elsewhere, a release racing renewals, the soak) run on both.
+# deadlines and batching, reply timeouts, max_hold, cancellation (and the 8 s soak, below).
+# They run on Redis in make test and on Valkey in make test-slow; the ones that show the
+# server's own extend and release under the renewer (outliving the TTL, lock_wait and
+# lock_many, a manual extend, a deletion or takeover elsewhere, a release racing renewals)
+# run on both.
 
 
 class CountingBackend:
@@ -388,9 +389,11 @@ def test_a_callback_may_unlock_and_lock_without_deadlock(cache: Cache, redis_ser
 # -- the renewer never lies -----------------------------------------------------------
 
 
-def test_a_release_racing_renewals_leaves_no_key_behind(rcache: Cache, redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("rounds", [10, pytest.param(25, marks=pytest.mark.slow)])
+def test_a_release_racing_renewals_leaves_no_key_behind(rcache: Cache, redis_server: RedisServer, rounds: int) -> None:
     """Hammer: short-TTL auto leases released at random moments, renewals in flight all the
-    time. No key may outlive its release, and no loss may be told for a released lease."""
+    time. No key may outlive its release, and no loss may be told for a released lease.
+    Six threads of ``rounds`` leases each: 60 in make test, 150 in make test-slow."""
     lies: list[object] = []
     released: set[hotlock.Lock] = set()  # kept alive, so no id is reused
     errors: list[BaseException] = []
@@ -398,7 +401,7 @@ def test_a_release_racing_renewals_leaves_no_key_behind(rcache: Cache, redis_ser
     def worker(n: int) -> None:
         rng = random.Random(n)
         try:
-            for i in range(25):
+            for i in range(rounds):
                 lock = rcache.lock(f"race-{n}-{i}", ttl=0.3, auto_extend=True)
                 lock.on_lost(lambda lk: lies.append(lk) if lk in released else None)
                 time.sleep(rng.uniform(0, 0.25))  # a renewal every 100 ms: often in flight
@@ -589,6 +592,9 @@ def run_soak(url: str, backend: str, seconds: float, processes: int = 4, keys: i
     return checker
 
 
+# 8 s of TTLs on each kind: on Redis in make test; the Valkey run, with the long soak, in
+# make test-slow (the renewer's extend on Valkey is shown by the tests above).
+@pytest.mark.slow_variants("server_kind")
 def test_soak_auto_extended_holders_never_overlap(redis_backend: str, redis_url: str) -> None:
     # ~8 s: 2 keys, 4 processes, each section 3 s on a 1 s TTL.
     checker = run_soak(redis_url, redis_backend, seconds=8.0)
