@@ -504,12 +504,15 @@ def test_sources_without_the_pinned_hiredis_build_on_the_system_libhiredis(
 @pytest.mark.parametrize(
     ("case", "env", "line"),
     [
+        # The failed compile runs Cython and the compiler's first call (11 s): make test-slow's.
+        # make test shows the same fallback, one line and pure Python, by no-hiredis-at-all.
         pytest.param(
             "no-compiler",
             {"CC": "/bin/false"},
             "hotlock: the native extension did not build (compiling failed: /bin/false exited with status 1): "
             "pure-Python install",
             id="no-compiler",
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             "no-hiredis-at-all",
