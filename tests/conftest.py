@@ -340,12 +340,28 @@ def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("topology", [t for t in marker.args if t in ENABLED_TOPOLOGIES], indirect=True)
 
 
+# -- the long variants of a test ----------------------------------------------------------
+# @pytest.mark.slow_variants("server_kind", "redis_backend", ...) on a test (or on a module,
+# by pytestmark): make test runs the variant in which every parameter named takes its first
+# value (server_kind: the first of SERVERS, Redis; a fixture's parameter: its first param);
+# the others are marked slow, for make test-slow. It is for the tests whose cost is waiting
+# (reply timeouts, TTLs, failovers) and whose subject is the client, not the server kind.
+# A test's own @pytest.mark.slow_variants() (no names) takes it out of its module's.
+
+
+# tryfirst: before the mark plugin applies -m, which must see the slow marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the pairs that would only repeat or cannot exist: an in-process (memory)
     backend runs on one server kind and one topology (it never talks to the server), and
-    the test cluster is Redis processes, so a cluster test runs once, not per server kind."""
+    the test cluster is Redis processes, so a cluster test runs once, not per server kind.
+    Mark the long variants (slow_variants, above) slow."""
     keep, drop = [], []
     for item in items:
+        marker = item.get_closest_marker("slow_variants")
+        indices = getattr(getattr(item, "callspec", None), "indices", {})
+        if marker is not None and any(indices.get(name, 0) != 0 for name in marker.args):
+            item.add_marker(pytest.mark.slow)
         params = getattr(getattr(item, "callspec", None), "params", {})
         on_memory = "memory" in (params.get("backend"), params.get("aio_backend"), params.get("aio"))
         on_cluster = params.get("topology", "single") == "cluster"
@@ -471,3 +487,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         found = leftovers_after(_loops_closed != before)
         if found and sys.exc_info()[0] is None:
             pytest.fail("the test left work behind:\n  " + "\n  ".join(found), pytrace=False)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What is alive once the tests are collected (modules, plugins, the test items) is
+    collected once and frozen (gc.freeze): the gc.collect() after each test that ran a
+    loop skips it. Nothing a test makes is among it; that collection, about 50 ms on the
+    whole heap (a second per 20 async tests), takes a few ms."""
+    gc.collect()
+    gc.freeze()

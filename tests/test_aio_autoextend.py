@@ -30,8 +30,14 @@ from .test_aio import Aio, aio, loop_kind, raio  # noqa: F401  (fixtures)
 
 SLACK = 0.25  # as in tests/test_autoextend.py: loose, for a loaded CI machine
 REPLY_TIMEOUT = 0.3
-# Far longer than the TTLs below: a known loss must be raised without waiting for a reply.
-LONG_REPLY_TIMEOUT = 5.0
+# Far longer than the TTL below (five times it): a known loss must be raised without waiting
+# for a reply.
+LONG_REPLY_TIMEOUT = 2.5
+# The tests marked slow_variants("server_kind") wait on what the client times: the renewer's
+# deadlines and batching, reply timeouts, max_hold, cancellation. They run on Redis in make
+# test and on Valkey in make test-slow; the ones that show the server's own extend and
+# release under the renewer (outliving the TTL, a deletion elsewhere, a release racing
+# renewals, close) run on both.
 
 
 @pytest.fixture(params=["uncancel", "py310"])
@@ -113,6 +119,7 @@ def test_deletion_elsewhere_cancels_the_block_which_raises_lock_lost(aio: Aio, c
     aio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_cancellation_from_outside_stays_a_cancelled_error(aio: Aio, cancel_kind: str) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -134,6 +141,7 @@ def test_a_cancellation_from_outside_stays_a_cancelled_error(aio: Aio, cancel_ki
     aio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_cancellation_from_outside_at_the_loss_stays_a_cancelled_error(aio: Aio, cancel_kind: str) -> None:
     """Both at once: the renewer cancels the block for the loss, and (in the on_lost
     callback, right after) somebody cancels the task from outside. The outside one wins."""
@@ -166,6 +174,7 @@ def test_a_cancellation_from_outside_at_the_loss_stays_a_cancelled_error(aio: Ai
     aio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_lost_block_that_swallows_the_cancellation_still_raises_lock_lost(aio: Aio, cancel_kind: str) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:
@@ -186,6 +195,7 @@ def test_a_lost_block_that_swallows_the_cancellation_still_raises_lock_lost(aio:
     aio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 @pytest.mark.parametrize(("ttl", "max_hold"), [(0.6, 1.2), (1.0, 1.5)])
 def test_max_hold_cancels_the_block_and_the_key_expires_with_the_loss(aio: Aio, ttl: float, max_hold: float) -> None:
     """The renewals max_hold allows extend only up to it, so the key is free when the
@@ -209,6 +219,7 @@ def test_max_hold_cancels_the_block_and_the_key_expires_with_the_loss(aio: Aio, 
     aio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_manual_extend_is_capped_by_max_hold(raio: Aio) -> None:
     async def main() -> None:
         async with await raio.connect() as cache:
@@ -223,6 +234,7 @@ def test_a_manual_extend_is_capped_by_max_hold(raio: Aio) -> None:
     raio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_lost_block_raises_lock_lost_at_once_while_redis_is_blackholed(raio: Aio, proxy: FaultProxy) -> None:
     """With a reply timeout five times the TTL: the block is cancelled at the deadline and
     LockLost reaches the caller then, not after the release's reply timeouts (the release
@@ -236,7 +248,7 @@ def test_a_lost_block_raises_lock_lost_at_once_while_redis_is_blackholed(raio: A
         try:
             deadline = 0.0
             with pytest.raises(LockLost, match="TTL ran out"):
-                async with cache.lock("bh-exit", ttl=1.0, auto_extend=True) as lock:
+                async with cache.lock("bh-exit", ttl=0.5, auto_extend=True) as lock:
                     await asyncio.sleep(0.1)
                     proxy.blackhole(True)
                     deadline = lock._deadline  # no renewal gets through from here on
@@ -275,14 +287,16 @@ def test_the_release_of_a_lost_block_still_happens_in_the_background(raio: Aio) 
     raio.run(main())
 
 
-def test_a_release_racing_renewals_leaves_no_key_behind(raio: Aio) -> None:
+# Eight tasks of ``rounds`` leases each: 64 in make test, 160 in make test-slow.
+@pytest.mark.parametrize("rounds", [8, pytest.param(20, marks=pytest.mark.slow)])
+def test_a_release_racing_renewals_leaves_no_key_behind(raio: Aio, rounds: int) -> None:
     async def main() -> None:
         async with await raio.connect() as cache:
             lies: list[Any] = []
             released: set[Any] = set()
 
             async def worker(n: int) -> None:
-                for i in range(20):
+                for i in range(rounds):
                     lock = await cache.lock(f"race-{n}-{i}", ttl=0.3, auto_extend=True)
                     lock.on_lost(lambda lk: lies.append(lk) if lk in released else None)
                     await asyncio.sleep((n * 7 + i * 13) % 25 / 100)  # 0..0.24 s: renewals in flight
@@ -318,6 +332,7 @@ def test_close_stops_the_renewer_and_the_leases_expire(raio: Aio) -> None:
     raio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_blackholed_renewer_cancels_the_work_when_valid_for_reaches_zero(
     raio: Aio, proxy: FaultProxy, cancel_kind: str
 ) -> None:
@@ -353,6 +368,7 @@ def test_blackholed_renewer_cancels_the_work_when_valid_for_reaches_zero(
     raio.run(main())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_renewals_of_one_ttl_share_a_round_trip(aio: Aio) -> None:
     async def main() -> None:
         async with await aio.connect() as cache:

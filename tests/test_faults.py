@@ -111,6 +111,8 @@ def test_lost_acquire_reply_under_contention_is_still_a_conflict(
     assert stored(redis_server, "contended") == holder._token
 
 
+# The faults hit the acquire, the same script on every server kind: Valkey's run is slow.
+@pytest.mark.slow_variants("server_kind")
 @pytest.mark.parametrize("fault", ["drop_reply", "drop_request", "reset_after_request", "reset_now"])
 def test_after_one_lost_message_holding_a_lock_iff_the_key_holds_its_token(
     pcache: hotlock.Cache, proxy: FaultProxy, redis_server: RedisServer, fault: str
@@ -157,6 +159,7 @@ def test_lost_release_reply_in_a_with_block_is_silent(
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "release" in r.getMessage()]
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_blackhole_during_lock_wait_is_a_cache_error_within_wait_plus_one_reply_timeout(
     pcache: hotlock.Cache, proxy: FaultProxy
 ) -> None:
@@ -178,6 +181,7 @@ def test_blackhole_during_lock_wait_is_a_cache_error_within_wait_plus_one_reply_
     assert elapsed >= 0.8
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_blackhole_from_the_start_of_lock_wait(pcache: hotlock.Cache, proxy: FaultProxy) -> None:
     pcache.lock("busy2", ttl=30)
     proxy.blackhole(True)
@@ -187,6 +191,7 @@ def test_blackhole_from_the_start_of_lock_wait(pcache: hotlock.Cache, proxy: Fau
     assert time.monotonic() - started < 1.0 + REPLY_TIMEOUT + 0.15
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_blackhole_costs_one_reply_timeout_for_extend_and_unlock(pcache: hotlock.Cache, proxy: FaultProxy) -> None:
     lock = pcache.lock("bh", ttl=30)
     proxy.blackhole(True)
@@ -505,6 +510,7 @@ def aio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_async_blackhole_during_lock_wait_is_a_cache_error_within_wait_plus_one_reply_timeout(
     aio_backend: str, proxy: FaultProxy
 ) -> None:
@@ -756,6 +762,7 @@ def test_lost_set_nx_reply_is_a_cache_error_not_a_false(
     assert side.get(stored_key(ONCE, b"hs-lost-once")) == b"mine"
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_blackholed_handshake_costs_the_call_budget(hcache: hotlock.Cache, hproxy: FaultProxy) -> None:
     """A server that accepts but never answers: a fresh connection's call ends in CacheError
     within two reply timeouts (the handshake and its one retry), lock_wait within
@@ -968,6 +975,7 @@ def test_connect_retries_a_lost_handshake_reply(redis_backend: str, hproxy: Faul
         cache.close()
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_async_blackholed_handshake_costs_the_call_budget(aio_backend: str, aio_loop: str, hproxy: FaultProxy) -> None:
     async def main() -> None:
         cache = await hotlock.aio.connect(

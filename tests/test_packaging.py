@@ -28,6 +28,7 @@ the Makefile makes (HOTLOCK_DIST_TOOLS), else from PATH.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
@@ -49,7 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI") == "true"
 
 # Building and installing compile the extension (20-60 s each on a busy 2-core machine).
-pytestmark = pytest.mark.timeout(900)
+# What is tested is the package, not the server: the round trips run on the first server
+# kind (Redis) in make test, on every kind in make test-slow.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow_variants("server_kind")]
 
 # The libraries a manylinux wheel may take from the system: glibc's own (PEP 600). Anything
 # else the extension needs must be inside the wheel.
@@ -295,7 +298,26 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
         sdists = sorted(Path(given).glob("hotlock-*.tar.gz"))
         assert len(sdists) == 1, f"expected one sdist in {given}, found {sdists}"
         return Dist(sdists[0], {wheel_tag(w): w for w in Path(given).glob("hotlock-*.whl")})
-    out = tmp_path_factory.mktemp("dist")
+    # Built once per run: under pytest-xdist the first worker to ask builds it, under a lock
+    # in the run's temporary directory (the workers' common parent), and the others wait for
+    # it and take the same files.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "dist"
+    with open(shared / "dist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            _build_dist(out)
+            (out / "built").touch()
+    (sdist,) = out.glob("hotlock-*.tar.gz")
+    (wheel,) = out.glob("hotlock-*manylinux*.whl")
+    return Dist(sdist, {wheel_tag(wheel): wheel})
+
+
+def _build_dist(out: Path) -> None:
     # Built from the checkout as `make dist` does: the sdist, then the wheel from the sdist.
     run([tool("pyproject-build"), "--sdist", "--outdir", str(out), str(ROOT)], env=clean_env())
     (sdist,) = out.glob("hotlock-*.tar.gz")
@@ -309,8 +331,6 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     # libssl and libcrypto stay the system's (one OpenSSL per process), as make dist does.
     run([tool("auditwheel"), "repair", "--strip", "--exclude", "libssl.so.3", "--exclude", "libcrypto.so.3",
          "-w", str(out), str(built)], env=env)  # fmt: skip
-    (wheel,) = out.glob("hotlock-*manylinux*.whl")
-    return Dist(sdist, {wheel_tag(wheel): wheel})
 
 
 def _wheel_tags() -> list[str]:
@@ -484,12 +504,15 @@ def test_sources_without_the_pinned_hiredis_build_on_the_system_libhiredis(
 @pytest.mark.parametrize(
     ("case", "env", "line"),
     [
+        # The failed compile runs Cython and the compiler's first call (11 s): make test-slow's.
+        # make test shows the same fallback, one line and pure Python, by no-hiredis-at-all.
         pytest.param(
             "no-compiler",
             {"CC": "/bin/false"},
             "hotlock: the native extension did not build (compiling failed: /bin/false exited with status 1): "
             "pure-Python install",
             id="no-compiler",
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             "no-hiredis-at-all",

@@ -30,6 +30,12 @@ from hotlock.aio._backend import native_aio
 from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy
 
+# Each test starts its own topology and most wait out a failover. On the first server kind
+# (Redis) in make test; on Valkey (its own sentinel mode) the discovery and the planned
+# failover are followed in make test too (the two tests marked slow_variants() below), the
+# rest in make test-slow.
+pytestmark = pytest.mark.slow_variants("server_kind")
+
 SERVICE = "mymaster"
 # Short timeouts: the gap a failover leaves is made of them.
 TIMEOUT = 0.3
@@ -90,6 +96,28 @@ def _wait(what: str, ok: object, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _replica_acks(primary: RedisServer) -> bool:
+    side = primary.client()
+    side.set("topology-ack", 1)
+    side.delete("topology-ack")
+    return int(side.wait(1, 100)) >= 1
+
+
+def _ping_period(topo: Topology, i: int, ms: int) -> int:
+    """Set sentinel i's ping period (which also paces its reconnects) to ``ms``, once it
+    answers; return the one it had (SENTINEL DEBUG, Redis 7.0+ and Valkey)."""
+
+    def answers() -> bool:
+        with topo.sentinel(i) as s:
+            return bool(s.ping())
+
+    _wait(f"sentinel {i} to answer", answers)
+    with topo.sentinel(i) as s:
+        was = s.execute_command("SENTINEL", "DEBUG")[b"PING-PERIOD"]  # redis-py makes it a dict
+        s.execute_command("SENTINEL", "DEBUG", "PING-PERIOD", ms)
+    return int(was)
+
+
 def start_topology(kind: str, replica_via_proxy: bool = False) -> Topology:
     """A primary, a replica and three sentinels, all of ``kind``: Valkey's sentinels are its
     own sentinel mode (valkey-server --sentinel), Redis's are redis-sentinel."""
@@ -105,34 +133,65 @@ def start_topology(kind: str, replica_via_proxy: bool = False) -> Topology:
     # the proxy) once failover-timeout has passed; a long one keeps the proxy in the path.
     failover_timeout_ms = 60_000 if replica_via_proxy else 2000
     topo = Topology(primary, replica, [free_port() for _ in range(3)], workdir, proxy)
+    # Each sentinel is told its own id, the replica and the other two up front (the lines a
+    # sentinel writes to its own config once it has found them), and, while it starts,
+    # retries a link every 0.1 s, not every 1 s: the first to start finds the others not
+    # yet listening. Left to find each other by the hellos every 2 s they took 2-3 s.
+    ids = {port: os.urandom(20).hex() for port in topo.sentinel_ports}
     try:
         _wait("the replica to sync", lambda: replica.client().info("replication")["master_link_status"] == "up")
+        # ...and to have acknowledged a write: after a diskless sync the primary sends the
+        # replica nothing (a WAIT's GETACK included) until the replica's first ACK, up to
+        # a second later, and a test under wait_replicas would see 0 replicas.
+        _wait("the replica to acknowledge a write", lambda: _replica_acks(primary))
         for port in topo.sentinel_ports:
             conf = os.path.join(workdir, f"sentinel-{port}.conf")
+            known = "".join(
+                f"sentinel known-sentinel {SERVICE} 127.0.0.1 {other} {ids[other]}\n"
+                for other in topo.sentinel_ports
+                if other != port
+            )
             with open(conf, "w") as f:
                 f.write(
                     f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {workdir}\n"
                     f"logfile {workdir}/sentinel-{port}.log\n"
+                    f"sentinel myid {ids[port]}\n"
                     f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
                     # Fast detection and retries keep a failover to a couple of seconds.
                     f"sentinel down-after-milliseconds {SERVICE} 400\n"
                     f"sentinel failover-timeout {SERVICE} {failover_timeout_ms}\n"
+                    f"sentinel known-replica {SERVICE} 127.0.0.1 {replica.port}\n"
+                    f"{known}"
                 )
             exe = server_exe(kind, sentinel=True)
             topo.sentinels.append(
                 subprocess.Popen([exe[0], conf, *exe[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             )
+        ping_periods = [_ping_period(topo, i, 100) for i in range(3)]
+
+        def down(instance: dict[str, object]) -> bool:
+            return bool(instance["is_sdown"] or instance["is_disconnected"])
 
         def ready() -> bool:
+            # Every sentinel is connected to the primary, the replica and the other two, none
+            # of them marked down, and has read the replica's INFO: a replica never read is
+            # no candidate to promote.
             for i in range(3):
                 with topo.sentinel(i) as s:
-                    state = s.sentinel_master(SERVICE)
-                if int(state["num-other-sentinels"]) != 2 or int(state["num-slaves"]) != 1:
+                    primary_state = s.sentinel_master(SERVICE)
+                    others = s.sentinel_sentinels(SERVICE)
+                    replicas = s.sentinel_slaves(SERVICE)
+                if down(primary_state) or len(others) != 2 or any(down(o) for o in others):
+                    return False
+                if len(replicas) != 1 or down(replicas[0]) or not replicas[0]["runid"]:
+                    return False
+                if replicas[0]["master-link-status"] != "ok":
                     return False
             return True
 
-        # Sentinels find each other through hello messages every 2 s.
         _wait("three sentinels that know the replica and each other", ready)
+        for i, period in enumerate(ping_periods):
+            _ping_period(topo, i, period)
     except BaseException:
         topo.stop()
         raise
@@ -176,6 +235,7 @@ def test_bad_sentinel_urls_are_value_errors(url: str) -> None:
         parse_url(url, connect_timeout=1, timeout=1)
 
 
+@pytest.mark.slow_variants()
 def test_unknown_service_is_a_cache_error_naming_it(redis_backend: str, topology: Topology) -> None:
     url = topology.url.replace(SERVICE, "nosuch")
     with pytest.raises(CacheError, match="nosuch"):
@@ -232,6 +292,7 @@ def _check_resumed(outcome: dict[str, object]) -> None:
     assert all(type(e) is CacheError for e in errors), {type(e).__name__ for e in errors}  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow_variants()
 def test_follows_the_primary_through_sentinel_failover(redis_backend: str, topology: Topology) -> None:
     old = topology.primary_port()
     cache = hotlock.connect(topology.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT)

@@ -323,6 +323,7 @@ def own_server(server_kind: str) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_the_subscriber_survives_a_server_restart(redis_backend: str, own_server: RedisServer) -> None:
     with open_cache(redis_backend, own_server.url, timeout=0.5) as cache:
         handoffs(cache, cache, "restarted", 2, 0.05)
@@ -357,6 +358,7 @@ def _child_waits(cache: hotlock.Cache, parent_hub_id: int, out: object) -> None:
     out.value = int(id(hub) != parent_hub_id and hub.pid != 0)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_a_forked_child_never_uses_its_parents_subscriber(
     redis_backend: str, redis_url: str, redis_server: RedisServer
 ) -> None:
@@ -483,6 +485,7 @@ def test_async_wakeups_false_and_acl_fall_back_to_polling(
     assert len([r for r in caplog.records if "wake-ups are off" in r.getMessage()]) == 1
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_async_the_subscriber_survives_a_server_restart(raio: Aio, own_server: RedisServer) -> None:
     async def main() -> None:
         async with await hotlock.aio.connect(own_server.url, backend=raio.backend, timeout=0.5) as cache:
@@ -509,6 +512,7 @@ def _pubsub_clients(topology: Topology, port: int) -> int:
     return len(topology.node(port).execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_sentinel_waiters_are_woken_before_and_after_a_failover(redis_backend: str, topology: Topology) -> None:
     old = topology.primary_port()
     with hotlock.connect(topology.url, backend=redis_backend, timeout=TIMEOUT, connect_timeout=TIMEOUT) as cache:
@@ -526,6 +530,7 @@ def test_sentinel_waiters_are_woken_before_and_after_a_failover(redis_backend: s
         assert_woken(handoffs(cache, cache, "s-woken", WOKEN_ROUNDS, HOLD_S))
 
 
+@pytest.mark.slow_variants("server_kind")
 def test_async_sentinel_waiters_are_woken_after_a_failover(loop_kind: str, topology: Topology) -> None:
     backends = [b for b in ("native", "redis-py") if b != "native" or hotlock.aio.backend_info()["backend"] == "native"]
     old = topology.primary_port()
@@ -620,6 +625,9 @@ def test_cluster_a_moved_slot_still_acquires_within_the_cap(redis_backend: str, 
             redis_cluster.move_slot(slot, ports[0])
 
 
+# uvloop's waiters are woken on one server by the tests above; on the cluster that is
+# make test-slow's.
+@pytest.mark.slow_variants("loop_kind")
 def test_async_cluster_waiters_are_woken_by_sharded_pub_sub(
     redis_backend: str, loop_kind: str, redis_cluster: Cluster
 ) -> None:
@@ -647,6 +655,9 @@ def test_async_cluster_waiters_are_woken_by_sharded_pub_sub(
     Aio(redis_backend, loop_kind, redis_cluster.url, redis_cluster.nodes[0]).run(main())
 
 
+# uvloop's waiters are woken on one server by the tests above; on the cluster that is
+# make test-slow's.
+@pytest.mark.slow_variants("loop_kind")
 def test_async_cluster_a_moved_slot_still_acquires_within_the_cap(
     redis_backend: str, loop_kind: str, redis_cluster: Cluster
 ) -> None:
