@@ -152,9 +152,7 @@ class AsyncCache(CacheBase[AsyncLock]):
                 maybe_held = True
                 result = await self._backend.acquire(name, ask, ms, since, wait_for or 0, script)
                 if result > 0:
-                    lock = AsyncLock(
-                        self._backend, self._release_in_background, loop, key, name, ask, result, ms, sent
-                    )
+                    lock = AsyncLock(self._backend, self._release_in_background, loop, key, name, ask, result, ms, sent)
                     if auto:
                         self._renew([lock], hold)
                     if waiter is not None:
