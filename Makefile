@@ -59,9 +59,10 @@ vendor: vendor/hiredis/.pinned
 
 # Builds hotlock._native and hotlock._native_tls in place, on the pinned hiredis sources; a
 # failed build, or one without them or without TLS, is an error here, never a silent fallback.
-# -j 2: the two builds compile side by side (18 s, not 30, on two cores).
+# One at a time: both builds compile the vendored hiredis sources to the same object files
+# (under build/temp*) with different flags, and side by side (-j 2) they race.
 compile: venv vendor
-	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $(PY) setup.py -q build_ext --inplace -j 2
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $(PY) setup.py -q build_ext --inplace
 
 $(TOOLS)/.installed:
 	$(PYTHON) -m venv $(TOOLS)
@@ -102,7 +103,7 @@ test-pythons: deps vendor
 	    HOTLOCK_NO_EXTENSIONS=1 $$venv/bin/python -m pip install -q -e ".[test]" --no-build-isolation && \
 	    touch $$venv/.installed || exit 1; \
 	  fi; \
-	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$venv/bin/python setup.py -q build_ext --inplace -j 2 || exit 1; \
+	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 $$venv/bin/python setup.py -q build_ext --inplace || exit 1; \
 	  HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_TEST_SERVERS=redis HOTLOCK_TEST_TOPOLOGIES=single $$venv/bin/python -m pytest -q -x -n 2 -p no:cacheprovider -m "not slow" \
 	    $(BEHAVIOUR_TESTS) || exit 1; \
 	done
