@@ -67,6 +67,23 @@ def tls_refused(exc: BaseException) -> bool:
     return False
 
 
+def tls_hint(config: ServerConfig, exc: BaseException) -> str:
+    """What to add to a failure over TLS without a client certificate that ended in a
+    stream cut short (SSLEOFError, a reset): a server that requires one judges it after the
+    handshake (TLS 1.3), and its alert can lose the race with the close that follows it.
+    Shared with aio/_redispy."""
+    if not config.tls or config.ssl.certfile is not None:
+        return ""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if isinstance(seen, ssl.SSLEOFError | ConnectionResetError):
+            return " (the server closed the TLS connection: if it requires a client certificate, give ssl_certfile)"
+        if seen is None:
+            break
+        seen = seen.__cause__ or seen.__context__
+    return ""
+
+
 def _handshake(conn: Any) -> None:
     """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
     reply to the call's command."""
@@ -145,6 +162,7 @@ class RedisPyBackend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._config = config
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
@@ -304,7 +322,7 @@ class RedisPyBackend:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
             self._redis.connection_pool.disconnect()
-        return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
+        return cache_error(f"{what} failed: {_describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:

@@ -32,7 +32,7 @@ from .._cluster import LinkLost
 from .._cluster import ReplyError as ClusterReplyError
 from .._config import ServerConfig, cache_error, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
-from .._redispy import _ERROR_CODES, HandshakeLost, _describe, _script_serves, tls_refused
+from .._redispy import _ERROR_CODES, HandshakeLost, _describe, _script_serves, tls_hint, tls_refused
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError
@@ -342,7 +342,7 @@ class RedisAsyncBackend:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
             await self._pool.disconnect()
-        return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
+        return cache_error(f"{what} failed: {_describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
         for script in SCRIPTS:
