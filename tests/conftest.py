@@ -479,7 +479,9 @@ def leftovers_after(ran_a_loop: bool) -> list[str]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    leftovers_after(False)  # what an earlier phase left is not this test's
+    # What an earlier phase or test left is not this test's: collected (and its reports
+    # dropped) now, so a collection that happens to run during this test cannot blame it.
+    leftovers_after(True)
     before = _loops_closed
     try:
         yield
