@@ -36,7 +36,6 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .server import Pinning, pinning, start_redis
+from .workloads import cpu_seconds, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,18 +69,6 @@ DUMP_SCRIPTS = """
 import json, hotlock._scripts as s
 print(json.dumps({n: getattr(s, n).source.decode() for n in ("ACQUIRE", "EXTEND", "RELEASE")}))
 """
-
-
-def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
-    ru = resource.getrusage(who)
-    return ru.ru_utime + ru.ru_stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))]
 
 
 # -- the children: one measurement each, JSON on stdout -----------------------------------
