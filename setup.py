@@ -8,7 +8,7 @@ they never clash with hiredis-py's copy or a system libhiredis in the same proce
 
 - hotlock._native, plaintext only;
 - hotlock._native_tls, with hiredis's TLS layer, linking the system libssl (never bundled:
-  one OpenSSL per process). hotlock._backend loads it only when Python's ssl module runs
+  one OpenSSL per process). hotlock.backends.native loads it only when Python's ssl module runs
   on that same libssl.
 
 Without vendor/hiredis/ (a checkout with no network), hotlock._native is built against the

@@ -181,7 +181,7 @@ def main() -> int:
     lines += [
         "",
         "Client CPU per cycle is the steadier figure on a shared machine: the cluster backend routes"
-        " in Python (hotlock/_cluster.py), where the one-server native backend runs its whole call in C.",
+        " in Python (hotlock/backends/cluster.py), where the one-server native backend runs its whole call in C.",
     ]
     lines += [
         "",

@@ -46,7 +46,7 @@ PARTS = (
 
 def _cut(part: str) -> None:
     """Take one part of waking out of this process (a --parts row), before the workload."""
-    from hotlock import _wakeup
+    from hotlock.backends import wakeup as _wakeup
 
     from . import workloads
 

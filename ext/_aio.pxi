@@ -9,7 +9,7 @@
 # call_at, time, transport.write/abort/close), so asyncio and uvloop run it unchanged.
 #
 # It knows bytes, ints and futures, and nothing of locks: retries, NOSCRIPT recovery,
-# reconnection and error wording live in src/hotlock/aio/_native.py.
+# reconnection and error wording live in src/hotlock/backends/native_async.py.
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE

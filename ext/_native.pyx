@@ -27,16 +27,14 @@ from posix.unistd cimport close, getpid, read
 from hiredis cimport *
 
 from hotlock import _backoff
-from hotlock._cluster import LinkLost, ReplyError
-from hotlock._config import cache_error
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script
 from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel
 from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
-from hotlock._wakeup import POLL_FIRST
-from hotlock._wakeup import slot as _wakeup_slot
-from hotlock.errors import CacheError
+from hotlock.backends.wakeup import POLL_FIRST
+from hotlock.backends.wakeup import slot as _wakeup_slot
+from hotlock.errors import CacheError, LinkLost, ReplyError, cache_error
 
 
 cdef extern from "compat.h" nogil:
@@ -62,7 +60,7 @@ cdef extern from "tls.h" nogil:
 
 HIREDIS_VERSION = (<bytes>HOTLOCK_HIREDIS_VERSION).decode()
 HAS_TLS = bool(HOTLOCK_HAS_TLS)
-# The OpenSSL this build runs on (OpenSSL_version()), "" without TLS: hotlock._backend
+# The OpenSSL this build runs on (OpenSSL_version()), "" without TLS: hotlock.backends.native
 # compares it with Python's ssl.OPENSSL_VERSION.
 OPENSSL_VERSION = (<bytes>hotlock_openssl_version()).decode()
 

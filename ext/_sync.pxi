@@ -21,7 +21,7 @@ cdef extern from "<poll.h>" nogil:
 
 
 cdef inline void _sleep_fd(int fd, double ms) noexcept nogil:
-    # The backoff sleep of a waiter with wake-ups (hotlock._wakeup.Waiter): ms at most,
+    # The backoff sleep of a waiter with wake-ups (hotlock.backends.wakeup.Waiter): ms at most,
     # less when the subscriber writes fd; a wake is taken (read) here. A signal (EINTR)
     # ends it early, as _sleep_ms.
     cdef pollfd p
@@ -327,7 +327,7 @@ cdef inline str _tried(str what, _Retry *rule):
 
 
 cdef class NativeBackend:
-    """The Backend protocol over libhiredis (see hotlock._backend.Backend)."""
+    """The Backend protocol over libhiredis (see hotlock.backends.Backend)."""
 
     name = "native"
 
@@ -354,7 +354,7 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
-    cdef readonly object _wakeups  # hotlock._wakeup.Slot (the wake-up subscriber), or None: wakeups=False
+    cdef readonly object _wakeups  # hotlock.backends.wakeup.Slot (the wake-up subscriber), or None: wakeups=False
     cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
     cdef bint _check_host  # rediss://: the certificate must name the host connected to
 
@@ -366,7 +366,7 @@ cdef class NativeBackend:
         cdef char err[256]
         if config.tls:
             if not HOTLOCK_HAS_TLS:
-                # hotlock._backend.choose sends rediss:// to redis-py on a build without TLS.
+                # hotlock._connect.choose sends rediss:// to redis-py on a build without TLS.
                 raise ValueError("this build of hotlock._native has no TLS")
             self._tls_setup(config.ssl, config.display, err)
         self.server = config.display
@@ -844,7 +844,7 @@ cdef class NativeBackend:
         return value
 
     def acquire_wait(self, bytes key not None, bytes token not None, long long ttl_ms, long long wait_ms):
-        """hotlock._wakeup.wait in C: attempts until acquired or wait_ms has passed, on the
+        """hotlock.backends.wakeup.wait in C: attempts until acquired or wait_ms has passed, on the
         _backoff schedule; after the first POLL_FIRST attempts each attempt marks the lock
         and each sleep is cut short by a wake-up from the release.
 
@@ -1047,7 +1047,7 @@ cdef class NativeBackend:
     def __repr__(self):
         return f"<hotlock._native.NativeBackend server={self.server}>"
 
-    # -- a cluster node's link (hotlock._cluster.Link) -------------------------------------
+    # -- a cluster node's link (hotlock.backends.cluster.Link) -------------------------------------
     # The cluster backend routes in Python and sends through these: link_send writes this
     # thread's commands for one node and returns at once, so the caller can write to
     # every node before it reads any (a batch over three shards costs one round trip).

@@ -3,7 +3,7 @@
  * Both builds of the extension include this header: hotlock._native_tls is compiled with
  * HOTLOCK_TLS=1 and links libssl; hotlock._native (and a build on the system libhiredis)
  * with HOTLOCK_TLS=0, where these functions are stubs that are never reached
- * (hotlock._backend sends rediss:// to redis-py when HAS_TLS is 0). The .pyx is the same
+ * (hotlock._connect.choose sends rediss:// to redis-py when HAS_TLS is 0). The .pyx is the same
  * for both. */
 #ifndef HOTLOCK_TLS_H
 #define HOTLOCK_TLS_H

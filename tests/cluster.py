@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from hotlock._cluster import key_slot
+from hotlock.backends.cluster import key_slot
 
 from .conftest import RedisServer, free_port, start_redis
 

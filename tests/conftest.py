@@ -33,8 +33,8 @@ import pytest
 import redis
 
 import hotlock
-from hotlock._backend import native_module
 from hotlock._keys import stored
+from hotlock.backends.native import native_module
 
 if TYPE_CHECKING:
     from .cluster import Cluster

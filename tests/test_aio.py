@@ -26,7 +26,7 @@ import uvloop
 
 import hotlock
 import hotlock.aio
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .conftest import RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy

@@ -23,12 +23,11 @@ import redis
 
 import hotlock
 from hotlock import Cache, CacheError, LockNotAcquired
-from hotlock._backend import native_module
-from hotlock._cluster import ClusterBackend, Link, key_slot
 from hotlock._config import ServerConfig, parse_url
 from hotlock.aio import AsyncCache
-from hotlock.aio._backend import native_aio
-from hotlock.aio._cluster import AsyncClusterBackend, AsyncLink
+from hotlock.backends.cluster import ClusterBackend, Link, key_slot
+from hotlock.backends.cluster_async import AsyncClusterBackend, AsyncLink
+from hotlock.backends.native import native_aio, native_module
 
 from .cluster import Cluster, start_cluster
 from .conftest import RedisServer, lock_name
@@ -45,7 +44,7 @@ def opener(backend: str) -> Callable[[ServerConfig], Link]:
         if native is None:
             pytest.fail(f"the native backend is not live: {why}")
         return native.NativeBackend  # type: ignore[no-any-return]
-    from hotlock._redispy import RedisPyLink
+    from hotlock.backends.redispy import RedisPyLink
 
     return RedisPyLink
 
@@ -663,13 +662,13 @@ async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], 
         proxy = proxies.get(node.port)
         target = node if proxy is None else node.node("127.0.0.1", proxy.port)
         if backend == "native":
-            from hotlock.aio._native import NativeAsyncBackend
+            from hotlock.backends.native_async import NativeAsyncBackend
 
             native, why = native_aio()
             if native is None:
                 pytest.fail(f"the native async backend is not live: {why}")
             return await NativeAsyncBackend.open(target, native.AioProtocol)
-        from hotlock.aio._redispy import RedisAsyncLink
+        from hotlock.backends.redispy_async import RedisAsyncLink
 
         return await RedisAsyncLink.open(target)
 

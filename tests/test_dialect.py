@@ -19,7 +19,7 @@ import hotlock
 import hotlock.aio
 from hotlock._dialect import Dialect, detect
 from hotlock._scripts import SCRIPTS
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
 

@@ -28,7 +28,7 @@ import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
 from hotlock._keys import stored as stored_key
 from hotlock._scripts import SCRIPTS
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy

@@ -16,7 +16,7 @@ import pytest
 
 import hotlock
 from hotlock import Cache, LockLost
-from hotlock._memory import MemoryBackend
+from hotlock.backends.memory import MemoryBackend
 
 from .conftest import RedisServer, lock_name, open_cache, start_redis
 from .faultproxy import FaultProxy

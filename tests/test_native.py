@@ -26,8 +26,9 @@ import pytest
 
 import hotlock
 from hotlock import _backoff, _scripts
-from hotlock._backend import choose, native_module
 from hotlock._config import parse_url
+from hotlock._connect import choose
+from hotlock.backends.native import native_module
 from hotlock.errors import CacheError, LockLost, LockNotAcquired
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, start_redis

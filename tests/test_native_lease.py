@@ -25,9 +25,9 @@ import pytest
 
 import hotlock
 from hotlock import _ident
-from hotlock._backend import native_module
 from hotlock._cache import Cache, python_lock
 from hotlock._lock import TAKEN, Lease, Lock, python_extend, python_unlock
+from hotlock.backends.native import native_module
 from hotlock.errors import LockLost, LockNotAcquired
 
 from .conftest import REQUIRE_NATIVE, RedisServer, lock_name

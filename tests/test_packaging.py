@@ -351,7 +351,7 @@ def wheel(request: pytest.FixtureRequest, dist: Dist) -> tuple[str, Path]:
 # --- the tests -------------------------------------------------------------------------------
 
 # What the TLS build may take from the system besides glibc: the OpenSSL that Python's own
-# ssl module runs on (hotlock._backend loads the build only then).
+# ssl module runs on (hotlock.backends.native loads the build only then).
 OPENSSL = re.compile(r"^lib(ssl|crypto)\.so\.3$")
 
 

@@ -24,7 +24,7 @@ import redis
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockLost, LockNotAcquired
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name
 from .faultproxy import FaultProxy

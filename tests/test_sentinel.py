@@ -25,7 +25,7 @@ import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
 from hotlock._config import parse_url
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .conftest import REQUIRE_NATIVE, RedisServer, free_port, lock_name, server_exe, start_redis
 from .faultproxy import FaultProxy

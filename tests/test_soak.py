@@ -26,7 +26,7 @@ import pytest
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
-from hotlock.aio._backend import native_aio
+from hotlock.backends.native import native_aio
 
 from .cluster import Cluster
 from .conftest import REQUIRE_NATIVE, RedisServer

@@ -23,11 +23,11 @@ import hotlock
 import hotlock.aio
 from hotlock import _backoff
 from hotlock._cli._target import fence_of
-from hotlock._cluster import key_slot
 from hotlock._config import parse_url
 from hotlock._keys import wake_channel
-from hotlock._wakeup import Wakeups
 from hotlock.aio import AsyncCache
+from hotlock.backends.cluster import key_slot
+from hotlock.backends.wakeup import Wakeups
 
 from .cluster import Cluster
 from .conftest import RedisServer, lock_name, open_cache, start_redis
@@ -380,7 +380,7 @@ def test_a_forked_child_never_uses_its_parents_subscriber(
         assert len(before.splitlines()) == len(after.splitlines())  # the child's own came and went
 
 
-# -- the async API (hotlock.aio._wakeup): the same promises on asyncio and uvloop -----------
+# -- the async API (hotlock.backends.wakeup_async): the same promises on asyncio and uvloop -----------
 
 
 async def async_handoffs(holder: AsyncCache, waiter: AsyncCache, key: str, rounds: int, hold: float) -> list[float]:

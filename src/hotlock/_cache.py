@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
-from ._backend import native_module
 from ._decorate import Locking
 from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
@@ -27,10 +26,11 @@ from ._validate import (
     value_bytes,
     wait_ms,
 )
+from .backends.native import native_module
 from .errors import LockNotAcquired
 
 if TYPE_CHECKING:
-    from ._backend import Backend, Named
+    from .backends import Backend, Named
 
 __all__ = ["Cache", "CacheBase"]
 

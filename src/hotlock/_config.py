@@ -14,14 +14,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._sentinel import SCHEMES as SENTINEL_SCHEMES
 from ._sentinel import parse_sentinel_netloc, primary_address
-from .errors import CacheError
 
 __all__ = [
     "CLUSTER_SCHEMES",
     "SSL_CERT_REQS",
     "ServerConfig",
     "TLSOptions",
-    "cache_error",
     "parse_url",
     "redispy_tls_kwargs",
     "tls_context",
@@ -313,10 +311,3 @@ def _db_number(text: str) -> int:
     if db < 0:
         raise ValueError("url database number must not be negative")
     return db
-
-
-def cache_error(what: str, server: str, key: bytes | None = None) -> CacheError:
-    """A CacheError naming the operation, the key (as stored, prefix included) and the server."""
-    shown = None if key is None else key.decode("utf-8", "backslashreplace")
-    where = f" on key {shown!r}" if shown is not None else ""
-    return CacheError(f"{what}{where} (server {server})", key=shown, server=server)

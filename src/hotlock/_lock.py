@@ -9,13 +9,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from . import _ident
-from ._backend import native_module
 from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
+from .backends.native import native_module
 from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
-    from ._backend import Backend, Named
+    from .backends import Backend, Named
 
 __all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "past_max_hold", "shown"]
 

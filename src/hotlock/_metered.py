@@ -21,7 +21,7 @@ from .errors import CacheError, LockNotAcquired
 from .metrics import LISTENER_METHODS, Listener, NotAcquired, Op
 
 if TYPE_CHECKING:
-    from ._backend import Backend
+    from .backends import Backend
 
 __all__ = ["Batch", "Meter", "MeteredCache", "as_list", "check_listener"]
 

@@ -7,11 +7,11 @@ from ._config import ServerConfig
 from ._dialect import Dialect
 
 HIREDIS_VERSION: str  # the hiredis it was compiled from, "1.5.0" (or the system's, "0.14.1")
-HAS_TLS: bool  # whether it speaks rediss:// (False: hotlock._backend.choose uses redis-py)
+HAS_TLS: bool  # whether it speaks rediss:// (False: hotlock._connect.choose uses redis-py)
 OPENSSL_VERSION: str  # the OpenSSL the TLS build runs on, as OpenSSL_version() says; "" without TLS
 
 class NativeBackend:
-    """The Backend protocol (hotlock._backend.Backend) over libhiredis."""
+    """The Backend protocol (hotlock.backends.Backend) over libhiredis."""
 
     name: ClassVar[str]
     server: str
@@ -32,12 +32,12 @@ class NativeBackend:
     def command_info(self) -> list[object] | None: ...
     def use_dialect(self, dialect: Dialect) -> None: ...
     def close(self) -> None: ...
-    # A Redis Cluster node's link (hotlock._cluster.Link): this thread's context.
+    # A Redis Cluster node's link (hotlock.backends.cluster.Link): this thread's context.
     def link_send(self, commands: list[tuple[bytes, ...]]) -> object: ...
     def link_recv(self, handle: object, n: int, timeout: float | None) -> list[Any]: ...
     def link_close(self) -> None: ...
 
-# The asyncio protocol of ext/_aio.pxi; hotlock.aio._native types what it uses of it.
+# The asyncio protocol of ext/_aio.pxi; hotlock.backends.native_async types what it uses of it.
 AioCore: Any
 AioProtocol: Any
 

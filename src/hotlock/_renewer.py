@@ -35,8 +35,8 @@ from ._lock import TAKEN, UNCONFIRMED, past_max_hold, shown
 from .errors import CacheError
 
 if TYPE_CHECKING:
-    from ._backend import Backend
     from ._lock import Lease
+    from .backends import Backend
 
 __all__ = ["BATCH", "RENEW_AFTER", "Held", "Renewer", "Schedule"]
 

@@ -1,7 +1,12 @@
 """The exceptions hotlock raises: one tree, each naming the key and the server.
 
 No message ever contains a token or a password: tokens are bearer secrets and
-servers are shown with their credentials stripped (see ``_backend.display_url``).
+servers are shown with their credentials stripped (see ``ServerConfig.display``).
+
+Below the public tree, the two exceptions every Redis backend raises inside itself (never
+to the caller): ReplyError, an error reply, and LinkLost, a reply that may never come. The
+backends turn them into CacheError with cache_error(), or act on them (a redirection, one
+retry with the same token).
 """
 
 from __future__ import annotations
@@ -28,3 +33,22 @@ class LockLost(HotlockError):
 
 class CacheError(HotlockError):
     """Redis is unreachable, timed out, or answered with an error. Never means "held elsewhere"."""
+
+
+def cache_error(what: str, server: str, key: bytes | None = None) -> CacheError:
+    """A CacheError naming the operation, the key (as stored, prefix included) and the server."""
+    shown = None if key is None else key.decode("utf-8", "backslashreplace")
+    where = f" on key {shown!r}" if shown is not None else ""
+    return CacheError(f"{what}{where} (server {server})", key=shown, server=server)
+
+
+class ReplyError(Exception):
+    """An error reply, with the server's own text ("MOVED 3999 127.0.0.1:7002")."""
+
+    @property
+    def code(self) -> str:
+        return str(self).split(" ", 1)[0]
+
+
+class LinkLost(Exception):
+    """The request may or may not have reached the node: an I/O error or a timeout."""

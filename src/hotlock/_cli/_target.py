@@ -206,7 +206,7 @@ def _client_kwargs(username: str | None, password: str | None, timeout: float) -
         "retry": Retry(NoBackoff(), 0),
         "protocol": 2,
     }
-    # No CLIENT SETINFO round trip (nor its ACL permission) on connect; see hotlock._redispy.
+    # No CLIENT SETINFO round trip (nor its ACL permission) on connect; see hotlock.backends.redispy.
     if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
         kwargs["driver_info"] = None
     else:
@@ -263,10 +263,10 @@ def open_target(url: str, prefix: bytes, timeout: float) -> Target:
             if config.tls:
                 # The library's own TLS connection (a TLS 1.3 session ticket must not make the
                 # pool drop a fresh connection), the certificate and hostname verified as there.
-                from .._redispy import _TLSConnection
+                from ..backends.redispy import TLSConnection
 
                 pool = redis.ConnectionPool(
-                    connection_class=_TLSConnection,
+                    connection_class=TLSConnection,
                     host=host,
                     port=port,
                     ssl_cert_reqs="required",

@@ -14,19 +14,19 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .. import _connect_config, _log_server, _with_wakeups
+from .._connect import connect_config, log_server, open_async_backend, with_wakeups
 from .._dialect import check_scripts, commands_from, detect, probe_needed
 from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
-from ._backend import native_aio, open_backend
+from ..backends.memory_async import AsyncMemoryBackend
+from ..backends.native import native_aio
 from ._cache import Acquiring, AsyncCache
 from ._lock import AsyncLock
-from ._memory import AsyncMemoryBackend
 from ._metered import MeteredAsyncCache
 
 if TYPE_CHECKING:
+    from ..backends import AsyncBackend
     from ..metrics import Listener
-    from ._backend import AsyncBackend
 
 __all__ = ["Acquiring", "AsyncCache", "AsyncLock", "backend_info", "connect", "lock_wait", "with_lock"]
 
@@ -56,17 +56,17 @@ async def connect(
     """
     check_scripts(scripts)
     listener = check_listener(metrics)
-    raw_prefix, config = _connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
-    config = _with_wakeups(config, wakeups)
+    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    config = with_wakeups(config, wakeups)
     if config is None:
         return _cache(AsyncMemoryBackend(), raw_prefix, listener, timeout)
-    opened, why = await open_backend(config, backend)
+    opened, why = await open_async_backend(config, backend)
     try:
         info = await opened.info()
         commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
         dialect = detect(info, commands, scripts)
         opened.use_dialect(dialect)
-        _log_server(info, dialect, opened.name, opened.server, why)
+        log_server(info, dialect, opened.name, opened.server, why)
     except BaseException:
         await opened.close()
         raise

@@ -29,12 +29,12 @@ from .._validate import (
     value_bytes,
     wait_ms,
 )
+from ..backends.wakeup_async import POLL_FIRST, AsyncEntry, AsyncSlot, AsyncWaiter, AsyncWakeups
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
-from ._wakeup import POLL_FIRST, AsyncEntry, AsyncSlot, AsyncWaiter, AsyncWakeups
 
 if TYPE_CHECKING:
-    from ._backend import AsyncBackend
+    from ..backends import AsyncBackend
 
 __all__ = ["Acquiring", "AsyncCache"]
 
@@ -126,9 +126,9 @@ class AsyncCache(CacheBase[AsyncLock]):
         token = new_token()
         ask = permit_ask(token, limit)
         backoff = None if wait_for is None else Backoff(wait_for)
-        # The backend's wake-up subscriber (hotlock.aio._wakeup), for a lock_wait: after
+        # The backend's wake-up subscriber (hotlock.backends.wakeup_async), for a lock_wait: after
         # POLL_FIRST plain attempts the wait marks, and joins the key's channel when its
-        # first marking attempt fails (see hotlock._wakeup.wait, the sync loop this follows).
+        # first marking attempt fails (see hotlock.backends.wakeup.wait, the sync loop this follows).
         slot: AsyncSlot | None = None if backoff is None else getattr(self._backend, "wake_slot", None)
         script = ACQUIRE
         attempts = seq = 0
@@ -143,7 +143,7 @@ class AsyncCache(CacheBase[AsyncLock]):
         try:
             while True:
                 if attempts == POLL_FIRST and hub is not None:
-                    # Mark from this attempt on; join only if it fails (see hotlock._wakeup.wait).
+                    # Mark from this attempt on; join only if it fails (see hotlock.backends.wakeup.wait).
                     channel = wake_channel(name)
                     watched = hub.subscribed(channel)
                     seq = 0 if watched is None else watched.seq

@@ -14,7 +14,7 @@ from .._validate import Seconds
 from ..errors import CacheError
 
 if TYPE_CHECKING:
-    from ._backend import AsyncBackend
+    from ..backends import AsyncBackend
 
 __all__ = ["AsyncLock"]
 

@@ -12,8 +12,8 @@ from ._cache import AsyncCache
 from ._lock import AsyncLock
 
 if TYPE_CHECKING:
+    from ..backends import AsyncBackend
     from ..metrics import Listener
-    from ._backend import AsyncBackend
 
 __all__ = ["MeteredAsyncCache"]
 

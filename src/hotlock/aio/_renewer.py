@@ -20,7 +20,7 @@ from ._lock import AsyncLock
 
 if TYPE_CHECKING:
     from .._lock import Lease
-    from ._backend import AsyncBackend
+    from ..backends import AsyncBackend
 
 __all__ = ["AsyncRenewer"]
 

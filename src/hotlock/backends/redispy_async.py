@@ -28,16 +28,15 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .._cluster import LinkLost
-from .._cluster import ReplyError as ClusterReplyError
-from .._config import ServerConfig, cache_error, redispy_tls_kwargs
+from .._config import ServerConfig, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
-from .._redispy import _ERROR_CODES, HandshakeLost, _describe, _script_serves, tls_hint, tls_refused
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
-from ..errors import CacheError
-from ._retry import InFlight, info_fields, retry_until, unconfirmed, within
-from ._wakeup import async_slot
+from ..errors import CacheError, LinkLost, cache_error
+from ..errors import ReplyError as ClusterReplyError
+from .redispy import ERROR_CODES, HandshakeLost, describe, reply_serves_script, tls_hint, tls_refused
+from .retry_async import InFlight, info_fields, retry_until, unconfirmed, within
+from .wakeup_async import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
@@ -53,7 +52,7 @@ async def _handshake(conn: Connection) -> None:
     try:
         await conn.on_connect()
     except _AMBIGUOUS as exc:
-        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
+        raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
 
 # A connection per concurrent command, up to a bound: thousands of tasks would otherwise
@@ -183,9 +182,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
 
 
 class RedisAsyncLink:
-    """One Redis Cluster node over a redis.asyncio pool (hotlock.aio._cluster.AsyncLink);
-    per-node pools routed by hotlock._cluster, not redis.asyncio.cluster, for the reasons
-    given at hotlock._redispy.RedisPyLink."""
+    """One Redis Cluster node over a redis.asyncio pool (hotlock.backends.cluster_async.AsyncLink);
+    per-node pools routed by hotlock.backends.cluster, not redis.asyncio.cluster, for the reasons
+    given at hotlock.backends.redispy.RedisPyLink."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
@@ -218,7 +217,7 @@ class RedisAsyncLink:
         try:
             conn = await self._pool.get_connection()
         except _AMBIGUOUS as exc:
-            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         complete = False
         try:
             await conn.send_packed_command(conn.pack_commands(commands))
@@ -230,14 +229,14 @@ class RedisAsyncLink:
                 try:
                     replies.append(await conn.read_response(**kw))
                 except ResponseError as exc:
-                    code = _ERROR_CODES.get(type(exc))
+                    code = ERROR_CODES.get(type(exc))
                     replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
             complete = True
             return replies
         except _AMBIGUOUS as exc:
-            raise LinkLost(_describe(exc)) from exc
+            raise LinkLost(describe(exc)) from exc
         except RedisError as exc:  # AUTH refused on connect, say: nothing ran
-            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         finally:
             if not complete:
                 await conn.disconnect()
@@ -257,7 +256,7 @@ class RedisAsyncBackend:
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
-        # The wake-up subscriber (hotlock.aio._wakeup), made on the first long lock_wait.
+        # The wake-up subscriber (hotlock.backends.wakeup_async), made on the first long lock_wait.
         self.wake_slot = async_slot(config)
         connection_class: type[Connection] | type[UnixDomainSocketConnection]
         # Under Sentinel: where the primary is, and the watch epoch the pool's connections are of.
@@ -342,7 +341,7 @@ class RedisAsyncBackend:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
             await self._pool.disconnect()
-        return cache_error(f"{what} failed: {_describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
+        return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
         for script in SCRIPTS:
@@ -495,7 +494,7 @@ class RedisAsyncBackend:
                 # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
                 # extended by the script, which accepts the mark (contended, or lost).
             except CacheError as exc:
-                if not _script_serves(exc):
+                if not reply_serves_script(exc):
                     raise
                 # Refused at maxmemory, or the key now holds permits: the script serves (see _dialect).
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
@@ -506,7 +505,7 @@ class RedisAsyncBackend:
             try:
                 done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
             except CacheError as exc:
-                if not _script_serves(exc):
+                if not reply_serves_script(exc):
                     raise
                 # Refused at maxmemory, or the key now holds permits: the script serves (see _dialect).
             else:
@@ -533,7 +532,7 @@ class RedisAsyncBackend:
                     if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
                         return True
                 except CacheError as exc:
-                    if not _script_serves(exc):  # WRONGTYPE: the key now holds permits
+                    if not reply_serves_script(exc):  # WRONGTYPE: the key now holds permits
                         raise
                 # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
                 # released by the script, which accepts the mark and wakes the waiter.
@@ -552,7 +551,7 @@ class RedisAsyncBackend:
                 try:
                     done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
                 except CacheError as exc:
-                    if not _script_serves(exc):  # WRONGTYPE: a key now holds permits
+                    if not reply_serves_script(exc):  # WRONGTYPE: a key now holds permits
                         raise
                     done = [0] * len(keys)
                 missed = [i for i, r in enumerate(done) if not r]  # once more by script, as in release
@@ -582,7 +581,7 @@ class RedisAsyncBackend:
         except NoPermissionError:
             return None
         except (RedisError, OSError) as exc:
-            raise cache_error(f"INFO failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"INFO failed: {describe(exc)}", self.server) from exc
         return info_fields(bytes(raw))
 
     async def command_info(self) -> list[Any] | None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 import time
 
-from ._backoff import poll
-from ._config import cache_error
-from ._dialect import MEMORY, Dialect
-from ._ident import TOKEN_BYTES
-from ._scripts import KIND_CONFLICT, held_value, is_permit
+from .._backoff import poll
+from .._dialect import MEMORY, Dialect
+from .._ident import TOKEN_BYTES
+from .._scripts import KIND_CONFLICT, held_value, is_permit
+from ..errors import cache_error
 
 __all__ = ["MemoryBackend"]
 

@@ -48,11 +48,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._backoff import Backoff, poll
-from ._config import ServerConfig, tls_context
-from ._keys import wake_channel
-from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
-from ._sentinel import PrimaryWatch
+from .._backoff import Backoff, poll
+from .._config import ServerConfig, tls_context
+from .._keys import wake_channel
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
+from .._sentinel import PrimaryWatch
 
 __all__ = [
     "LINGER_S",
@@ -138,7 +138,7 @@ class Entry:
         self.idle_since = time.monotonic()
 
 
-def _command(*args: bytes) -> bytes:
+def resp_command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
@@ -293,7 +293,7 @@ class Wakeups:
             if config.password is not None or config.username:
                 auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
                 auth.append((config.password or "").encode())
-                sock.sendall(_command(*auth))
+                sock.sendall(resp_command(*auth))
                 reader = hiredis.Reader()
                 reply: Any = False
                 while reply is False:
@@ -325,7 +325,7 @@ class Wakeups:
                 out, self._outbox = self._outbox, []
             if out:
                 pending.extend(out)
-                sock.sendall(b"".join(_command(self._sub, e.channel) for e in out))
+                sock.sendall(b"".join(resp_command(self._sub, e.channel) for e in out))
             readable: list[Any]
             if tls and sock.pending():  # type: ignore[attr-defined]
                 readable = [sock]
@@ -350,7 +350,7 @@ class Wakeups:
                 idle = self._idle(now)
                 if idle:
                     pending.extend(idle)
-                    sock.sendall(b"".join(_command(self._unsub, ch) for ch in idle))
+                    sock.sendall(b"".join(resp_command(self._unsub, ch) for ch in idle))
 
     def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes]) -> bool:
         """Handle one reply or message; False when wake-ups are now off."""
@@ -446,6 +446,11 @@ def _reinit_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def current_pid() -> int:
+    """This process's pid, kept at fork (cheaper than os.getpid() on every contended wait)."""
+    return _pid
 
 
 class Slot:

@@ -29,13 +29,12 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._cluster import LinkLost, ReplyError
-from ._config import ServerConfig, cache_error, redispy_tls_kwargs
-from ._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
-from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
-from ._sentinel import PrimaryWatch
-from ._wakeup import slot, wait
-from .errors import CacheError
+from .._config import ServerConfig, redispy_tls_kwargs
+from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .._sentinel import PrimaryWatch
+from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .wakeup import slot, wait
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
 
@@ -90,7 +89,7 @@ def _handshake(conn: Any) -> None:
     try:
         conn.on_connect()
     except _AMBIGUOUS as exc:
-        raise HandshakeLost(f"handshake: {_describe(exc)}") from exc
+        raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
 
 class _PrimaryConnection(redis.Connection):
@@ -105,7 +104,7 @@ class _PrimaryConnection(redis.Connection):
         return super()._connect()  # type: ignore[no-untyped-call]
 
 
-class _TLSConnection(redis.SSLConnection):
+class TLSConnection(redis.SSLConnection):
     """TLS that is not mistaken for a dirty connection.
 
     The pool asks can_read() before handing out a connection and drops one that has data.
@@ -123,7 +122,7 @@ class _TLSConnection(redis.SSLConnection):
         return bool(super().can_read(timeout))
 
 
-class _PrimaryTLSConnection(_PrimaryConnection, _TLSConnection):
+class PrimaryTLSConnection(_PrimaryConnection, TLSConnection):
     """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
     checked against that announced address."""
 
@@ -180,17 +179,17 @@ class RedisPyBackend:
             # accept writes until Sentinel demotes it.
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
-            primary_kind = _PrimaryTLSConnection if config.tls else _PrimaryConnection
+            primary_kind = PrimaryTLSConnection if config.tls else _PrimaryConnection
             pool = redis.ConnectionPool(connection_class=primary_kind, primary=self._watch, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
             self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
             # TLS through redis-py's SSLConnection defaults: certificate and hostname checked.
-            kind = _TLSConnection if config.tls else redis.Connection
+            kind = TLSConnection if config.tls else redis.Connection
             pool = redis.ConnectionPool(connection_class=kind, host=config.host, port=config.port, **kwargs)
             self._redis = redis.Redis(connection_pool=pool)
-        # The wake-up subscriber (hotlock._wakeup), made on the first contended lock_wait.
+        # The wake-up subscriber (hotlock.backends.wakeup), made on the first contended lock_wait.
         self._wakeups = slot(config)
         self._load_scripts()
 
@@ -322,7 +321,7 @@ class RedisPyBackend:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
             self._redis.connection_pool.disconnect()
-        return cache_error(f"{what} failed: {_describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
+        return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
         for script in SCRIPTS:
@@ -370,7 +369,7 @@ class RedisPyBackend:
             try:
                 done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
             except CacheError as exc:
-                if not _script_serves(exc):
+                if not reply_serves_script(exc):
                     raise
                 # Refused at maxmemory, or a key now holds permits: the script serves (see _dialect).
             else:
@@ -412,7 +411,7 @@ class RedisPyBackend:
             try:
                 done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, t), True)]
             except CacheError as exc:
-                if not _script_serves(exc):
+                if not reply_serves_script(exc):
                     raise
                 done = [False] * len(keys)  # a key now holds permits: all once more by script
             # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
@@ -434,7 +433,7 @@ class RedisPyBackend:
         except NoPermissionError:
             return None
         except RedisError as exc:
-            raise cache_error(f"INFO failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"INFO failed: {describe(exc)}", self.server) from exc
         if isinstance(raw, dict):
             return {str(k): str(v) for k, v in raw.items()}
         return {}
@@ -465,9 +464,9 @@ _ACQUIRES = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
 
 
 class RedisPyLink:
-    """One Redis Cluster node over a redis-py connection pool (hotlock._cluster.Link).
+    """One Redis Cluster node over a redis-py connection pool (hotlock.backends.cluster.Link).
 
-    Why per-node pools routed by hotlock._cluster rather than redis.cluster.RedisCluster:
+    Why per-node pools routed by hotlock.backends.cluster rather than redis.cluster.RedisCluster:
     the redirection and lost-reply rules are then written once for every backend, and
     RedisCluster's own ones (it resends a command after a connection error, so a lost
     acquire reply comes back to us as a second, unannounced try; its map refresh and
@@ -477,7 +476,7 @@ class RedisPyLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
-        kind = _TLSConnection if config.tls else redis.Connection
+        kind = TLSConnection if config.tls else redis.Connection
         self._pool: Any = redis.ConnectionPool(
             connection_class=kind, host=config.host, port=config.port, **_connection_kwargs(config)
         )
@@ -492,17 +491,17 @@ class RedisPyLink:
         try:
             conn: Any = self._pool.get_connection()
         except (RedisError, OSError) as exc:  # could not connect: nothing was sent
-            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         try:
             conn.send_packed_command(conn.pack_commands(commands))
         except _AMBIGUOUS as exc:
             conn.disconnect()
             self._pool.release(conn)
-            raise LinkLost(_describe(exc)) from exc
+            raise LinkLost(describe(exc)) from exc
         except RedisError as exc:  # AUTH refused, say: nothing ran
             conn.disconnect()
             self._pool.release(conn)
-            raise cache_error(f"connect failed: {_describe(exc)}", self.server) from exc
+            raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         return conn
 
     def link_recv(self, handle: Any, n: int, timeout: float | None) -> list[Any]:
@@ -516,12 +515,12 @@ class RedisPyLink:
                 try:
                     replies.append(conn.read_response(**kw))
                 except ResponseError as exc:
-                    code = _ERROR_CODES.get(type(exc))
+                    code = ERROR_CODES.get(type(exc))
                     replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
             complete = True
             return replies
         except _AMBIGUOUS as exc:
-            raise LinkLost(_describe(exc)) from exc
+            raise LinkLost(describe(exc)) from exc
         finally:
             if not complete:
                 conn.disconnect()
@@ -531,21 +530,21 @@ class RedisPyLink:
         self._pool.disconnect()
 
 
-_ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
+ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
 
 
-def _script_serves(exc: CacheError) -> bool:
+def reply_serves_script(exc: CacheError) -> bool:
     """_dialect.script_serves for a Lua-free command's CacheError (redis-py drops the OOM
     code from the message, and keeps it in the exception's type)."""
     return isinstance(exc.__cause__, OutOfMemoryError) or script_serves(str(exc.__cause__))
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
     if isinstance(exc, ResponseError):
         # redis-py strips the error code ("OOM", "NOPERM", "READONLY"...) off the text it
         # maps to a class; put it back, so the message reads as the server's reply did.
-        code = _ERROR_CODES.get(type(exc))
+        code = ERROR_CODES.get(type(exc))
         return f"the server replied {code} {exc}" if code else f"the server replied {exc}"
     return str(exc) or type(exc).__name__

@@ -39,11 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ._config import ServerConfig, cache_error
-from ._dialect import UNDETECTED, Dialect
-from ._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
-from ._wakeup import cluster_slot, wait
-from .errors import CacheError
+from .._config import ServerConfig
+from .._dialect import UNDETECTED, Dialect
+from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .wakeup import cluster_slot, wait
 
 __all__ = [
     "MAP_ERRORS",
@@ -51,8 +51,6 @@ __all__ = [
     "ClusterBackend",
     "ClusterCore",
     "Link",
-    "LinkLost",
-    "ReplyError",
     "Route",
     "SlotMap",
     "acquired",
@@ -102,18 +100,6 @@ def key_slot(key: bytes) -> int:
 
 
 # -- replies and links ----------------------------------------------------------------
-
-
-class ReplyError(Exception):
-    """An error reply, with the server's own text ("MOVED 3999 127.0.0.1:7002")."""
-
-    @property
-    def code(self) -> str:
-        return str(self).split(" ", 1)[0]
-
-
-class LinkLost(Exception):
-    """The request may or may not have reached the node: an I/O error or a timeout."""
 
 
 class Link(Protocol):
@@ -204,7 +190,7 @@ class SlotMap:
 # -- one call's routing, without I/O ---------------------------------------------------
 
 _REDIRECTS = 8  # MOVED/ASK hops per key one call follows before it calls the map broken
-_UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
+UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
 _PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
 
 
@@ -510,7 +496,7 @@ class ClusterCore:
         return merged
 
 
-def _map_ranges(reply: Any, fallback: Callable[[], Any], tls: bool = False) -> list[tuple[int, int, Address]]:
+def map_ranges(reply: Any, fallback: Callable[[], Any], tls: bool = False) -> list[tuple[int, int, Address]]:
     """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
     SHARDS is an unknown command (Redis 6 and older)."""
     if isinstance(reply, ReplyError):
@@ -537,7 +523,7 @@ class ClusterBackend(ClusterCore):
         self._open_link = open_link
         self._links: dict[Address, Link] = {}
         self._links_mutex = threading.Lock()
-        # The wake-up subscribers (hotlock._wakeup.ClusterWakeups: sharded pub/sub, one per
+        # The wake-up subscribers (hotlock.backends.wakeup.ClusterWakeups: sharded pub/sub, one per
         # primary), made on the first long lock_wait.
         self._wakeups = cluster_slot(config, self.slot_owner)
         # Connect now: a cluster none of whose seeds answers is a CacheError at connect().
@@ -553,7 +539,7 @@ class ClusterBackend(ClusterCore):
         for address in self.map_candidates(avoid):
             try:
                 link = self._link(address)
-                ranges = _map_ranges(
+                ranges = map_ranges(
                     self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
                     lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
                     self.config.tls,
@@ -594,7 +580,7 @@ class ClusterBackend(ClusterCore):
                     # Keep the slots learnt from MOVED if no node answers for the whole map.
                     with contextlib.suppress(CacheError):
                         self.refresh()
-                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= _UNSERVED_REFRESH_S:
+                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
                     # No primary for a slot when we last looked (its primary failed, its
                     # replica not yet promoted): look again, not on every call of the gap.
                     with contextlib.suppress(CacheError):

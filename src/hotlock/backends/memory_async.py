@@ -9,7 +9,7 @@ ordering promise of AsyncBackend holds trivially.
 from __future__ import annotations
 
 from .._dialect import MEMORY, Dialect
-from .._memory import MemoryBackend
+from .memory import MemoryBackend
 
 __all__ = ["AsyncMemoryBackend"]
 

@@ -1,4 +1,4 @@
-"""Waiters woken by the release, for the async API: hotlock._wakeup's design on one event
+"""Waiters woken by the release, for the async API: hotlock.backends.wakeup's design on one event
 loop (read its docstring first).
 
 One subscriber connection per async cache, read by one task on the cache's loop; waiting
@@ -8,7 +8,7 @@ POLL_FIRST times, then marks with ACQUIRE_WAIT / ACQUIRE_CHAIN and joins the key
 channel if that attempt fails (subscribe, then try); a message wakes the longest-waiting local waiter; the
 backoff stays the safety net; an ACL refusing SUBSCRIBE turns wake-ups off, said once.
 On a Redis Cluster, AsyncClusterWakeups keeps one sharded-pub/sub subscriber per primary,
-as hotlock._wakeup.ClusterWakeups does for sync.
+as hotlock.backends.wakeup.ClusterWakeups does for sync.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _wakeup
 from .._config import ServerConfig, tls_context
 from .._sentinel import PrimaryWatch
-from .._wakeup import LINGER_S, POLL_FIRST, TICK_S, _command
-from ._retry import within
+from .retry_async import within
+from .wakeup import LINGER_S, POLL_FIRST, TICK_S, current_pid, resp_command
 
 __all__ = [
     "POLL_FIRST",
@@ -110,7 +109,7 @@ class AsyncWakeups:
         return entry if entry is not None and entry.confirmed else None
 
     def join(self, channel: bytes) -> AsyncWaiter | None:
-        """As hotlock._wakeup.Wakeups.join: returns at once."""
+        """As hotlock.backends.wakeup.Wakeups.join: returns at once."""
         if self.off is not None or self._closed:
             return None
         entry = self._entries.get(channel)
@@ -142,7 +141,7 @@ class AsyncWakeups:
         # Not connected: the next connection subscribes every entry.
         if self._writer is not None and not self._writer.is_closing():
             self._pending.append(entry)
-            self._writer.write(_command(self._sub, entry.channel))
+            self._writer.write(resp_command(self._sub, entry.channel))
 
     # -- the subscriber task --------------------------------------------------------------
 
@@ -184,7 +183,7 @@ class AsyncWakeups:
         if config.password is not None or config.username:
             auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
             auth.append((config.password or "").encode())
-            writer.write(_command(*auth))
+            writer.write(resp_command(*auth))
             parse = hiredis.Reader()
             reply: Any = False
             while reply is False:
@@ -234,7 +233,7 @@ class AsyncWakeups:
                 for ch in idle:
                     del self._entries[ch]
                     self._pending.append(ch)
-                    writer.write(_command(self._unsub, ch))
+                    writer.write(resp_command(self._unsub, ch))
 
     def _on_reply(self, reply: Any, error_type: type[Exception]) -> bool:
         if isinstance(reply, list) and len(reply) >= 2 and reply[0] == self._kinds[0]:
@@ -341,7 +340,7 @@ class AsyncSlot:
     def get(self) -> AsyncWakeups | None:
         """The live subscriber, made now if need be (on the running loop); None when off."""
         hub = self._hub
-        if hub is None or hub.pid != _wakeup._pid:  # this process's pid, kept at fork (as Slot.get)
+        if hub is None or hub.pid != current_pid():  # this process's pid, kept at fork (as Slot.get)
             hub = self._hub = self._make()
         return hub if hub.off is None else None
 

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from .._config import ServerConfig, cache_error
+from .._config import ServerConfig
 from .._ident import TOKEN_BYTES
-from ..errors import CacheError
+from ..errors import CacheError, cache_error
 
 __all__ = ["InFlight", "info_fields", "retry_until", "unconfirmed", "within"]
 

@@ -1,4 +1,4 @@
-"""Redis Cluster for hotlock.aio: hotlock._cluster's Route and ClusterCore driven from the loop.
+"""Redis Cluster for hotlock.aio: hotlock.backends.cluster's Route and ClusterCore driven from the loop.
 
 Every rule (slots, MOVED, ASK, TRYAGAIN/CLUSTERDOWN, NOSCRIPT, the one lost-reply retry,
 WAIT per shard) is the sync backend's Route; this module only waits differently: each
@@ -16,12 +16,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from .._cluster import _UNSERVED_REFRESH_S, MAP_ERRORS, Address, ClusterCore, LinkLost, ReplyError, Route, _map_ranges
-from .._config import ServerConfig, cache_error
+from .._config import ServerConfig
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
-from ..errors import CacheError
-from ._retry import InFlight, retry_until
-from ._wakeup import async_cluster_slot
+from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, map_ranges
+from .retry_async import InFlight, retry_until
+from .wakeup_async import async_cluster_slot
 
 __all__ = ["AsyncClusterBackend", "AsyncLink"]
 
@@ -46,7 +46,7 @@ class AsyncClusterBackend(ClusterCore):
         self._links: dict[Address, asyncio.Task[AsyncLink]] = {}
         # Acquires in flight, by token: a release of that token waits for them (InFlight).
         self._inflight = InFlight()
-        # The wake-up subscribers (hotlock.aio._wakeup): sharded pub/sub, one per primary,
+        # The wake-up subscribers (hotlock.backends.wakeup_async): sharded pub/sub, one per primary,
         # made on the first long lock_wait.
         self.wake_slot = async_cluster_slot(config, self.slot_owner)
 
@@ -75,7 +75,7 @@ class AsyncClusterBackend(ClusterCore):
                 slots = None
                 if isinstance(shards, ReplyError):
                     slots = (await link.link_call([(b"CLUSTER", b"SLOTS")], None))[0]
-                ranges = _map_ranges(shards, lambda slots=slots: slots, self.config.tls)  # type: ignore[misc]
+                ranges = map_ranges(shards, lambda slots=slots: slots, self.config.tls)  # type: ignore[misc]
             except MAP_ERRORS as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
                 continue
@@ -105,7 +105,7 @@ class AsyncClusterBackend(ClusterCore):
                 if self.map.stale:
                     with contextlib.suppress(CacheError):
                         await self.refresh()
-                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= _UNSERVED_REFRESH_S:
+                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
                     with contextlib.suppress(CacheError):
                         await self.refresh()
                 batches = route.batches()

@@ -14,20 +14,19 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .._cluster import LinkLost, ReplyError
-from .._config import ServerConfig, cache_error, tls_context
+from .._config import ServerConfig, tls_context
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
-from ..errors import CacheError
-from ._retry import info_fields, retry_until, unconfirmed, within
-from ._wakeup import async_slot
+from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .retry_async import info_fields, retry_until, unconfirmed, within
+from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
 
 
 # An error reply, as the protocol hands it over: returned as a value, never raised by it
-# (hotlock._cluster's, so a cluster link's replies need no translation).
+# (hotlock.backends.cluster's, so a cluster link's replies need no translation).
 
 
 class NotSent(ConnectionError):
@@ -58,7 +57,7 @@ class NativeAsyncBackend:
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
         self._config = config
-        # The wake-up subscriber (hotlock.aio._wakeup), made on the first long lock_wait.
+        # The wake-up subscriber (hotlock.backends.wakeup_async), made on the first long lock_wait.
         self.wake_slot = async_slot(config)
         self._protocol_class = protocol_class
         self._proto: AioConnection | None = None
@@ -425,7 +424,7 @@ class NativeAsyncBackend:
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
 
-    # -- a cluster node's link (hotlock.aio._cluster.AsyncLink) -------------------------
+    # -- a cluster node's link (hotlock.backends.cluster_async.AsyncLink) -------------------------
 
     async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
         """``commands`` pipelined on this node's protocol, their replies (errors in place);

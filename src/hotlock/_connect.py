@@ -1,0 +1,214 @@
+"""What hotlock.connect() and hotlock.aio.connect() share: the argument checks, the URL,
+the backend chosen and opened (the one place it is chosen), and the log lines.
+
+The backend modules are imported here lazily, on the path that opens them: the native and
+memory paths never pay for `import redis`, the sync ones never for asyncio's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import TYPE_CHECKING
+
+from ._config import ServerConfig, parse_url
+from ._keys import check_prefix
+from .backends.native import native_aio, native_module, tls_refused
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from ._dialect import Dialect
+    from .backends import AsyncBackend, Backend
+    from .backends.cluster import Link
+    from .backends.cluster_async import AsyncLink
+
+__all__ = [
+    "BACKEND_NAMES",
+    "choose",
+    "connect_config",
+    "log_server",
+    "open_async_backend",
+    "open_backend",
+    "with_wakeups",
+]
+
+log = logging.getLogger("hotlock")
+
+BACKEND_NAMES = ("native", "redis-py")
+
+# Policies under which Redis may delete a lock key before its TTL. The volatile-* ones
+# evict *only* keys with a TTL: exactly the locks.
+SAFE_POLICY = "noeviction"
+
+
+def choose(config: ServerConfig, requested: str | None, *, aio: bool = False) -> tuple[str, str | None]:
+    """The backend to open for ``config`` and, when it is not native, why.
+
+    Native when the extension imported and HOTLOCK_PURE_PYTHON is unset; redis-py
+    otherwise. The sync native client speaks rediss:// only on the TLS build (see
+    native_module); the async one needs no TLS from hiredis (the event loop's transport
+    does TLS), so there rediss:// stays native.
+    """
+    if requested == "redis-py":
+        return "redis-py", "asked for by connect(backend='redis-py')"
+    native, why = native_aio() if aio else native_module()
+    if native is None:
+        if requested == "native":
+            raise ValueError(f"backend='native' is not available: {why}")
+        return "redis-py", why
+    if not aio and config.tls and not native.HAS_TLS:
+        return "redis-py", f"{tls_refused()}, and the url is rediss://"
+    return "native", None
+
+
+def open_backend(config: ServerConfig, requested: str | None) -> tuple[Backend, str | None]:
+    """The sync backend for ``config``, opened, and why it is not native (or None)."""
+    name, why = choose(config, requested)
+    native, _ = native_module()
+    if config.seeds:
+        # A cluster: the same transports, one link per primary, routed by backends.cluster.
+        from .backends.cluster import ClusterBackend
+
+        if name == "native":
+            assert native is not None
+            opener: Callable[[ServerConfig], Link] = native.NativeBackend
+        else:
+            from .backends.redispy import RedisPyLink
+
+            opener = RedisPyLink
+        return ClusterBackend(config, name, opener), why
+    if name == "native":
+        assert native is not None
+        backend: Backend = native.NativeBackend(config)
+    else:
+        from .backends.redispy import RedisPyBackend
+
+        backend = RedisPyBackend(config)
+    return backend, why
+
+
+async def open_async_backend(config: ServerConfig, requested: str | None) -> tuple[AsyncBackend, str | None]:
+    """The async backend for ``config``, opened, and why it is not native (or None)."""
+    name, why = choose(config, requested, aio=True)
+    native, _ = native_aio()
+    if config.seeds:
+        from .backends.cluster_async import AsyncClusterBackend
+
+        opener: Callable[[ServerConfig], Awaitable[AsyncLink]]
+        if name == "native":
+            from .backends.native_async import NativeAsyncBackend
+
+            assert native is not None
+            protocol = native.AioProtocol
+
+            async def opener(node: ServerConfig) -> AsyncLink:
+                return await NativeAsyncBackend.open(node, protocol)
+        else:
+            from .backends.redispy_async import RedisAsyncLink
+
+            opener = RedisAsyncLink.open
+        return await AsyncClusterBackend.open(config, name, opener), why
+    backend: AsyncBackend
+    if name == "native":
+        from .backends.native_async import NativeAsyncBackend
+
+        assert native is not None
+        backend = await NativeAsyncBackend.open(config, native.AioProtocol)
+    else:
+        from .backends.redispy_async import RedisAsyncBackend
+
+        backend = await RedisAsyncBackend.open(config)
+    return backend, why
+
+
+def connect_config(
+    url: str | None,
+    prefix: object,
+    connect_timeout: float,
+    timeout: float,
+    backend: str | None,
+    wait_replicas: int,
+    wait_timeout: float | None,
+) -> tuple[bytes, ServerConfig | None]:
+    """connect()'s argument checks and URL: the prefix as bytes and the server, or None
+    (after its WARNING) for the in-process fallback."""
+    raw_prefix = prefix_bytes(prefix)
+    for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be seconds (int or float), not {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+        raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
+    if wait_replicas < 0:
+        raise ValueError(f"wait_replicas must not be negative, not {wait_replicas!r}")
+    if wait_timeout is None:
+        wait_timeout = timeout / 2
+    if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)):
+        raise TypeError(f"wait_timeout must be seconds (int or float), not {type(wait_timeout).__name__}")
+    # WAIT's reply comes after up to wait_timeout: it must fit in one reply timeout.
+    if not (math.isfinite(wait_timeout) and 0 < wait_timeout < timeout):
+        raise ValueError(f"wait_timeout must be positive and below timeout ({timeout!r} s), not {wait_timeout!r}")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, not {backend!r}")
+    if url is None:
+        url = os.environ.get("CACHE_URL") or None
+    if url is None:
+        if backend is not None:
+            raise ValueError(f"backend={backend!r} needs a url or CACHE_URL")
+        if wait_replicas:
+            # There are no replicas to wait for in-process: saying nothing would be a lie.
+            raise ValueError(f"wait_replicas={wait_replicas!r} needs a url or CACHE_URL")
+        log.warning("no cache configured: locks exclude nothing outside this process")
+        return raw_prefix, None
+    return raw_prefix, parse_url(
+        url,
+        connect_timeout=float(connect_timeout),
+        timeout=float(timeout),
+        wait_replicas=wait_replicas,
+        wait_timeout=float(wait_timeout),
+    )
+
+
+def prefix_bytes(prefix: object) -> bytes:
+    if isinstance(prefix, str):
+        prefix = prefix.encode("utf-8")
+    if not isinstance(prefix, bytes):
+        raise TypeError(f"prefix must be str or bytes, not {type(prefix).__name__}")
+    if not prefix or len(prefix) > 256:
+        raise ValueError("prefix must be 1 to 256 bytes long")
+    return check_prefix(prefix)
+
+
+def with_wakeups(config: ServerConfig | None, wakeups: object) -> ServerConfig | None:
+    """connect()'s ``wakeups`` checked and put in the config (said once when off)."""
+    if not isinstance(wakeups, bool):
+        raise TypeError(f"wakeups must be a bool, not {type(wakeups).__name__}")
+    if config is None or wakeups:
+        return config
+    log.info("wake-ups off (connect(wakeups=False)): lock_wait polls with backoff")
+    return dataclasses.replace(config, wakeups=False)
+
+
+def log_server(info: dict[str, str] | None, dialect: Dialect, backend: str, server: str, why: str | None) -> None:
+    reason = f" ({why})" if why else ""
+    shards = info.get("cluster_primaries") if info else None
+    topology = f"Redis Cluster of {shards} shards, " if shards else ""
+    log.info("connected to %s (%s%s) with the %s backend%s", server, topology, dialect.describe(), backend, reason)
+    if info is None:
+        log.info("INFO is refused by the server's ACL: the server's version and maxmemory-policy go unchecked")
+        return
+    # On a cluster the backend names each primary with an evicting policy (maxmemory_policy@host:port).
+    policies = [(server, info.get("maxmemory_policy", SAFE_POLICY))]
+    policies += [(k.partition("@")[2], v) for k, v in info.items() if k.startswith("maxmemory_policy@")]
+    for where, policy in policies:
+        if policy != SAFE_POLICY:
+            log.warning(
+                "%s has maxmemory-policy %s: Redis may evict lock keys before their TTL and grant them twice; "
+                "set maxmemory-policy noeviction",
+                where,
+                policy,
+            )
