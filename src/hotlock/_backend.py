@@ -179,15 +179,17 @@ def open_backend(config: ServerConfig, requested: str | None) -> tuple[Backend, 
         # A cluster: the same transports, one link per primary, routed by hotlock._cluster.
         from ._cluster import ClusterBackend, Link
 
+        router = None
         if name == "native":
             native, _ = native_module()
             assert native is not None
             opener: Callable[[ServerConfig], Link] = native.NativeBackend
+            router = native.ClusterRouter  # the healthy case routed in C, over the same links
         else:
             from ._redispy import RedisPyLink
 
             opener = RedisPyLink
-        return ClusterBackend(config, name, opener), why
+        return ClusterBackend(config, name, opener, router), why
     if name == "native":
         native, _ = native_module()
         assert native is not None

@@ -100,11 +100,12 @@ async def open_backend(config: ServerConfig, requested: str | None) -> tuple[Asy
 
             async def opener(node: ServerConfig) -> AsyncLink:
                 return await NativeAsyncBackend.open(node, protocol)
-        else:
-            from ._redispy import RedisAsyncLink
 
-            opener = RedisAsyncLink.open
-        return await AsyncClusterBackend.open(config, name, opener), why
+            # The node table in C: a healthy call goes straight to its node's connection.
+            return await AsyncClusterBackend.open(config, name, opener, native.ClusterRouter), why
+        from ._redispy import RedisAsyncLink
+
+        return await AsyncClusterBackend.open(config, name, RedisAsyncLink.open), why
     if name == "native":
         from ._native import NativeAsyncBackend
 
