@@ -241,8 +241,8 @@ def main() -> int:
     lines += [f"| {r.workload} | {r.backend} | {r.topology} | {r.rate:,.0f} | {r.unit} |" for r in rows]
     lines += [
         "",
-        "Client CPU per cycle is the steadier figure on a shared machine: the cluster backend routes"
-        " in Python (hotlock/_cluster.py), where the one-server native backend runs its whole call in C.",
+        "Client CPU per cycle is the steadier figure on a shared machine. The native cluster backend routes"
+        " a healthy call in the extension (ext/_route.pxi), the redis-py one in Python (hotlock/_cluster.py).",
     ]
     lines += [
         "",
