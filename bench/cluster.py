@@ -3,18 +3,24 @@
 Writes bench/results-cluster.md (``make bench`` runs it after the peer comparison):
 
 - cycle: acquire + release of a fresh key, one thread, and the same from 8 threads;
+- extend: one held lock extended again and again, one thread;
+- async cycle: the same acquire + release through hotlock.aio, one task;
 - batch: lock_many(100) + unlock_many(100) on fresh keys (over every shard on the cluster);
 - contention: 8 threads on 16 keys with lock_wait, sections/s;
 - server CPU per cycle on each primary (INFO used_cpu_user + used_cpu_sys over the
   8-thread run), and from it what N shards on N cores would sustain: a projection.
 
 On a 2-core machine the three primaries and the client share two cores, so the cluster
-cannot show its scale-out here; the per-primary CPU is what carries over.
+cannot show its scale-out here; the per-primary CPU is what carries over. Two placements
+(``--placement``), both pinned with ``taskset``/sched_setaffinity so the other work on
+the machine moves less of the figures: ``split`` puts every server on core 0 and the
+client on core 1, ``one-core`` puts everything on core 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import statistics
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import redis
 
 import hotlock
+import hotlock.aio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.cluster import start_cluster
@@ -43,6 +50,18 @@ class Row:
     topology: str
     rate: float
     unit: str
+
+
+_PLACES = {
+    "split": "every redis-server pinned to core 0 (taskset -pc 0), the client to core 1 (sched_setaffinity)",
+    "one-core": "every redis-server and the client pinned to core 0 (taskset -pc 0, sched_setaffinity)",
+    "none": "not pinned",
+}
+
+
+def _pin(pids: list[int], core: int) -> None:
+    for pid in pids:
+        subprocess.run(["taskset", "-pc", str(core), str(pid)], check=True, capture_output=True)
 
 
 def _cpu(client: redis.Redis) -> float:
@@ -91,6 +110,18 @@ def measure(
 
     rows.append(Row("cycle, 1 thread", backend, topology, _timed(seconds, 1, cycle), "cycles/s"))
     rows.append(Row("client CPU per cycle, 1 thread", backend, topology, _CPU_US[-1], "µs"))
+    held = cache.lock(f"e-{tag}", ttl=10)
+
+    def extend(n: int, i: int) -> int:
+        held.extend()
+        return 1
+
+    rows.append(Row("extend, 1 thread", backend, topology, _timed(seconds, 1, extend), "extends/s"))
+    rows.append(Row("client CPU per extend, 1 thread", backend, topology, _CPU_US[-1], "µs"))
+    held.unlock()
+    rate, cpu_us = asyncio.run(_async_cycle(url, backend, tag, seconds))
+    rows.append(Row("async cycle, 1 task", backend, topology, rate, "cycles/s"))
+    rows.append(Row("client CPU per async cycle, 1 task", backend, topology, cpu_us, "µs"))
     before = [_cpu(s) for s in sides]
     count = [0]
 
@@ -108,6 +139,7 @@ def measure(
         return 1
 
     rows.append(Row("lock_many(100) + unlock_many(100)", backend, topology, _timed(seconds, 1, batch), "batches/s"))
+    rows.append(Row("client CPU per batch of 100", backend, topology, _CPU_US[-1], "µs"))
 
     def section(n: int, i: int) -> int:
         with cache.lock_wait(f"hot-{tag}-{(n * 7 + i) % 16}", ttl=10, wait=5):
@@ -127,22 +159,50 @@ def measure(
     return rows, cpu_per_cycle
 
 
+async def _async_cycle(url: str, backend: str, tag: str, seconds: float) -> tuple[float, float]:
+    """Acquire + release of fresh keys through hotlock.aio, one task: (cycles/s, client CPU µs each)."""
+    cache = await hotlock.aio.connect(url, backend=backend)
+    try:
+        done = 0
+        stop = time.monotonic() + seconds
+        started = time.monotonic()
+        cpu = time.process_time()
+        while time.monotonic() < stop:
+            for _ in range(50):
+                await (await cache.lock(f"a-{tag}-{done}", ttl=10)).unlock()
+                done += 1
+        return done / (time.monotonic() - started), (time.process_time() - cpu) / done * 1e6
+    finally:
+        await cache.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results-cluster.md"))
+    parser.add_argument("--backends", default="native,redis-py", help="comma-separated")
+    parser.add_argument(
+        "--placement",
+        choices=("split", "one-core", "none"),
+        default="split",
+        help="split: servers on core 0, client on core 1; one-core: all on core 0; none: unpinned",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     single = start_redis()
     cluster = start_cluster(replicas=0)
+    if args.placement != "none":
+        # The client pins itself before it starts any thread (new threads inherit it).
+        _pin([single.pid, *(n.pid for n in cluster.nodes)], 0)
+        os.sched_setaffinity(0, {1 if args.placement == "split" else 0})
     try:
         version = single.client().info("server")["redis_version"]
         primaries = [cluster.client(p) for p in cluster.primary_ports()]
         runs: dict[tuple[str, str, str], list[Row]] = {}
         cpus: dict[tuple[str, str], list[list[float]]] = {}
         for _ in range(args.rounds):
-            for backend in ("native", "redis-py"):
+            for backend in args.backends.split(","):
                 for url, topology, sides in (
                     (single.url, "1 server", [single.client()]),
                     (cluster.url, "3-shard cluster", primaries),
@@ -170,6 +230,7 @@ def main() -> int:
         f"median of {args.rounds} interleaved rounds",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}; "
         f"redis-server {version}",
+        f"- placement: {_PLACES[args.placement]}",
         f"- load average at start {load_before[0]:.2f}, at end {load_after[0]:.2f} (other work shares the cores)",
         "- the cluster: 3 primaries, no replicas, on the same loopback and the same 2 cores as the client and"
         " the single server (which is idle while the cluster runs)",
@@ -180,8 +241,8 @@ def main() -> int:
     lines += [f"| {r.workload} | {r.backend} | {r.topology} | {r.rate:,.0f} | {r.unit} |" for r in rows]
     lines += [
         "",
-        "Client CPU per cycle is the steadier figure on a shared machine: the cluster backend routes"
-        " in Python (hotlock/backends/cluster.py), where the one-server native backend runs its whole call in C.",
+        "Client CPU per cycle is the steadier figure on a shared machine. The native cluster backend routes"
+        " a healthy call in the extension (ext/_route.pxi), the redis-py one in Python (hotlock/backends/cluster.py).",
     ]
     lines += [
         "",

@@ -105,7 +105,9 @@ cdef class _Taker:
     a default in __init__ gets that default here too), then the acquisition's own fields
     written in. tests/test_native.py compares such a lock with one Lease.__init__ made."""
 
-    cdef NativeBackend _backend
+    cdef NativeBackend _backend  # one server: its backend; on a cluster None
+    cdef ClusterRouter _router  # on a cluster (ClusterRouter.taker): its fast path; else None
+    cdef object _owner  # the backend every lease holds (on a cluster, the ClusterBackend)
     cdef bytes _prefix  # the cache's lock prefix: prefix + b"lock:"
     cdef object _template
     cdef _Type *_cls
@@ -116,11 +118,14 @@ cdef class _Taker:
     cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
     cdef long long _ms_value
 
-    def __cinit__(self, NativeBackend backend, bytes prefix not None, template not None):
+    def __cinit__(self, backend not None, bytes prefix not None, template not None, ClusterRouter router=None):
         cls_object = type(template)  # kept alive by the template
         cdef _Type *cls = <_Type *><PyObject *>cls_object
         offsets = _slot_offsets(cls_object)
-        self._backend = backend
+        if router is None:
+            self._backend = <NativeBackend?>backend
+        self._router = router
+        self._owner = backend
         self._prefix = prefix
         self._template = template
         self._cls = cls
@@ -181,8 +186,11 @@ cdef class _Taker:
         if limit != 1:
             token = permit_ask(token, limit)  # the lease's held value is then token '#' fence
         sent = _monotonic()
-        self._backend._scripts(_SHA_ACQUIRE, name, token, 1, ms, self._backend._rule(0.0, True),
-                               "acquire", name, &fence)
+        if self._router is not None:
+            fence = self._router._acquire(name, token, ms)
+        else:
+            self._backend._scripts(_SHA_ACQUIRE, name, token, 1, ms, self._backend._rule(0.0, True),
+                                   "acquire", name, &fence)
         if fence <= 0:
             return fence
         return self._lease(key, name, _held(token, fence), fence, ms, sent)
@@ -204,7 +212,7 @@ cdef class _Taker:
             (<PyObject **>(obj + self._rest[i]))[0] = v
         # As Lease.__init__: the held value is token + fence digits; the TTL runs from
         # when the acquire was sent.
-        _put(obj, self._own[0], self._backend)
+        _put(obj, self._own[0], self._owner)
         _put(obj, self._own[1], key)
         _put(obj, self._own[2], name)
         _put(obj, self._own[3], held)
@@ -347,7 +355,8 @@ cdef inline bint _plain_held(object lease) noexcept:
     name = _slot(lease, _at_name)
     token = _slot(lease, _at_token)
     pid = _slot(lease, _at_pid)
-    return (backend is not NULL and type(<object>backend) is NativeBackend
+    return (backend is not NULL
+            and (type(<object>backend) is NativeBackend or _router_of(<object>backend) is not None)
             and name is not NULL and type(<object>name) is bytes
             and token is not NULL and type(<object>token) is bytes and PyBytes_GET_SIZE(<object>token) > 0
             and pid is not NULL and type(<object>pid) is int
@@ -358,19 +367,22 @@ cdef inline bint _plain_held(object lease) noexcept:
 
 cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Lock.unlock()
-    cdef NativeBackend backend
     cdef bytes name, token
     cdef bint released
     if nargs != 0 or kwnames is not NULL or not _plain_held(self):
         return _as_given(_py_unlock, self, args, nargs, kwnames)
     # Owned references: the round trip releases the GIL, and another thread may unlock
     # this lock (emptying its token) meanwhile.
-    backend = <NativeBackend><object>_slot(self, _at_backend)
+    owner = <object>_slot(self, _at_backend)
     name = <bytes><object>_slot(self, _at_name)
     token = <bytes><object>_slot(self, _at_token)
     meter = <object>_slot(self, _at_meter)
     try:
-        released = backend._release(name, token)  # a CacheError keeps the token, as unlock() does
+        # A CacheError keeps the token, as unlock() does.
+        if type(owner) is NativeBackend:
+            released = (<NativeBackend>owner)._release(name, token)
+        else:
+            released = _router_of(owner)._release(name, token)
     except CacheError as error:
         if meter is not None:  # metrics hook
             meter.failed(self, "release", error)
@@ -389,7 +401,6 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
 
 cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Lock.extend(ttl=None)
-    cdef NativeBackend backend
     cdef bytes name, token
     cdef PyObject *held_ms
     cdef long long ms
@@ -431,13 +442,16 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         return _as_given(_py_extend, self, args, nargs, kwnames)
     # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
     # lease past its deadline may still be extended).
-    backend = <NativeBackend><object>_slot(self, _at_backend)
+    owner = <object>_slot(self, _at_backend)
     name = <bytes><object>_slot(self, _at_name)
     token = <bytes><object>_slot(self, _at_token)
     meter = <object>_slot(self, _at_meter)
     sent = _monotonic()
     try:
-        ok = backend._extend(name, token, ms)
+        if type(owner) is NativeBackend:
+            ok = (<NativeBackend>owner)._extend(name, token, ms)
+        else:
+            ok = _router_of(owner)._extend(name, token, ms)
     except CacheError as error:
         if meter is not None:  # metrics hook
             meter.failed(self, "extend", error)

@@ -7,7 +7,8 @@ backoff constants from hotlock._backoff, the errors from hotlock._config.cache_e
 each defined once, in Python.
 
 Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
-NativeBackend), _aio.pxi (the asyncio protocol under hotlock.aio), _lease.pxi (Cache.lock's
+NativeBackend), _route.pxi (a Redis Cluster's healthy case routed in C over NativeBackend
+links), _aio.pxi (the asyncio protocol under hotlock.aio), _lease.pxi (Cache.lock's
 common case in one call).
 """
 
@@ -131,5 +132,6 @@ cdef bytes _held(bytes token, long long fence):
 
 include "_clock.pxi"
 include "_sync.pxi"
+include "_route.pxi"
 include "_aio.pxi"
 include "_lease.pxi"

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -25,7 +27,7 @@ import hotlock
 from hotlock import Cache, CacheError, LockNotAcquired
 from hotlock._config import ServerConfig, parse_url
 from hotlock.aio import AsyncCache
-from hotlock.backends.cluster import ClusterBackend, Link, key_slot
+from hotlock.backends.cluster import ClusterBackend, Link, crc16, key_slot
 from hotlock.backends.cluster_async import AsyncClusterBackend, AsyncLink
 from hotlock.backends.native import native_aio, native_module
 
@@ -39,7 +41,7 @@ pytestmark = pytest.mark.topologies("cluster")
 
 
 def opener(backend: str) -> Callable[[ServerConfig], Link]:
-    if backend == "native":
+    if backend.startswith("native"):
         native, why = native_module()
         if native is None:
             pytest.fail(f"the native backend is not live: {why}")
@@ -58,7 +60,21 @@ def routed_cache(url: str, backend: str, proxies: dict[int, FaultProxy], timeout
         proxy = proxies.get(node.port)
         return base(node if proxy is None else node.node("127.0.0.1", proxy.port))
 
-    return Cache(ClusterBackend(config, backend, open_link), b"hotlock:")
+    return Cache(
+        ClusterBackend(config, backend[:6] if backend.startswith("native") else backend, open_link, router(backend)),
+        b"hotlock:",
+    )
+
+
+def router(backend: str) -> object:
+    """'native-c': the native links with the extension's fast path (what connect() makes);
+    'native': the same links routed by Route alone."""
+    if backend != "native-c":
+        return None
+    native, why = native_module()
+    if native is None:
+        pytest.fail(f"the native backend is not live: {why}")
+    return native.ClusterRouter
 
 
 def keys_on(cluster: Cluster, port: int, n: int, prefix: str = "k") -> list[str]:
@@ -88,6 +104,70 @@ def test_key_slot_matches_the_server(redis_cluster: Cluster) -> None:
     keys += [b"hotlock:lock:{k%d}" % i for i in range(200)]
     for key in keys:
         assert key_slot(key) == client.execute_command("CLUSTER", "KEYSLOT", key), key
+
+
+def test_the_extension_hashes_slots_as_python_and_the_server(redis_cluster: Cluster) -> None:
+    """The C CRC16 and key slot (hotlock._native) against the Python ones and CLUSTER
+    KEYSLOT: random bytes, and random keys built around braces (tags, empty tags, a '}'
+    before the '{', nested and unclosed ones)."""
+    native, why = native_module()
+    if native is None:
+        pytest.fail(f"the native backend is not live: {why}")
+    client = redis_cluster.client(redis_cluster.primary_ports()[0])
+    rng = random.Random(1021)
+    parts = [b"{", b"}", b"{}", b"}{", b"a", b"tag", b"\x00", b"\xff", "ключ".encode(), b""]
+    keys = [rng.randbytes(rng.randrange(0, 64)) for _ in range(300)]
+    keys += [b"".join(rng.choice(parts) for _ in range(rng.randrange(1, 8))) for _ in range(700)]
+    keys += [b"", b"{", b"}", b"{}", b"}{", b"{a", b"a}", b"{{}}", b"}{a}", b"x}{y}z", b"{a}{b}", b"a{b{c}d}"]
+    for key in keys:
+        assert native.crc16(key) == crc16(key), key
+        assert native.key_slot(key) == key_slot(key) == client.execute_command("CLUSTER", "KEYSLOT", key), key
+
+
+def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url: str) -> None:
+    """On a healthy cluster the native backend's single-key calls and batches never reach
+    Route (ClusterBackend.routed); after a slot moves, the MOVED is handed to it, and the
+    call still succeeds on the new owner."""
+    cache = hotlock.connect(cluster_url, backend="native")
+    backend = cache._backend
+    assert isinstance(backend, ClusterBackend) and backend._router is not None
+    handed: list[str] = []
+    route = backend.routed
+
+    def counted(what: str, *rest: Any) -> list[Any]:
+        handed.append(what)
+        return route(what, *rest)
+
+    backend.routed = counted  # type: ignore[method-assign]
+    port = redis_cluster.primary_ports()[0]
+    key = keys_on(redis_cluster, port, 1, "fast")[0]
+    lock = cache.lock(key, ttl=10)
+    lock.extend(ttl=20)
+    assert redis_cluster.client(port).pttl(lock_name(key)) > 15000
+    assert lock.unlock() is True
+    keys = [f"fastb-{i}" for i in range(60)]
+    locks = cache.lock_many(keys, ttl=10)
+    assert all(lock is not None for lock in locks)
+    assert cache.extend_many(locks, ttl=20) == [True] * 60  # type: ignore[arg-type]
+    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    assert cache.set_nx("fast-once", "v", ttl=10) is True and cache.set_nx("fast-once", "v", ttl=10) is False
+    assert cache.incr("fast-count", 3) == 3
+    with cache.lock_wait(key, ttl=5, wait=1):
+        pass
+    assert handed == []
+    slot = key_slot(lock_name(key))
+    target = _other_primary(redis_cluster, port)
+    redis_cluster.move_slot(slot, target)
+    try:
+        lock = cache.lock(key, ttl=10)
+        assert handed == ["acquire"]
+        assert redis_cluster.client(target).exists(lock_name(key)) == 1
+        assert lock.unlock() is True  # the map was refreshed after the MOVED: C again
+        assert handed == ["acquire"]
+    finally:
+        redis_cluster.move_slot(slot, port)
+        redis_cluster.wait_ok()
+    cache.close()
 
 
 def test_connect_names_the_cluster(
@@ -133,12 +213,12 @@ def test_set_nx_and_incr_route_like_locks(rcache: Cache, redis_cluster: Cluster)
     assert len(ports) == 3
 
 
-@pytest.fixture(params=[b for b in ("redis-py", "native")])
+@pytest.fixture(params=[b for b in ("redis-py", "native", "native-c")])
 def routed(
     request: pytest.FixtureRequest, cluster_url: str, redis_cluster: Cluster
 ) -> Iterator[tuple[str, dict[int, FaultProxy]]]:
     """A fault proxy in front of every primary; the backend under test."""
-    if request.param == "native" and native_module()[0] is None:
+    if request.param.startswith("native") and native_module()[0] is None:
         pytest.fail(f"the native backend is not live: {native_module()[1]}")
     proxies = {port: FaultProxy(port).start() for port in redis_cluster.primary_ports()}
     yield request.param, proxies
@@ -192,6 +272,42 @@ def test_lost_reply_on_one_node_is_retried_with_the_same_token(
     locks = cache.lock_many(keys, ttl=10)
     assert proxies[port].dropped_replies == 2 and all(lock is not None for lock in locks)
     assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+    cache.close()
+
+
+def test_a_lost_reply_is_retried_once_only(
+    routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """Two replies dropped in a row: the acquire runs exactly twice on its node (the first
+    try and the one retry, same token), never a third time. On redis-py both dropped
+    replies are the acquire's, so the call is a CacheError; the native links reconnect with
+    a handshake (its SCRIPT LOAD replies are the second one dropped, retried as any lost
+    handshake reply), so the retry's own reply arrives and the lock is held. A lost extend
+    reply is never resent."""
+    backend, proxies = routed
+    port = redis_cluster.primary_ports()[1]
+    client = redis_cluster.client(port)
+    cache = routed_cache(cluster_url, backend, proxies)
+    key = keys_on(redis_cluster, port, 1, "twice")[0]
+    with cache.lock(keys_on(redis_cluster, port, 1, "warm2")[0], ttl=5):
+        pass  # the link to the node is open
+    before = evalsha_calls(client)
+    proxies[port].drop_replies(2)
+    if backend == "redis-py":
+        with pytest.raises(CacheError, match="retried after a lost reply"):
+            cache.lock(key, ttl=10)
+        client.delete(lock_name(key))
+        lock = cache.lock(key, ttl=10)
+        before += 1
+    else:
+        lock = cache.lock(key, ttl=10)
+    assert proxies[port].dropped_replies == 2
+    assert evalsha_calls(client) - before == 2
+    proxies[port].drop_replies(1)
+    with pytest.raises(CacheError):
+        lock.extend()
+    assert evalsha_calls(client) - before == 3
+    assert lock.unlock() is True
     cache.close()
 
 
@@ -661,7 +777,7 @@ async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], 
     async def open_link(node: ServerConfig) -> AsyncLink:
         proxy = proxies.get(node.port)
         target = node if proxy is None else node.node("127.0.0.1", proxy.port)
-        if backend == "native":
+        if backend.startswith("native"):
             from hotlock.backends.native_async import NativeAsyncBackend
 
             native, why = native_aio()
@@ -672,7 +788,8 @@ async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], 
 
         return await RedisAsyncLink.open(target)
 
-    return AsyncCache(await AsyncClusterBackend.open(config, backend, open_link), b"hotlock:")
+    name = backend[:6] if backend.startswith("native") else backend
+    return AsyncCache(await AsyncClusterBackend.open(config, name, open_link, router(backend)), b"hotlock:")  # type: ignore[arg-type]
 
 
 def test_async_batch_over_every_shard_is_one_round_trip(

@@ -18,7 +18,7 @@ from ._keys import check_prefix
 from .backends.native import native_aio, native_module, tls_refused
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
     from ._dialect import Dialect
     from .backends import AsyncBackend, Backend
@@ -72,14 +72,16 @@ def open_backend(config: ServerConfig, requested: str | None) -> tuple[Backend, 
         # A cluster: the same transports, one link per primary, routed by backends.cluster.
         from .backends.cluster import ClusterBackend
 
+        router = None
         if name == "native":
             assert native is not None
             opener: Callable[[ServerConfig], Link] = native.NativeBackend
+            router = native.ClusterRouter  # the healthy case routed in C, over the same links
         else:
             from .backends.redispy import RedisPyLink
 
             opener = RedisPyLink
-        return ClusterBackend(config, name, opener), why
+        return ClusterBackend(config, name, opener, router), why
     if name == "native":
         assert native is not None
         backend: Backend = native.NativeBackend(config)
@@ -97,7 +99,6 @@ async def open_async_backend(config: ServerConfig, requested: str | None) -> tup
     if config.seeds:
         from .backends.cluster_async import AsyncClusterBackend
 
-        opener: Callable[[ServerConfig], Awaitable[AsyncLink]]
         if name == "native":
             from .backends.native_async import NativeAsyncBackend
 
@@ -106,11 +107,12 @@ async def open_async_backend(config: ServerConfig, requested: str | None) -> tup
 
             async def opener(node: ServerConfig) -> AsyncLink:
                 return await NativeAsyncBackend.open(node, protocol)
-        else:
-            from .backends.redispy_async import RedisAsyncLink
 
-            opener = RedisAsyncLink.open
-        return await AsyncClusterBackend.open(config, name, opener), why
+            # The node table in C: a healthy call goes straight to its node's connection.
+            return await AsyncClusterBackend.open(config, name, opener, native.ClusterRouter), why
+        from .backends.redispy_async import RedisAsyncLink
+
+        return await AsyncClusterBackend.open(config, name, RedisAsyncLink.open), why
     backend: AsyncBackend
     if name == "native":
         from .backends.native_async import NativeAsyncBackend

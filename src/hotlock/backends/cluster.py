@@ -32,6 +32,7 @@ slowest node's), not one per node. Results come back in the caller's order.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import random
 import threading
@@ -168,11 +169,23 @@ class SlotMap:
         self.refreshed = 0.0  # time.monotonic() of the last replace()
         self.complete = False
         self.primaries: tuple[Address, ...] = ()
+        # Told of every change (the native backend hands the extension its node table).
+        self.watch: Callable[[SlotMap], None] | None = None
 
     def owner(self, slot: int) -> Address | None:
         return self._owner[slot]
 
+    def node_table(self, numbers: dict[Address, int]) -> bytes:
+        """The map as SLOTS native-endian uint16 node numbers, 0xFFFF for a slot with no
+        primary; an address not in ``numbers`` is given the next number there."""
+        table = array.array("H", [0xFFFF]) * SLOTS
+        for slot, address in enumerate(self._owner):
+            if address is not None:
+                table[slot] = numbers.setdefault(address, len(numbers))
+        return table.tobytes()
+
     def moved(self, slot: int, address: Address) -> None:
+        # No watch call: a stale map turns the extension's fast path off until replace().
         self._owner[slot] = address
         self.stale = True
 
@@ -185,6 +198,8 @@ class SlotMap:
         self.complete = None not in owner  # every slot has a primary: no call need look for holes
         self.stale = False
         self.refreshed = time.monotonic()
+        if self.watch is not None:
+            self.watch(self)
 
 
 # -- one call's routing, without I/O ---------------------------------------------------
@@ -281,6 +296,17 @@ class Route:
                 batch.append(self._cluster.wait_command)
             out.append((address, batch))
         return out
+
+    def handed(self, first: tuple[dict[Address, list[int]], list[tuple[Address, Any]]]) -> None:
+        """The first round, already sent by the extension's fast path: which keys went to
+        which node, and each node's replies or the exception that lost them."""
+        self._groups, outcomes = first
+        self._pending = []
+        for address, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                self.lost(address, outcome)
+            else:
+                self.replies(address, outcome)
 
     def lost(self, address: Address, exc: BaseException) -> None:
         self._lost.append((address, self._groups[address], exc))
@@ -518,11 +544,24 @@ class ClusterBackend(ClusterCore):
     "redis-py") is the backend's; ``server`` shows the cluster's seeds.
     """
 
-    def __init__(self, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Link]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        name: str,
+        open_link: Callable[[ServerConfig], Link],
+        router: Callable[[ClusterBackend, SlotMap], Any] | None = None,
+    ) -> None:
         super().__init__(config, name)
         self._open_link = open_link
         self._links: dict[Address, Link] = {}
         self._links_mutex = threading.Lock()
+        # The native transport's fast path (hotlock._native.ClusterRouter): the healthy
+        # case of a call routed in C over these same links, everything else handed back
+        # to Route through routed(). Not under wait_replicas: the WAIT stays Route's.
+        self._router = None if router is None or config.wait_replicas else router(self, self.map)
+        self._numbers: dict[Address, int] = {}  # the router's node number of each address
+        if self._router is not None:
+            self.map.watch = self._mapped
         # The wake-up subscribers (hotlock.backends.wakeup.ClusterWakeups: sharded pub/sub, one per
         # primary), made on the first long lock_wait.
         self._wakeups = cluster_slot(config, self.slot_owner)
@@ -567,36 +606,71 @@ class ClusterBackend(ClusterCore):
                 if link is None:
                     link = self._open_link(self.config.node(*address))
                     self._links[address] = link
+                    if self._router is not None:
+                        self._router.set_link(self._numbers.setdefault(address, len(self._numbers)), link)
         return link
+
+    def _mapped(self, slot_map: SlotMap) -> None:
+        # Each address keeps the node number it first got, so the router's links stay put.
+        assert self._router is not None
+        with self._links_mutex:
+            table = slot_map.node_table(self._numbers)
+            links = [self._links.get(a) for a in self._numbers]
+            self._router.set_map(table, list(self._numbers), links)
+
+    def taker(self, lock_prefix: bytes, template: object) -> object:
+        """Cache.lock's one-call path (hotlock._native), when the extension routes here."""
+        return None if self._router is None else self._router.taker(lock_prefix, template)
+
+    def routed(
+        self,
+        what: str,
+        keys: list[bytes],
+        commands: list[tuple[bytes, ...]],
+        retry_until: float | None,
+        first: tuple[dict[Address, list[int]], list[tuple[Address, Any]]] | None,
+    ) -> list[Any]:
+        """A call the extension's fast path did not finish, under Route's rules: from the
+        start (``first`` None: a stale map, a slot or node it does not know), or after the
+        first round it sent (a redirection, an error reply, a lost reply: the same
+        commands, the same tokens, the one lost-reply retry still Route's to spend)."""
+        return self._run(Route(self, what, keys, commands, retry_until, False), first)
 
     # -- routing ------------------------------------------------------------------------
 
-    def _run(self, route: Route) -> list[Any]:
+    def _run(
+        self, route: Route, first: tuple[dict[Address, list[int]], list[tuple[Address, Any]]] | None = None
+    ) -> list[Any]:
         """Send every node's commands, all written before any is read, round after round
-        until ``route`` has every reply; on failure undo its acquires, raise CacheError."""
+        until ``route`` has every reply; on failure undo its acquires, raise CacheError.
+        ``first``: the first round's outcome, when the extension sent it (see routed)."""
         try:
             while True:
-                if self.map.stale:
-                    # Keep the slots learnt from MOVED if no node answers for the whole map.
-                    with contextlib.suppress(CacheError):
-                        self.refresh()
-                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
-                    # No primary for a slot when we last looked (its primary failed, its
-                    # replica not yet promoted): look again, not on every call of the gap.
-                    with contextlib.suppress(CacheError):
-                        self.refresh()
-                sent = []
-                for address, batch in route.batches():
-                    try:
-                        link = self._link(address)
-                        sent.append((address, link, link.link_send(batch), len(batch)))
-                    except (LinkLost, CacheError) as exc:
-                        route.lost(address, exc)
-                for address, link, handle, count in sent:
-                    try:
-                        route.replies(address, link.link_recv(handle, count, route.override))
-                    except LinkLost as exc:
-                        route.lost(address, exc)
+                if first is not None:
+                    route.handed(first)
+                    first = None
+                else:
+                    if self.map.stale:
+                        # Keep the slots learnt from MOVED if no node answers for the whole map.
+                        with contextlib.suppress(CacheError):
+                            self.refresh()
+                    if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
+                        # No primary for a slot when we last looked (its primary failed, its
+                        # replica not yet promoted): look again, not on every call of the gap.
+                        with contextlib.suppress(CacheError):
+                            self.refresh()
+                    sent = []
+                    for address, batch in route.batches():
+                        try:
+                            link = self._link(address)
+                            sent.append((address, link, link.link_send(batch), len(batch)))
+                        except (LinkLost, CacheError) as exc:
+                            route.lost(address, exc)
+                    for address, link, handle, count in sent:
+                        try:
+                            route.replies(address, link.link_recv(handle, count, route.override))
+                        except LinkLost as exc:
+                            route.lost(address, exc)
                 pause = route.advance()
                 if pause is None:
                     return route.results
@@ -636,45 +710,58 @@ class ClusterBackend(ClusterCore):
     ) -> list[Any]:
         return self._run(self.route(what, script, keys, args, retry_until))
 
+    def _many(
+        self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], ms: int, until: float | None
+    ) -> list[Any]:
+        """A batch of one script (ms -1: no TTL argument); with the extension, grouped by
+        node and sent from C, what it cannot finish handed back through routed()."""
+        if self._router is not None:
+            return self._router.many(what, script.sha, keys, tokens, ms, until)  # type: ignore[no-any-return]
+        return self._scripts(what, script, keys, [(t,) if ms < 0 else (t, b"%d" % ms) for t in tokens], until)
+
+    def _one(self, what: str, script: Script, key: bytes, token: bytes, ms: int, until: float | None) -> Any:
+        """One key's script (ms -1: no TTL argument), on the extension's fast path when it
+        routes here."""
+        if self._router is not None:
+            return self._router.script(what, script.sha, key, token, ms, until)
+        return self._scripts(what, script, [key], [(token,) if ms < 0 else (token, b"%d" % ms)], until)[0]
+
     # -- the Backend interface --------------------------------------------------------
 
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
-        return int(self._scripts("acquire", ACQUIRE, [key], [(token, b"%d" % ttl_ms)], self.retry_until())[0])
+        return int(self._one("acquire", ACQUIRE, key, token, ttl_ms, self.retry_until()))
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
         until = self.retry_until(wait_ms)
-        ttl = b"%d" % ttl_ms
-        return wait(
-            self._wakeups, key, lambda s: int(self._scripts("acquire", s, [key], [(token, ttl)], until)[0]), wait_ms
-        )
+        return wait(self._wakeups, key, lambda s: int(self._one("acquire", s, key, token, ttl_ms, until)), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
-        ttl = b"%d" % ttl_ms
-        replies = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], self.retry_until())
-        return [int(r) for r in replies]
+        return [int(r) for r in self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self.retry_until())]
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         # No retry: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
-        return bool(self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None)[0])
+        return bool(self._one("extend", EXTEND, key, token, ttl_ms, None))
 
     def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        ttl = b"%d" % ttl_ms
-        return [bool(r) for r in self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
+        return [bool(r) for r in self._many("extend_many", EXTEND, keys, tokens, ttl_ms, None)]
 
     def release(self, key: bytes, token: bytes) -> bool:
         # RELEASE_SHARDED: a waiter's mark is announced by SPUBLISH, on the lock's own shard.
-        return bool(self._scripts("release", RELEASE_SHARDED, [key], [(token,)], self.retry_until())[0])
+        return bool(self._one("release", RELEASE_SHARDED, key, token, -1, self.retry_until()))
 
     def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
-        replies = self._scripts("release_many", RELEASE_SHARDED, keys, [(t,) for t in tokens], self.retry_until())
-        return [bool(r) for r in replies]
+        return [bool(r) for r in self._many("release_many", RELEASE_SHARDED, keys, tokens, -1, self.retry_until())]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         # Never resent after a lost reply (not safe twice), as on one server.
+        if self._router is not None:
+            return self._router.set_nx(key, value, ttl_ms) is not None
         command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
         return self._run(Route(self, "set_nx", [key], [command], None, False))[0] is not None
 
     def incr(self, key: bytes, amount: int) -> int:
+        if self._router is not None:
+            return int(self._router.incr(key, amount))
         return int(self._run(Route(self, "incr", [key], [(b"INCRBY", key, b"%d" % amount)], None, False))[0])
 
     def command_info(self) -> list[object] | None:

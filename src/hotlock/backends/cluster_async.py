@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from .._config import ServerConfig
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
-from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, map_ranges
+from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges
 from .retry_async import InFlight, retry_until
 from .wakeup_async import async_cluster_slot
 
@@ -35,15 +35,29 @@ class AsyncLink(Protocol):
     async def link_close(self) -> None: ...
 
 
+# The first round of a call sent outside Route (see Route.handed).
+First = tuple[dict[Address, list[int]], list[tuple[Address, Any]]]
+
+
 class AsyncClusterBackend(ClusterCore):
     """The AsyncBackend protocol on a Redis Cluster, over any transport's async links."""
 
     def __init__(
-        self, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Awaitable[AsyncLink]]
+        self,
+        config: ServerConfig,
+        name: str,
+        open_link: Callable[[ServerConfig], Awaitable[AsyncLink]],
+        router: Callable[[AsyncClusterBackend, SlotMap], Any] | None = None,
     ) -> None:
         super().__init__(config, name)
         self._open_link = open_link
         self._links: dict[Address, asyncio.Task[AsyncLink]] = {}
+        # The native transport's node table in C (hotlock._native.ClusterRouter): which
+        # open link serves a key while the map is fresh. Not under wait_replicas.
+        self._router = None if router is None or config.wait_replicas else router(self, self.map)
+        self._numbers: dict[Address, int] = {}  # the router's node number of each address
+        if self._router is not None:
+            self.map.watch = self._mapped
         # Acquires in flight, by token: a release of that token waits for them (InFlight).
         self._inflight = InFlight()
         # The wake-up subscribers (hotlock.backends.wakeup_async): sharded pub/sub, one per primary,
@@ -52,9 +66,13 @@ class AsyncClusterBackend(ClusterCore):
 
     @classmethod
     async def open(
-        cls, config: ServerConfig, name: str, open_link: Callable[[ServerConfig], Awaitable[AsyncLink]]
+        cls,
+        config: ServerConfig,
+        name: str,
+        open_link: Callable[[ServerConfig], Awaitable[AsyncLink]],
+        router: Callable[[AsyncClusterBackend, SlotMap], Any] | None = None,
     ) -> AsyncClusterBackend:
-        backend = cls(config, name, open_link)
+        backend = cls(config, name, open_link, router)
         try:
             await backend.refresh()
             for address in backend.map.primaries:
@@ -91,7 +109,25 @@ class AsyncClusterBackend(ClusterCore):
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             # One connect per node, shared by every task that needs it; a failed one is retried.
             task = self._links[address] = asyncio.ensure_future(self._open_link(self.config.node(*address)))
+            if self._router is not None:
+                number = self._numbers.setdefault(address, len(self._numbers))
+                task.add_done_callback(lambda t: self._opened(number, t))
         return await asyncio.shield(task)
+
+    def _opened(self, number: int, task: asyncio.Task[AsyncLink]) -> None:
+        if self._router is not None and not task.cancelled() and task.exception() is None:
+            self._router.set_link(number, task.result())
+
+    def _mapped(self, slot_map: SlotMap) -> None:
+        # Each address keeps the node number it first got, so the router's links stay put.
+        assert self._router is not None
+        table = slot_map.node_table(self._numbers)
+        links = []
+        for address in self._numbers:
+            task = self._links.get(address)
+            done = task is not None and task.done() and not task.cancelled() and task.exception() is None
+            links.append(task.result() if done and task is not None else None)
+        self._router.set_map(table, list(self._numbers), links)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -99,27 +135,33 @@ class AsyncClusterBackend(ClusterCore):
         link = await self._link(address)
         return await link.link_call(batch, timeout)
 
-    async def _run(self, route: Route) -> list[Any]:
+    async def _run(self, route: Route, first: First | None = None) -> list[Any]:
+        """As the sync ClusterBackend._run; ``first``: the first round, when sent outside
+        Route by a fast path (_fast, _many)."""
         try:
             while True:
-                if self.map.stale:
-                    with contextlib.suppress(CacheError):
-                        await self.refresh()
-                if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
-                    with contextlib.suppress(CacheError):
-                        await self.refresh()
-                batches = route.batches()
-                outcomes = await asyncio.gather(
-                    *(self._node(address, batch, route.override) for address, batch in batches),
-                    return_exceptions=True,
-                )
-                for (address, _), outcome in zip(batches, outcomes, strict=True):
-                    if isinstance(outcome, (LinkLost, CacheError)):
-                        route.lost(address, outcome)
-                    elif isinstance(outcome, BaseException):
-                        raise outcome
-                    else:
-                        route.replies(address, outcome)
+                if first is not None:
+                    route.handed(first)
+                    first = None
+                else:
+                    if self.map.stale:
+                        with contextlib.suppress(CacheError):
+                            await self.refresh()
+                    if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
+                        with contextlib.suppress(CacheError):
+                            await self.refresh()
+                    batches = route.batches()
+                    outcomes = await asyncio.gather(
+                        *(self._node(address, batch, route.override) for address, batch in batches),
+                        return_exceptions=True,
+                    )
+                    for (address, _), outcome in zip(batches, outcomes, strict=True):
+                        if isinstance(outcome, (LinkLost, CacheError)):
+                            route.lost(address, outcome)
+                        elif isinstance(outcome, BaseException):
+                            raise outcome
+                        else:
+                            route.replies(address, outcome)
                 pause = route.advance()
                 if pause is None:
                     return route.results
@@ -153,6 +195,58 @@ class AsyncClusterBackend(ClusterCore):
     ) -> list[Any]:
         return await self._run(self.route(what, script, keys, args, until))
 
+    async def _fast(
+        self, what: str, key: bytes, command: tuple[bytes, ...], route: Callable[[], Route], shield: bytes | None
+    ) -> Any:
+        """One key's command. Where the router knows the key's node and its link, the
+        command goes straight to that node's connection (ordered there, as on one server);
+        a reply that is no error is the answer. Anything else, or no router, goes on under
+        ``route()``, from that first round, behind InFlight under the token ``shield``."""
+        first: First | None = None
+        found = None if self._router is None else self._router.node(key)
+        if found is not None:
+            address, link = found
+            try:
+                reply = await link.link_one(command)
+            except (LinkLost, CacheError) as exc:
+                first = ({address: [0]}, [(address, exc)])
+            else:
+                if not isinstance(reply, ReplyError):
+                    return reply
+                first = ({address: [0]}, [(address, [reply])])
+        work = self._run(route(), first)
+        return (await (work if shield is None else self._inflight.shielded([shield], work)))[0]
+
+    async def _many(
+        self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], ms: int, until: float | None
+    ) -> list[Any]:
+        """A batch of one script (ms -1: no TTL argument): grouped by node in C where the
+        router knows every key's node, each node's commands pipelined at once; what is not
+        a clean answer goes on under Route from that round."""
+        args = [(t,) if ms < 0 else (t, b"%d" % ms) for t in tokens]
+        groups = None if self._router is None else self._router.group(keys)
+        if groups is None:
+            return await self._scripts(what, script, keys, args, until)
+        commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
+        outcomes = await asyncio.gather(
+            *(link.link_call([commands[i] for i in idxs], None) for _, link, idxs in groups), return_exceptions=True
+        )
+        results: list[Any] = [None] * len(keys)
+        clean = True
+        for (_, _, idxs), outcome in zip(groups, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, (LinkLost, CacheError)):
+                    raise outcome
+                clean = False
+                continue
+            for i, reply in zip(idxs, outcome, strict=True):
+                clean = clean and not isinstance(reply, ReplyError)
+                results[i] = reply
+        if clean:
+            return results
+        first = ({a: idxs for a, _, idxs in groups}, [(a, o) for (a, _, _), o in zip(groups, outcomes, strict=True)])
+        return await self._run(Route(self, what, keys, commands, until, False), first)
+
     @staticmethod
     def _until(since: float | None, wait_ms: int, timeout: float) -> float:
         # Route keeps time.monotonic(); the AsyncBackend contract gives loop time.
@@ -171,40 +265,47 @@ class AsyncClusterBackend(ClusterCore):
         script: Script = ACQUIRE,
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
-        work = self._scripts("acquire", script, [key], [(token, b"%d" % ttl_ms)], until)
-        return int((await self._inflight.shielded([token], work))[0])
+        args = (token, b"%d" % ttl_ms)
+        command = (b"EVALSHA", script.sha, b"1", key, *args)
+        route = lambda: self.route("acquire", script, [key], [args], until)  # noqa: E731
+        return int(await self._fast("acquire", key, command, route, token))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
-        ttl = b"%d" % ttl_ms
-        until = self._until(None, 0, self.timeout)
-        work = self._scripts("acquire_many", ACQUIRE, keys, [(t, ttl) for t in tokens], until)
+        work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self._until(None, 0, self.timeout))
         return [int(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        return bool((await self._scripts("extend", EXTEND, [key], [(token, b"%d" % ttl_ms)], None))[0])
+        args = (token, b"%d" % ttl_ms)
+        command = (b"EVALSHA", EXTEND.sha, b"1", key, *args)
+        return bool(
+            await self._fast("extend", key, command, lambda: self.route("extend", EXTEND, [key], [args], None), None)
+        )
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
-        ttl = b"%d" % ttl_ms
-        return [bool(r) for r in await self._scripts("extend_many", EXTEND, keys, [(t, ttl) for t in tokens], None)]
+        return [bool(r) for r in await self._many("extend_many", EXTEND, keys, tokens, ttl_ms, None)]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         await self._inflight.settled([token])
-        work = self._scripts("release", RELEASE_SHARDED, [key], [(token,)], self._until(None, 0, self.timeout))
-        return bool((await self._inflight.shielded([token], work))[0])
+        until = self._until(None, 0, self.timeout)
+        command = (b"EVALSHA", RELEASE_SHARDED.sha, b"1", key, token)
+        route = lambda: self.route("release", RELEASE_SHARDED, [key], [(token,)], until)  # noqa: E731
+        return bool(await self._fast("release", key, command, route, token))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
-        work = self._scripts(
-            "release_many", RELEASE_SHARDED, keys, [(t,) for t in tokens], self._until(None, 0, self.timeout)
-        )
+        work = self._many("release_many", RELEASE_SHARDED, keys, tokens, -1, self._until(None, 0, self.timeout))
         return [bool(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        return (await self._run(Route(self, "set_nx", [key], [command], None, False)))[0] is not None
+        route = lambda: Route(self, "set_nx", [key], [command], None, False)  # noqa: E731
+        return await self._fast("set_nx", key, command, route, None) is not None
 
     async def incr(self, key: bytes, amount: int) -> int:
-        return int((await self._run(Route(self, "incr", [key], [(b"INCRBY", key, b"%d" % amount)], None, False)))[0])
+        command = (b"INCRBY", key, b"%d" % amount)
+        return int(
+            await self._fast("incr", key, command, lambda: Route(self, "incr", [key], [command], None, False), None)
+        )
 
     async def command_info(self) -> list[object] | None:
         return None  # as in sync: the version decides, and a cluster keeps the scripts

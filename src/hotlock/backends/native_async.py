@@ -438,6 +438,17 @@ class NativeAsyncBackend:
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc
 
+    async def link_one(self, command: tuple[bytes, ...]) -> Any:
+        """One command on this node's protocol, its reply (an error in place): the cluster's
+        fast path, which needs no pipeline list. As link_call, LinkLost or CacheError."""
+        proto = self._proto
+        if proto is None or not proto.usable():
+            proto = await self._connection()
+        try:
+            return await proto.execute(*command)
+        except _LOST as exc:  # NotSent included: one resend is safe either way
+            raise LinkLost(_describe(exc)) from exc
+
     async def link_close(self) -> None:
         await self.close()
 

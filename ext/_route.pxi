@@ -1,0 +1,427 @@
+# Redis Cluster's healthy case in the extension: the slot of a key, the slot-to-node table
+# and the node's connection, so a call on a cluster whose map is fresh costs what it costs
+# on one server.
+#
+# hotlock.backends.cluster keeps the rules. Its SlotMap is the one map (the redis-py transport
+# needs it without the extension); on every replace() it hands the router a table of
+# node numbers for the 16384 slots, and the router keeps each number's NativeBackend
+# (the same link, with the same per-thread connections, that Route drives). A call here
+# sends its commands to the nodes the table names and reads their replies. A reply that
+# is no error is the answer. Anything else (an error reply: MOVED, ASK, TRYAGAIN,
+# CLUSTERDOWN, NOSCRIPT, READONLY...; a lost reply; a node that could not be connected
+# to) is handed, with the round as it went, to ClusterBackend.routed, whose Route goes on
+# from there exactly as if it had sent that round itself: the same commands with the
+# same tokens, and the one lost-reply retry still its own to spend (the fast path never
+# resends). A stale map, or a slot or node the table does not know, goes to Route from
+# the start.
+
+from libc.stdlib cimport calloc
+
+from hotlock.backends.cluster import ClusterBackend as _ClusterBackend
+from hotlock._scripts import RELEASE_SHARDED as _RELEASE_SHARDED
+
+cdef bytes _SHA_RELEASE_SHARDED = _RELEASE_SHARDED.sha
+
+DEF _SLOTS = 16384
+DEF _NO_NODE = 0xFFFF
+
+cdef unsigned short _CRC16_TABLE[256]
+
+
+cdef void _crc16_init() noexcept:
+    # CRC16-XMODEM (polynomial 0x1021, initial 0), as hotlock.backends.cluster.crc16.
+    cdef unsigned int crc, byte, bit
+    for byte in range(256):
+        crc = byte << 8
+        for bit in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+        _CRC16_TABLE[byte] = <unsigned short>(crc & 0xFFFF)
+
+
+_crc16_init()
+
+
+cdef inline unsigned int _crc16(const unsigned char *p, Py_ssize_t n) noexcept nogil:
+    cdef unsigned int crc = 0
+    cdef Py_ssize_t i
+    for i in range(n):
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16_TABLE[((crc >> 8) ^ p[i]) & 0xFF]
+    return crc
+
+
+cdef inline unsigned int _slot_of(const char *key, Py_ssize_t n) noexcept nogil:
+    """= hotlock.backends.cluster.key_slot: only what lies between the first '{' and the first '}'
+    after it is hashed, when that is not empty."""
+    cdef const char *start = <const char *>memchr(key, 123, <size_t>n)  # '{'
+    cdef const char *end
+    if start is not NULL:
+        end = <const char *>memchr(start + 1, 125, <size_t>(key + n - start - 1))  # '}'
+        if end is not NULL and end > start + 1:
+            key = start + 1
+            n = end - key
+    return _crc16(<const unsigned char *>key, n) & (_SLOTS - 1)
+
+
+def crc16(bytes data not None):
+    """= hotlock.backends.cluster.crc16 (tests/test_cluster.py holds them to each other)."""
+    return _crc16(<const unsigned char *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+def key_slot(bytes key not None):
+    """= hotlock.backends.cluster.key_slot, and the server's CLUSTER KEYSLOT."""
+    return _slot_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+
+
+cdef extern from "<string.h>" nogil:
+    const void *memchr(const void *s, int c, size_t n)
+
+
+# What a single-key call sends (see ClusterRouter._one).
+cdef enum:
+    _EVAL = 0  # EVALSHA sha 1 key arg [ms]
+    _SET_NX = 1  # SET key arg NX PX ms
+    _INCR = 2  # INCRBY key ms
+
+
+cdef inline ClusterRouter _router_of(object backend):
+    """The router of a sync ClusterBackend that has one (Lock.unlock/extend's fast path)."""
+    if type(backend) is not _ClusterBackend:
+        return None
+    router = getattr(backend, "_router", None)
+    return <ClusterRouter>router if type(router) is ClusterRouter else None
+
+
+cdef class ClusterRouter:
+    """The native cluster backend's fast path (see the top of this file): made by
+    ClusterBackend(router=ClusterRouter) as router(cluster, slot_map)."""
+
+    cdef unsigned short _node[_SLOTS]  # slot -> node number, _NO_NODE for none
+    cdef list _links  # node number -> its link (a NativeBackend), None until opened
+    cdef list _addresses  # node number -> (host, port), as Route names nodes
+    cdef object _map  # the SlotMap: while it is stale, every call goes to Route
+    cdef object _cluster  # the ClusterBackend that takes what is handed back
+    cdef double _timeout
+
+    def __init__(self, cluster not None, slot_map not None):
+        memset(self._node, 0xFF, sizeof(self._node))
+        self._links = []
+        self._addresses = []
+        self._map = slot_map
+        self._cluster = cluster
+        self._timeout = cluster.timeout
+
+    def set_map(self, bytes table not None, list addresses not None, list links not None):
+        """The slot map as SlotMap.node_table gives it, each number's address and link."""
+        if PyBytes_GET_SIZE(table) != sizeof(self._node):
+            raise ValueError("a node table has 16384 uint16 entries")
+        if len(links) != len(addresses):
+            raise ValueError("one link (or None) per address")
+        memcpy(self._node, PyBytes_AS_STRING(table), sizeof(self._node))
+        self._addresses = list(addresses)
+        self._links = list(links)
+
+    def set_link(self, Py_ssize_t number, link not None):
+        """The link of node ``number``, once the backend has opened it."""
+        links = list(self._links)
+        while len(links) <= number:
+            links.append(None)
+        links[number] = link
+        self._links = links  # replaced whole: a reader holds either list
+
+    def node(self, bytes key not None):
+        """(address, link) of the key's node by the table, or None where the call must go
+        to Route from the start (a stale map, an unserved slot, a link not opened yet)."""
+        cdef unsigned short number = self._number(key)
+        if number == _NO_NODE:
+            return None
+        link = self._links[number]
+        return None if link is None else (self._addresses[number], link)
+
+    cdef inline unsigned short _number(self, bytes key):
+        cdef unsigned short number = self._node[_slot_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))]
+        if number == _NO_NODE or number >= len(self._links) or number >= len(self._addresses) or self._map.stale:
+            return _NO_NODE
+        return number
+
+    def group(self, list keys not None):
+        """[(address, link, [key indexes])] by node, in first-seen order, for a batch the
+        async backend sends itself; None where it must go to Route from the start."""
+        cdef Py_ssize_t i, n = len(keys)
+        cdef unsigned short number
+        where = {}
+        for i in range(n):
+            key = keys[i]
+            if type(key) is not bytes:
+                raise TypeError("keys must be bytes")
+            number = self._number(<bytes>key)
+            if number == _NO_NODE:
+                return None
+            entry = where.get(number)
+            if entry is None:
+                link = self._links[number]
+                if link is None:
+                    return None
+                entry = where[number] = (self._addresses[number], link, [])
+            (<list>(<tuple>entry)[2]).append(i)
+        return list(where.values())
+
+    def taker(self, bytes lock_prefix not None, template not None):
+        """Cache.lock's one-call path on this cluster (ext/_lease.pxi's _Taker)."""
+        return _Taker(self._cluster, lock_prefix, template, self)
+
+    # -- one key ----------------------------------------------------------------------
+
+    def script(self, str what, bytes sha not None, bytes key not None, bytes token not None, long long ms, until):
+        """EVALSHA sha 1 key token [ms] (ms < 0: none); ``until`` (time.monotonic) as
+        Route's retry_until: None when a lost reply is never resent."""
+        return self._one(_EVAL, what, sha, key, token, ms, -1.0 if until is None else <double>until)
+
+    def set_nx(self, bytes key not None, bytes value not None, long long ms):
+        # Never resent after a lost reply, as on one server.
+        return self._one(_SET_NX, "set_nx", None, key, value, ms, -1.0)
+
+    def incr(self, bytes key not None, long long amount):
+        return self._one(_INCR, "incr", None, key, None, amount, -1.0)
+
+    cdef inline double _until(self):
+        # ClusterCore.retry_until(0): a call that may be resent ends within two reply timeouts.
+        return _monotonic() + 2.0 * self._timeout
+
+    cdef object _one(self, int kind, str what, bytes sha, bytes key, bytes arg, long long ms, double until):
+        cdef unsigned short number = self._number(key)
+        cdef NativeBackend link
+        cdef _Conn conn
+        cdef _Retry rule
+        cdef redisReply *r = NULL
+        cdef int rc
+        found = None if number == _NO_NODE else self._links[number]
+        if type(found) is not NativeBackend:
+            return self._handed(kind, what, sha, key, arg, ms, until, None)
+        link = <NativeBackend>found
+        address = self._addresses[number]
+        conn = link._conn()
+        # A resent call skips the staleness poll on a just-used connection, as on one
+        # server (NativeBackend._ready); here Route does the resend.
+        rule = link._rule(0.0, until >= 0.0)
+        try:
+            link._ready(conn, what, key, &rule)
+        except CacheError as exc:  # not connected: nothing was sent
+            link._settle(conn, &rule)
+            return self._handed(kind, what, sha, key, arg, ms, until, (address, exc))
+        if kind == _EVAL:
+            rc = _append_evalsha(conn.ctx, sha, key, arg, ms)
+        else:
+            rc = REDIS_OK
+            _append_args(conn.ctx, self._command(kind, sha, key, arg, ms))
+        if rc != REDIS_OK:
+            _drop(conn)
+            raise MemoryError()
+        rc = _exchange(conn, &r, 1)
+        link._settle(conn, &rule)
+        if rc != 0:
+            if r is not NULL:
+                freeReplyObject(r)
+            return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))))
+        try:
+            if r.type == REDIS_REPLY_INTEGER:
+                return r.integer
+            if r.type != REDIS_REPLY_ERROR:
+                return _py_reply(r)
+            outcome = (address, [_py_reply(r)])
+        finally:
+            freeReplyObject(r)
+        return self._handed(kind, what, sha, key, arg, ms, until, outcome)
+
+    cdef tuple _command(self, int kind, bytes sha, bytes key, bytes arg, long long ms):
+        """The command _one sends, as Route sends it."""
+        if kind == _SET_NX:
+            return (b"SET", key, arg, b"NX", b"PX", b"%d" % ms)
+        if kind == _INCR:
+            return (b"INCRBY", key, b"%d" % ms)
+        if ms < 0:
+            return (b"EVALSHA", sha, b"1", key, arg)
+        return (b"EVALSHA", sha, b"1", key, arg, b"%d" % ms)
+
+    cdef object _handed(self, int kind, str what, bytes sha, bytes key, bytes arg, long long ms, double until,
+                        object outcome):
+        first = None if outcome is None else ({outcome[0]: [0]}, [outcome])
+        results = self._cluster.routed(what, [key], [self._command(kind, sha, key, arg, ms)],
+                                       None if until < 0.0 else until, first)
+        return results[0]
+
+    # -- the native call paths of ext/_lease.pxi -------------------------------------------
+
+    cdef long long _acquire(self, bytes key, bytes token, long long ms) except? -1:
+        return self._one(_EVAL, "acquire", _SHA_ACQUIRE, key, token, ms, self._until())
+
+    cdef int _release(self, bytes key, bytes token) except -1:
+        return self._one(_EVAL, "release", _SHA_RELEASE_SHARDED, key, token, -1, self._until()) != 0
+
+    cdef int _extend(self, bytes key, bytes token, long long ms) except -1:
+        # Not resent: a lost extend reply is a CacheError, as on one server.
+        return self._one(_EVAL, "extend", _SHA_EXTEND, key, token, ms, -1.0) != 0
+
+    # -- batches ------------------------------------------------------------------------
+
+    def many(self, str what, bytes sha not None, list keys not None, list tokens not None, long long ms, until):
+        """EVALSHA sha 1 key token [ms] for every key: grouped by node, every node's
+        commands written before any reply is read (one round trip of wall time), the
+        replies in the keys' order. What is not a clean answer from every node goes to
+        Route with the round as it went."""
+        cdef Py_ssize_t n = len(keys), i, k, m = 0, nlinks
+        cdef double u = -1.0 if until is None else <double>until
+        cdef unsigned short number
+        cdef unsigned short *nodes = NULL  # each key's node number
+        cdef int *place = NULL  # node number -> its position among the nodes used, or -1
+        cdef redisReply **replies = NULL  # each key's reply
+        cdef _Retry *rules = NULL
+        cdef NativeBackend link
+        cdef _Conn conn
+        cdef int rc, done
+        cdef bint clean = True
+        cdef bint written = False
+        if len(tokens) != n:
+            raise ValueError("keys and tokens differ in length")
+        for i in range(n):
+            if type(keys[i]) is not bytes or type(tokens[i]) is not bytes:
+                raise TypeError("keys and tokens must be bytes")
+        if n == 0:
+            return []
+        links = self._links
+        addresses = self._addresses
+        nlinks = len(links)
+        used = []  # the node numbers this call sends to, in first-seen order
+        conns = []
+        outcomes = []  # per used node: None (sent), or the exception that kept it from its replies
+        nodes = <unsigned short *>malloc(n * sizeof(unsigned short))
+        place = <int *>malloc((nlinks + 1) * sizeof(int))
+        replies = <redisReply **>calloc(n, sizeof(redisReply *))
+        if nodes is NULL or place is NULL or replies is NULL:
+            free(nodes)
+            free(place)
+            free(replies)
+            raise MemoryError()
+        try:
+            for k in range(nlinks):
+                place[k] = -1
+            for i in range(n):
+                number = self._number(<bytes>keys[i])
+                if number == _NO_NODE or type(links[number]) is not NativeBackend:
+                    return self._many_handed(what, sha, keys, tokens, ms, u, None)
+                nodes[i] = number
+                if place[number] < 0:
+                    place[number] = <int>len(used)
+                    used.append(number)
+            m = len(used)
+            rules = <_Retry *>malloc(m * sizeof(_Retry))
+            if rules is NULL:
+                raise MemoryError()
+            # Write every node's commands before reading any reply.
+            written = True
+            for k in range(m):
+                link = <NativeBackend>links[<unsigned short>used[k]]
+                conn = link._conn()
+                conns.append(conn)
+                outcomes.append(None)
+                rules[k] = link._rule(0.0, u >= 0.0)
+                try:
+                    link._ready(conn, what, None, &rules[k])
+                except CacheError as exc:  # not connected: nothing was sent
+                    outcomes[k] = exc
+                    continue
+                number = <unsigned short>used[k]
+                for i in range(n):
+                    if nodes[i] == number and _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i],
+                                                              ms) != REDIS_OK:
+                        _drop(conn)
+                        raise MemoryError()
+                done = 0
+                rc = REDIS_OK
+                conn.busy = True
+                with nogil:
+                    while not done and rc == REDIS_OK:
+                        rc = redisBufferWrite(conn.ctx, &done)
+                conn.busy = False
+                if rc != REDIS_OK:
+                    outcomes[k] = LinkLost(link._lost(conn))
+                elif conn.doomed:
+                    _drop(conn)
+                    outcomes[k] = LinkLost("the cache was closed meanwhile")
+            written = False
+            for k in range(m):
+                if outcomes[k] is not None:
+                    clean = False
+                    continue
+                link = <NativeBackend>links[<unsigned short>used[k]]
+                conn = <_Conn>conns[k]
+                if _read_node(conn, replies, nodes, n, <unsigned short>used[k]) != 0:
+                    outcomes[k] = LinkLost(link._lost(conn))
+                    clean = False
+                link._settle(conn, &rules[k])
+            if clean:
+                for i in range(n):
+                    if replies[i].type != REDIS_REPLY_INTEGER:
+                        clean = False
+                        break
+            if clean:
+                return [replies[i].integer for i in range(n)]
+            groups = {}
+            first = []
+            for k in range(m):
+                number = <unsigned short>used[k]
+                idxs = [i for i in range(n) if nodes[i] == number]
+                groups[addresses[number]] = idxs
+                if outcomes[k] is not None:
+                    first.append((addresses[number], outcomes[k]))
+                else:
+                    first.append((addresses[number], [_py_reply(replies[i]) for i in idxs]))
+            return self._many_handed(what, sha, keys, tokens, ms, u, (groups, first))
+        except BaseException:
+            if written:
+                # Commands out on some nodes whose replies will not be read: those
+                # connections are out of step, and are dropped.
+                for k in range(len(conns)):
+                    if outcomes[k] is None:
+                        _drop(<_Conn>conns[k])
+            raise
+        finally:
+            for i in range(n):
+                if replies[i] is not NULL:
+                    freeReplyObject(replies[i])
+            free(replies)
+            free(nodes)
+            free(place)
+            free(rules)
+
+    cdef object _many_handed(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
+                             object first):
+        if ms < 0:
+            commands = [(b"EVALSHA", sha, b"1", k, t) for k, t in zip(keys, tokens)]
+        else:
+            num = b"%d" % ms
+            commands = [(b"EVALSHA", sha, b"1", k, t, num) for k, t in zip(keys, tokens)]
+        return self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
+
+
+cdef int _read_node(_Conn conn, redisReply **replies, const unsigned short *nodes, Py_ssize_t n,
+                    unsigned short number) noexcept:
+    """Read the replies of the keys sent to node ``number`` on conn, each into its key's
+    place, without the GIL (as _exchange). 0 when all arrived; -1 on an I/O error or timeout."""
+    cdef redisContext *ctx = conn.ctx
+    cdef Py_ssize_t i
+    cdef int rc = 0
+    conn.busy = True
+    with nogil:
+        for i in range(n):
+            if nodes[i] == number:
+                if redisGetReply(ctx, <void **>&replies[i]) != REDIS_OK:
+                    replies[i] = NULL
+                    rc = -1
+                    break
+    conn.busy = False
+    conn.used = _monotonic()
+    if rc == 0:
+        conn.answered = True
+    if rc == 0 and conn.doomed:
+        _drop(conn)
+    return rc
