@@ -493,10 +493,10 @@ cdef object _method(object cls, PyMethodDef *method, void *function, object pyth
 
 
 def cache_lock(cls not None, lock not None):
-    """Cache.lock for cls (hotlock._cache.Cache) with the common case in one call; every
+    """The lock() of cls (hotlock._fastpath.NativeCache) with the common case in one call; every
     other case goes to the given Python method."""
     global _cache_cls, _py_lock, _at_take
-    descr = cls.__dict__["_take"]
+    descr = next((k.__dict__["_take"] for k in cls.__mro__ if "_take" in k.__dict__), None)
     if type(descr) is not MemberDescriptorType:
         raise TypeError("_take is not a plain slot")
     _at_take = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
@@ -505,7 +505,7 @@ def cache_lock(cls not None, lock not None):
 
 
 def lease_methods(cls not None, unlock not None, extend not None, str taken not None):
-    """(unlock, extend) for cls (hotlock._lock.Lock) with the common case in C; every other
+    """(unlock, extend) for cls (hotlock._fastpath.NativeLock) with the common case in C; every other
     case goes to the given Python methods."""
     global _lease_cls, _py_unlock, _py_extend, _taken
     global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline

@@ -3,7 +3,8 @@
 The native backend takes the common case of Cache.lock (a str/bytes key, an int/float TTL)
 in one extension call that builds the Lock without Lease.__init__, and the common case of
 Lock.unlock and Lock.extend in one call each, with every other case handed to the Python
-methods (hotlock._lock.python_unlock/python_extend, hotlock._cache.python_lock). These tests hold
+methods (Lock.unlock/Lock.extend, Cache.lock; hotlock._fastpath binds the one-call ones to
+NativeCache and NativeLock, the classes connect() chooses on the native backend). These tests hold
 each to its Python path on a real server: the same stored key, TTL, fields and slots, the
 same results, and for every input the validators refuse, the same exception with the same
 message and nothing sent.
@@ -25,8 +26,9 @@ import pytest
 
 import hotlock
 from hotlock import _ident
-from hotlock._cache import Cache, python_lock
-from hotlock._lock import TAKEN, Lease, Lock, python_extend, python_unlock
+from hotlock._cache import Cache
+from hotlock._fastpath import NativeCache, NativeLock
+from hotlock._lock import TAKEN, Lease, Lock
 from hotlock.backends.native import native_module
 from hotlock.errors import LockLost, LockNotAcquired
 
@@ -40,8 +42,9 @@ if native is None:
 
 SLOTS = [s for klass in Lease.__mro__ for s in getattr(klass, "__slots__", ())]
 # The methods as written in Python: what the one-call ones hand every other case to.
-PY_UNLOCK: Callable[[Lock], bool] = python_unlock
-PY_EXTEND: Callable[..., None] = python_extend
+python_lock = Cache.lock
+PY_UNLOCK: Callable[[Lock], bool] = Lock.unlock
+PY_EXTEND: Callable[..., None] = Lock.extend
 
 
 def commands_processed(server: RedisServer) -> int:
@@ -103,7 +106,7 @@ def test_the_one_call_lock_is_the_python_paths_lock(
     assert a.unlock() is True
     b = slow.lock(key, ttl)  # type: ignore[arg-type]
     try:
-        assert type(a) is type(b) is hotlock.Lock
+        assert type(a) is type(b) is NativeLock  # the native backend's leases, either path
         for slot in SLOTS:
             assert type(getattr(a, slot)) is type(getattr(b, slot)), slot
         assert a._name == b._name == lock_name(key)
@@ -127,7 +130,7 @@ def test_the_one_call_permit_is_the_python_paths_permit(
     a = fast.lock("permits", 30, limit=limit)
     b = slow.lock("permits", 30, limit=limit)
     try:
-        assert type(a) is type(b) is hotlock.Lock
+        assert type(a) is type(b) is NativeLock  # the native backend's leases, either path
         for slot in SLOTS:
             assert type(getattr(a, slot)) is type(getattr(b, slot)), slot
         for lk in (a, b):
@@ -233,7 +236,7 @@ def test_threads_taking_turns_each_use_their_own_connection(redis_url: str, redi
     assert after - before == 2  # two threads, two connections
 
 
-# -- Lock.unlock and Lock.extend ------------------------------------------------------------
+# -- NativeLock.unlock and NativeLock.extend ---------------------------------------------------
 
 
 @pytest.fixture
@@ -250,11 +253,11 @@ def python_calls() -> Iterator[list[str]]:
         calls.append("extend")
         PY_EXTEND(lock, ttl)
 
-    native.lease_methods(Lock, unlock, extend, TAKEN)
+    native.lease_methods(NativeLock, unlock, extend, TAKEN)
     try:
         yield calls
     finally:
-        native.lease_methods(Lock, PY_UNLOCK, PY_EXTEND, TAKEN)
+        native.lease_methods(NativeLock, PY_UNLOCK, PY_EXTEND, TAKEN)
 
 
 def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
@@ -281,10 +284,11 @@ def test_unlock_and_extend_take_the_python_methods_only_off_the_common_case(
         auto = fast.lock("route-auto", 30, auto_extend=True)  # the renewer's bookkeeping is Python's
         auto.extend()
         assert auto.unlock() is True
-        other = redispy.lock("route-redispy", 30)  # another backend
+        other = redispy.lock("route-redispy", 30)  # another backend: a plain Lock, Python's methods
+        assert type(other) is Lock
         other.extend()
         assert other.unlock() is True
-        assert calls == ["extend", "unlock", "extend", "unlock"]
+        assert calls == ["extend", "unlock"]
     finally:
         redispy.close()
 
@@ -332,9 +336,13 @@ def test_a_metered_lock_keeps_the_one_call_methods_and_reports_as_the_python_one
 
 
 def test_the_one_call_methods_read_as_the_python_ones() -> None:
-    for fast, python in ((Cache.lock, python_lock), (Lock.unlock, PY_UNLOCK), (Lock.extend, PY_EXTEND)):
+    for fast, python in (
+        (NativeCache.lock, python_lock),
+        (NativeLock.unlock, PY_UNLOCK),
+        (NativeLock.extend, PY_EXTEND),
+    ):
         assert fast is not python
-        assert fast.__qualname__ == python.__qualname__
+        assert fast.__name__ == python.__name__  # the qualname names its own class: NativeCache.lock
         assert inspect.getdoc(fast) == inspect.getdoc(python)
         bare = [p.replace(annotation=p.empty) for p in inspect.signature(python).parameters.values()]
         assert list(inspect.signature(fast).parameters.values())[1:] == bare[1:]
@@ -350,7 +358,7 @@ def test_cache_lock_takes_the_python_method_only_off_the_common_case(
         calls.append(args + tuple(sorted(kwargs.items())))
         return python_lock(cache, *args, **kwargs)
 
-    native.cache_lock(Cache, lock)
+    native.cache_lock(NativeCache, lock)
     redispy = hotlock.connect(redis_url, backend="redis-py")
     try:
         taken = [
@@ -365,18 +373,20 @@ def test_cache_lock_takes_the_python_method_only_off_the_common_case(
         assert calls == []
         taken.append(fast.lock("route-6", 30, auto_extend=True))
         taken.append(fast.lock(key="route-7"))  # the key by keyword: the Python method
-        taken.append(redispy.lock("route-8"))  # another backend
+        # Another backend gets the plain classes: the Python methods, no extension call.
+        assert type(redispy) is hotlock.Cache
+        taken.append(redispy.lock("route-8"))
+        assert type(taken[-1]) is Lock
         with pytest.raises(ValueError):
             fast.lock("route-11", 30, limit=0)  # refused by the Python method's limit_int
         assert calls == [
             ("route-6", 30, ("auto_extend", True)),
             (("key", "route-7"),),
-            ("route-8",),
             ("route-11", 30, ("limit", 0)),
         ]
         assert all(lk.unlock() for lk in taken)
     finally:
-        native.cache_lock(Cache, python_lock)
+        native.cache_lock(NativeCache, python_lock)
         redispy.close()
 
 
@@ -413,9 +423,9 @@ def test_wrong_arguments_are_refused_as_the_python_methods_refuse_them(
 
     def both() -> None:
         pairs = {
-            "lock": ((Cache.lock, fast), (python_lock, fast)),
-            "unlock": ((Lock.unlock, lock), (PY_UNLOCK, lock)),
-            "extend": ((Lock.extend, lock), (PY_EXTEND, lock)),
+            "lock": ((NativeCache.lock, fast), (python_lock, fast)),
+            "unlock": ((NativeLock.unlock, lock), (PY_UNLOCK, lock)),
+            "extend": ((NativeLock.extend, lock), (PY_EXTEND, lock)),
         }[call]
         for method, self in pairs:
             with pytest.raises((TypeError, ValueError)) as error:
@@ -438,7 +448,7 @@ def test_the_one_call_extend_is_the_python_paths_extend(
     client = redis_server.client()
     one, other = fast.lock("extend-a", 10), fast.lock("extend-b", 10)
     spans = []
-    for lock, extend in ((one, Lock.extend), (other, PY_EXTEND)):
+    for lock, extend in ((one, NativeLock.extend), (other, PY_EXTEND)):
         before = time.monotonic()
         assert extend(lock, ttl) is None
         spans.append((before, time.monotonic()))
@@ -476,7 +486,7 @@ def test_the_one_call_extend_refuses_as_the_python_path_does(
     errors = []
 
     def both() -> None:
-        for extend in (Lock.extend, PY_EXTEND):
+        for extend in (NativeLock.extend, PY_EXTEND):
             with pytest.raises((TypeError, ValueError)) as error:
                 extend(lock, ttl)
             errors.append(error.value)
@@ -492,7 +502,7 @@ def test_the_one_call_unlock_is_the_python_paths_unlock(
 ) -> None:
     fast, _ = caches
     client = redis_server.client()
-    for unlock in (Lock.unlock, PY_UNLOCK):
+    for unlock in (NativeLock.unlock, PY_UNLOCK):
         lock = fast.lock("unlock", 30)
         assert unlock(lock) is True
         assert lock._token == b"" and client.exists(lock._name) == 0
@@ -511,7 +521,7 @@ def test_the_one_call_extend_of_a_lost_or_released_lock_is_the_python_paths(
     fast, _ = caches
     client = redis_server.client()
     seen: dict[str, list[str]] = {}
-    for path, extend, unlock in (("fast", Lock.extend, Lock.unlock), ("python", PY_EXTEND, PY_UNLOCK)):
+    for path, extend, unlock in (("fast", NativeLock.extend, NativeLock.unlock), ("python", PY_EXTEND, PY_UNLOCK)):
         said = seen.setdefault(path, [])
         lock = fast.lock("lost", 30)
         client.delete(lock._name)  # expired, or taken and released by another holder
@@ -538,7 +548,7 @@ def test_a_plain_lease_past_its_deadline_is_extended_on_both_paths(
     """Past its deadline a plain lease is lost only until an extend succeeds (the key may
     still be ours): neither path refuses it."""
     fast, _ = caches
-    for extend in (Lock.extend, PY_EXTEND):
+    for extend in (NativeLock.extend, PY_EXTEND):
         lock = fast.lock("late", 30)
         lock._deadline = time.monotonic() - 1  # as if the TTL had run out unconfirmed
         assert lock.lost

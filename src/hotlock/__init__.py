@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from ._cache import Cache
 from ._connect import connect_config, log_server, open_backend, with_wakeups
 from ._dialect import check_scripts, commands_from, detect, probe_needed
+from ._fastpath import MeteredNativeCache, NativeCache
 from ._lock import Lock
 from ._metered import MeteredCache, check_listener
 from ._validate import DEFAULT_TTL, Seconds
@@ -124,10 +125,12 @@ def connect(
 
 
 def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: float) -> Cache:
-    # A plain Cache without a listener: the metered one only exists when asked for.
+    # A plain Cache without a listener: the metered one only exists when asked for. On the
+    # native backend, the classes whose lock, unlock and extend are one extension call.
+    native = backend.name == "native"
     if listener is None:
-        return Cache(backend, prefix, timeout)
-    return MeteredCache(backend, prefix, listener, timeout)
+        return (NativeCache if native else Cache)(backend, prefix, timeout)
+    return (MeteredNativeCache if native else MeteredCache)(backend, prefix, listener, timeout)
 
 
 def backend_info() -> dict[str, str | None]:

@@ -26,7 +26,6 @@ from ._validate import (
     value_bytes,
     wait_ms,
 )
-from .backends.native import native_module
 from .errors import LockNotAcquired
 
 if TYPE_CHECKING:
@@ -126,6 +125,9 @@ class Cache(CacheBase[Lock]):
 
     __slots__ = ("_renewer", "_take")
     _lock_type = Lock
+    # The class of the leases it makes: Lock, or on the native backend hotlock._fastpath's
+    # NativeLock, whose unlock and extend are one extension call.
+    _lease_class: type[Lock] = Lock
     _shown_as = "hotlock.Cache"
     _backend: Backend
 
@@ -133,8 +135,8 @@ class Cache(CacheBase[Lock]):
         super().__init__(backend, prefix, reply_timeout)
         # The one renewer of this cache's auto-extended leases, made on first use.
         self._renewer: Renewer | None = None
-        # The native backend does lock()'s common case in one call (ext/_lease.pxi, see
-        # the end of this module): the key and TTL as the validators would take them
+        # The native backend does lock()'s common case in one call (hotlock._fastpath's
+        # NativeCache, ext/_lease.pxi): the key and TTL as the validators would take them
         # (anything else it hands to them), the token, the acquire and the Lock, copied
         # from this template. None elsewhere.
         taker = getattr(backend, "taker", None)
@@ -142,7 +144,7 @@ class Cache(CacheBase[Lock]):
 
     def _lease_template(self) -> Lock:
         """What the native one-call lock() copies its leases' other slots from (_meter, ...)."""
-        return Lock(self._backend, "", b"", b"", 1, 1, 0.0)
+        return self._lease_class(self._backend, "", b"", b"", 1, 1, 0.0)
 
     def _renew(self) -> Renewer:
         if self._renewer is None:
@@ -180,7 +182,7 @@ class Cache(CacheBase[Lock]):
         result = self._backend.acquire(name, token, ms)
         if result <= 0:
             raise self._not_acquired(key, result, None, n)
-        lock = Lock(self._backend, key, name, token, result, ms, sent)
+        lock = self._lease_class(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -210,7 +212,7 @@ class Cache(CacheBase[Lock]):
         result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
         if result <= 0:
             raise self._not_acquired(key, result, wait_for, n)
-        lock = Lock(self._backend, key, name, token, result, ms, sent)
+        lock = self._lease_class(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
         return lock
@@ -295,7 +297,7 @@ class Cache(CacheBase[Lock]):
         sent = time.monotonic()
         results = self._backend.acquire_many(names, tokens, ms)
         locks = [
-            Lock(self._backend, key, name, token, result, ms, sent) if result > 0 else None
+            self._lease_class(self._backend, key, name, token, result, ms, sent) if result > 0 else None
             for key, name, token, result in zip(given, names, tokens, results, strict=True)
         ]
         if auto_extend:
@@ -363,14 +365,3 @@ class Cache(CacheBase[Lock]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-# lock() as written above: with the extension, what the one-call lock hands every other
-# case to (and what tests/test_native_lease.py holds it to).
-python_lock = Cache.lock
-_native, _ = native_module()
-if _native is not None:
-    # lock()'s common case (the native backend, no auto_extend or max_hold) as one
-    # extension call (ext/_lease.pxi); every other case runs lock() as written above,
-    # with the arguments as given.
-    Cache.lock = _native.cache_lock(Cache, python_lock)  # type: ignore[method-assign]

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from . import _ident
 from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
-from .backends.native import native_module
 from .errors import CacheError, LockLost
 
 if TYPE_CHECKING:
@@ -23,8 +22,6 @@ log = logging.getLogger("hotlock")
 
 # The held value is formatted on every acquisition: in C when the extension is there
 # (the same bytes, a quarter of the instructions), else by the Python definition.
-_native, _ = native_module()
-_held_value = held_value if _native is None else _native.held_value
 
 # Why a lease is lost, as LockLost and the log say it.
 TAKEN = "is no longer held: it expired or was taken over"
@@ -102,7 +99,7 @@ class Lease:
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.
-        self._token = _held_value(token, fence)
+        self._token = held_value(token, fence)
         self._ttl_ms = ttl
         self._pid = _ident.pid
         # When the acquire was sent: the TTL runs from then, not from when its reply came
@@ -315,14 +312,3 @@ class Lock(Lease):
             # Never let the release hide the body's own exception or fail a body that
             # succeeded: the key expires by its TTL.
             log.warning("release of lock %r failed; it expires by its TTL: %s", shown(self.key), error)
-
-
-# The methods as written above: with the extension, what the one-call ones below hand
-# every other case to (and what tests/test_native_lease.py holds them to).
-python_unlock, python_extend = Lock.unlock, Lock.extend
-if _native is not None:
-    # unlock() and extend() as one extension call each on the native backend's common case
-    # (ext/_lease.pxi): what the methods above would check, checked in C, and the command
-    # sent from there; every other case (another backend, other arguments, a bad TTL, a
-    # released, inherited, lost or auto-extended lock) is handed to them as given.
-    Lock.unlock, Lock.extend = _native.lease_methods(Lock, python_unlock, python_extend, TAKEN)  # type: ignore[method-assign]

@@ -28,7 +28,6 @@ __all__ = ["Batch", "Meter", "MeteredCache", "as_list", "check_listener"]
 log = logging.getLogger("hotlock")
 
 _monotonic = time.monotonic  # the clock of Lease._now, bound once for the hot path
-_plain_lock = Cache.lock
 
 
 def check_listener(metrics: object) -> Listener | None:
@@ -172,6 +171,9 @@ class MeteredCache(Cache):
     so it follows whatever the plain Cache's methods accept."""
 
     __slots__ = ("_meter",)
+    # The lock() this one measures: the plain Cache's (hotlock._fastpath's metered native
+    # cache gives the one-call lock instead).
+    _plain_lock = staticmethod(Cache.lock)
 
     def __init__(self, backend: Backend, prefix: bytes, listener: Listener, reply_timeout: float = 2.0) -> None:
         self._meter = Meter(listener)  # before Cache.__init__, which asks for the template
@@ -190,7 +192,7 @@ class MeteredCache(Cache):
         meter = self._meter
         started = _monotonic()
         try:
-            lock = _plain_lock(self, key, ttl, **options) if options else _plain_lock(self, key, ttl)
+            lock = self._plain_lock(self, key, ttl, **options) if options else self._plain_lock(self, key, ttl)
         except LockNotAcquired:
             meter.not_acquired(key, "held", _monotonic() - started)
             raise
