@@ -17,7 +17,6 @@
 
 from libc.stdlib cimport calloc
 
-from hotlock.backends.cluster import ClusterBackend as _ClusterBackend
 from hotlock._scripts import RELEASE_SHARDED as _RELEASE_SHARDED
 
 cdef bytes _SHA_RELEASE_SHARDED = _RELEASE_SHARDED.sha
@@ -84,11 +83,12 @@ cdef enum:
 
 
 cdef inline ClusterRouter _router_of(object backend):
-    """The router of a sync ClusterBackend that has one (Lock.unlock/extend's fast path)."""
-    if type(backend) is not _ClusterBackend:
-        return None
+    """The router of a native ClusterBackend that has one (NativeLock.unlock/extend's fast
+    path: a NativeLock's backend is a NativeBackend or a native ClusterBackend)."""
     router = getattr(backend, "_router", None)
-    return <ClusterRouter>router if type(router) is ClusterRouter else None
+    if type(router) is ClusterRouter and (<ClusterRouter>router)._cluster is backend:
+        return <ClusterRouter>router
+    return None
 
 
 cdef class ClusterRouter:

@@ -19,7 +19,7 @@ from ._lock import Lock
 from ._metered import MeteredCache, check_listener
 from ._validate import DEFAULT_TTL, Seconds
 from .backends.memory import MemoryBackend
-from .backends.native import native_module, tls_refused
+from .backends.native import backend_info
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -131,27 +131,6 @@ def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: 
     if listener is None:
         return (NativeCache if native else Cache)(backend, prefix, timeout)
     return (MeteredNativeCache if native else MeteredCache)(backend, prefix, listener, timeout)
-
-
-def backend_info() -> dict[str, str | None]:
-    """Which backend connect() would use for a redis:// url, and why, when it is not native;
-    the same for a rediss:// url; and the hiredis and OpenSSL the native client runs on.
-
-    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None,
-    "tls": "native" | "redis-py", "tls_reason": None | str, "openssl": version | None}``
-    """
-    native, why = native_module()
-    tls_why = tls_refused()
-    return {
-        "backend": "redis-py" if native is None else "native",
-        "reason": why,
-        "hiredis": None if native is None else native.HIREDIS_VERSION,
-        # rediss:// urls: native when the TLS build is loaded (it runs on the libssl of
-        # Python's own ssl module, whose version is in "openssl"), else redis-py and why.
-        "tls": "native" if native is not None and tls_why is None else "redis-py",
-        "tls_reason": why if native is None else tls_why,
-        "openssl": (native.OPENSSL_VERSION or None) if native is not None else None,
-    }
 
 
 def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:

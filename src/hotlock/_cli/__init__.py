@@ -297,9 +297,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_doctor(target: Target, url: str, as_json: bool, out: TextIO) -> int:
+    from .. import connect
     from ._doctor import FAIL, run_checks
 
-    checks = run_checks(target, url)
+    checks = run_checks(target, url, connect)
     if as_json:
         print_json(out, [c.as_json() for c in checks])
     else:

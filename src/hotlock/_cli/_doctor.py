@@ -15,15 +15,22 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .. import backend_info
 from .._dialect import COMMAND_PROBE, commands_from, detect, kind_and_version
 from .._keys import LOCK_SPACE, WAKE_SPACE
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from ..backends.native import backend_info
+from ..errors import HotlockError, LockNotAcquired
 from ._target import Node, Target, glob_escape
+
+if TYPE_CHECKING:
+    from .. import Cache
+
+    # hotlock.connect, as the command hands it down (its keyword arguments).
+    Connect = Callable[..., Cache]
 
 __all__ = ["Check", "run_checks"]
 
@@ -432,28 +439,27 @@ def check_wakeups(target: Target) -> list[Check]:
     return [Check("wakeups", OK, f"{what} on the wake-up channels are allowed: releases wake waiters")]
 
 
-def check_library(target: Target, url: str) -> list[Check]:
-    """The library itself, end to end, on a scratch prefix: connect, lock, a conflicting
-    lock, extend, unlock, set_nx, incr. Catches what probing by hand would miss (what the
-    native backend sends at connect: AUTH, SELECT, the script loads)."""
-    import hotlock
-
+def check_library(target: Target, url: str, connect: Connect) -> list[Check]:
+    """The library itself, end to end, on a scratch prefix: connect (hotlock.connect, handed
+    down by the command), lock, a conflicting lock, extend, unlock, set_nx, incr. Catches
+    what probing by hand would miss (what the native backend sends at connect: AUTH,
+    SELECT, the script loads)."""
     prefix = target.prefix + b"doctor:" + secrets.token_hex(8).encode() + b":"
     log = logging.getLogger("hotlock")
     level = log.level
     log.setLevel(logging.ERROR)  # its connect lines repeat what doctor says itself
     try:
-        cache = hotlock.connect(url, prefix=prefix, timeout=target.timeout, connect_timeout=target.timeout)
+        cache = connect(url, prefix=prefix, timeout=target.timeout, connect_timeout=target.timeout)
         try:
             with cache.lock("k", ttl=SCRATCH_TTL_MS / 1000) as lock:
-                with contextlib.suppress(hotlock.LockNotAcquired):
+                with contextlib.suppress(LockNotAcquired):
                     cache.lock("k", ttl=1)  # the conflict path (the acquire script's PTTL)
                 lock.extend()
             cache.set_nx("k", "1", ttl=SCRATCH_TTL_MS / 1000)
             cache.incr("k")
         finally:
             cache.close()
-    except hotlock.HotlockError as exc:
+    except HotlockError as exc:
         return [Check("library", FAIL, f"a lock cycle with the {backend_info()['backend']} backend failed: {exc}")]
     finally:
         log.setLevel(level)
@@ -720,7 +726,7 @@ def _s(value: Any) -> str:
 # -- all of it -----------------------------------------------------------------------
 
 
-def run_checks(target: Target, url: str) -> list[Check]:
+def run_checks(target: Target, url: str, connect: Connect) -> list[Check]:
     """Every check in the order an operator reads them. A check that breaks (an error
     reply nobody expected) is reported as a fail of that check, not a crash."""
     checks: list[Check] = []
@@ -737,7 +743,7 @@ def run_checks(target: Target, url: str) -> list[Check]:
     run("persistence", lambda: check_persistence(target))
     run("acl", lambda: check_acl(target))
     run("wakeups", lambda: check_wakeups(target))
-    run("library", lambda: check_library(target, url))
+    run("library", lambda: check_library(target, url, connect))
     run("lua-free", lambda: check_dialect(target))
     measured: list[float] = []
 

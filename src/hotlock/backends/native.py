@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["native_aio", "native_module", "tls_refused"]
+__all__ = ["backend_info", "native_aio", "native_module", "tls_refused"]
 
 
 _native: ModuleType | None = None
@@ -111,3 +111,24 @@ def native_aio() -> tuple[ModuleType | None, str | None]:
     if not hasattr(native, "AioProtocol"):
         return None, "the extension was built without its asyncio protocol (ext/_aio.pxi)"
     return native, None
+
+
+def backend_info() -> dict[str, str | None]:
+    """Which backend connect() would use for a redis:// url, and why, when it is not native;
+    the same for a rediss:// url; and the hiredis and OpenSSL the native client runs on.
+
+    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None,
+    "tls": "native" | "redis-py", "tls_reason": None | str, "openssl": version | None}``
+    """
+    native, why = native_module()
+    tls_why = tls_refused()
+    return {
+        "backend": "redis-py" if native is None else "native",
+        "reason": why,
+        "hiredis": None if native is None else native.HIREDIS_VERSION,
+        # rediss:// urls: native when the TLS build is loaded (it runs on the libssl of
+        # Python's own ssl module, whose version is in "openssl"), else redis-py and why.
+        "tls": "native" if native is not None and tls_why is None else "redis-py",
+        "tls_reason": why if native is None else tls_why,
+        "openssl": (native.OPENSSL_VERSION or None) if native is not None else None,
+    }
