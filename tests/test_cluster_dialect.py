@@ -328,7 +328,11 @@ def test_a_primary_that_joins_after_connect_gets_its_own_dialect() -> None:
             cluster.nodes.append(joined)
             cluster.client(old).execute_command("CLUSTER", "MEET", "127.0.0.1", joined.port)
             deadline = time.monotonic() + 20
-            while len(joined.client().execute_command("CLUSTER", "NODES").decode().splitlines()) < 4:
+            joined_id = cluster.node_id(joined.port).encode()
+            # Every node must know it before a slot can move to it (SETSLOT NODE names its id).
+            while len(joined.client().execute_command("CLUSTER", "NODES").decode().splitlines()) < 4 or not all(
+                joined_id in n.client().execute_command("CLUSTER", "NODES") for n in cluster.nodes
+            ):
                 assert time.monotonic() < deadline, "the new node never joined"
                 time.sleep(0.05)
             key = keys_on(cluster, old, 1, prefix="joins-")[0]
