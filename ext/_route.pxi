@@ -14,6 +14,13 @@
 # same tokens, and the one lost-reply retry still its own to spend (the fast path never
 # resends). A stale map, or a slot or node the table does not know, goes to Route from
 # the start.
+#
+# Each node has its own dialect (hotlock.backends.cluster: ClusterCore.set_node puts it on
+# that node's NativeBackend), and an extend or release here reads it off the link it is
+# sent on: SET IFEQ / DELIFEQ / DELEX where that node has them, the script elsewhere. A
+# Lua-free miss (a waiter's mark is compared too) goes once more by script from here; a
+# Lua-free error reply goes to Route as the command it was, which decides (a node that
+# no longer knows the command: by script, and the node back on the scripts).
 
 from libc.stdlib cimport calloc
 
@@ -77,9 +84,30 @@ cdef extern from "<string.h>" nogil:
 
 # What a single-key call sends (see ClusterRouter._one).
 cdef enum:
-    _EVAL = 0  # EVALSHA sha 1 key arg [ms]
+    _EVAL = 0  # EVALSHA sha 1 key arg [ms]; an extend or release Lua-free where the node has it
     _SET_NX = 1  # SET key arg NX PX ms
     _INCR = 2  # INCRBY key ms
+    _EVAL_SCRIPT = 3  # EVALSHA sha 1 key arg [ms], whatever the node has
+
+
+cdef inline int _plain_of(NativeBackend link, bytes sha, bytes value) noexcept:
+    """What an extend or release of ``value`` sends on ``link``: its _PLAIN_* when that node
+    takes the Lua-free form, else _PLAIN_NONE (a bare token or a permit always by script:
+    hotlock._dialect.by_script)."""
+    if link._plain == _PLAIN_NONE or (sha is not _SHA_EXTEND and sha is not _SHA_RELEASE_SHARDED):
+        return _PLAIN_NONE
+    if PyBytes_GET_SIZE(value) == _TOKEN_BYTES or _permit(value):
+        return _PLAIN_NONE
+    return link._plain
+
+
+cdef tuple _plain_command(int plain, bytes key, bytes value, long long ms):
+    """= hotlock._dialect.extend_command (ms >= 0) / release_command, as _append_plain sends."""
+    if ms >= 0:
+        return (b"SET", key, value, b"IFEQ", value, b"PX", b"%d" % ms)
+    if plain == _PLAIN_DELIFEQ:
+        return (b"DELIFEQ", key, value)
+    return (b"DELEX", key, b"IFEQ", value)
 
 
 cdef inline ClusterRouter _router_of(object backend):
@@ -194,11 +222,15 @@ cdef class ClusterRouter:
         cdef _Retry rule
         cdef redisReply *r = NULL
         cdef int rc
+        cdef int plain = _PLAIN_NONE
+        cdef bint missed = False
         found = None if number == _NO_NODE else self._links[number]
         if type(found) is not NativeBackend:
             return self._handed(kind, what, sha, key, arg, ms, until, None)
         link = <NativeBackend>found
         address = self._addresses[number]
+        if kind == _EVAL:
+            plain = _plain_of(link, sha, arg)
         conn = link._conn()
         # A resent call skips the staleness poll on a just-used connection, as on one
         # server (NativeBackend._ready); here Route does the resend.
@@ -207,8 +239,10 @@ cdef class ClusterRouter:
             link._ready(conn, what, key, &rule)
         except CacheError as exc:  # not connected: nothing was sent
             link._settle(conn, &rule)
-            return self._handed(kind, what, sha, key, arg, ms, until, (address, exc))
-        if kind == _EVAL:
+            return self._handed(kind, what, sha, key, arg, ms, until, (address, exc), plain)
+        if plain != _PLAIN_NONE:
+            rc = _append_plain(conn.ctx, plain, key, arg, ms)
+        elif kind == _EVAL or kind == _EVAL_SCRIPT:
             rc = _append_evalsha(conn.ctx, sha, key, arg, ms)
         else:
             rc = REDIS_OK
@@ -221,16 +255,27 @@ cdef class ClusterRouter:
         if rc != 0:
             if r is not NULL:
                 freeReplyObject(r)
-            return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))))
+            return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))), plain)
         try:
-            if r.type == REDIS_REPLY_INTEGER:
+            if plain != _PLAIN_NONE and r.type != REDIS_REPLY_ERROR:
+                # SET IFEQ: OK or nil; DELIFEQ/DELEX: 1 or 0.
+                if r.type == REDIS_REPLY_STATUS or (r.type == REDIS_REPLY_INTEGER and r.integer == 1):
+                    return 1
+                missed = True
+            elif r.type == REDIS_REPLY_INTEGER:
                 return r.integer
-            if r.type != REDIS_REPLY_ERROR:
+            elif r.type != REDIS_REPLY_ERROR:
                 return _py_reply(r)
-            outcome = (address, [_py_reply(r)])
+            else:
+                outcome = (address, [_py_reply(r)])
         finally:
             freeReplyObject(r)
-        return self._handed(kind, what, sha, key, arg, ms, until, outcome)
+        if missed:
+            # The whole value is compared, a waiter's mark ('+') too: once more by script,
+            # which accepts it and announces the release (only under contention, or for a
+            # lock already lost), as on one server.
+            return self._one(_EVAL_SCRIPT, what, sha, key, arg, ms, until)
+        return self._handed(kind, what, sha, key, arg, ms, until, outcome, plain)
 
     cdef tuple _command(self, int kind, bytes sha, bytes key, bytes arg, long long ms):
         """The command _one sends, as Route sends it."""
@@ -243,10 +288,12 @@ cdef class ClusterRouter:
         return (b"EVALSHA", sha, b"1", key, arg, b"%d" % ms)
 
     cdef object _handed(self, int kind, str what, bytes sha, bytes key, bytes arg, long long ms, double until,
-                        object outcome):
+                        object outcome, int plain=_PLAIN_NONE):
+        # Route is given the command as it was sent (Lua-free or not), to read its reply.
         first = None if outcome is None else ({outcome[0]: [0]}, [outcome])
-        results = self._cluster.routed(what, [key], [self._command(kind, sha, key, arg, ms)],
-                                       None if until < 0.0 else until, first)
+        command = _plain_command(plain, key, arg, ms) if plain != _PLAIN_NONE else self._command(kind, sha, key, arg,
+                                                                                                ms)
+        results = self._cluster.routed(what, [key], [command], None if until < 0.0 else until, first)
         return results[0]
 
     # -- the native call paths of ext/_lease.pxi -------------------------------------------
@@ -274,6 +321,8 @@ cdef class ClusterRouter:
         cdef unsigned short *nodes = NULL  # each key's node number
         cdef int *place = NULL  # node number -> its position among the nodes used, or -1
         cdef redisReply **replies = NULL  # each key's reply
+        cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
+        cdef redisReply *r
         cdef _Retry *rules = NULL
         cdef NativeBackend link
         cdef _Conn conn
@@ -296,10 +345,12 @@ cdef class ClusterRouter:
         nodes = <unsigned short *>malloc(n * sizeof(unsigned short))
         place = <int *>malloc((nlinks + 1) * sizeof(int))
         replies = <redisReply **>calloc(n, sizeof(redisReply *))
-        if nodes is NULL or place is NULL or replies is NULL:
+        plains = <char *>calloc(n, 1)
+        if nodes is NULL or place is NULL or replies is NULL or plains is NULL:
             free(nodes)
             free(place)
             free(replies)
+            free(plains)
             raise MemoryError()
         try:
             for k in range(nlinks):
@@ -307,8 +358,9 @@ cdef class ClusterRouter:
             for i in range(n):
                 number = self._number(<bytes>keys[i])
                 if number == _NO_NODE or type(links[number]) is not NativeBackend:
-                    return self._many_handed(what, sha, keys, tokens, ms, u, None)
+                    return self._many_handed(what, sha, keys, tokens, ms, u, None, NULL)
                 nodes[i] = number
+                plains[i] = <char>_plain_of(<NativeBackend>links[number], sha, <bytes>tokens[i])
                 if place[number] < 0:
                     place[number] = <int>len(used)
                     used.append(number)
@@ -331,8 +383,13 @@ cdef class ClusterRouter:
                     continue
                 number = <unsigned short>used[k]
                 for i in range(n):
-                    if nodes[i] == number and _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i],
-                                                              ms) != REDIS_OK:
+                    if nodes[i] != number:
+                        continue
+                    if plains[i]:
+                        rc = _append_plain(conn.ctx, plains[i], <bytes>keys[i], <bytes>tokens[i], ms)
+                    else:
+                        rc = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
+                    if rc != REDIS_OK:
                         _drop(conn)
                         raise MemoryError()
                 done = 0
@@ -360,11 +417,17 @@ cdef class ClusterRouter:
                 link._settle(conn, &rules[k])
             if clean:
                 for i in range(n):
-                    if replies[i].type != REDIS_REPLY_INTEGER:
+                    r = replies[i]
+                    if plains[i]:
+                        # Lua-free: OK (SET IFEQ) or 1 is done; a miss or an error is Route's.
+                        if r.type != REDIS_REPLY_STATUS and not (r.type == REDIS_REPLY_INTEGER and r.integer == 1):
+                            clean = False
+                            break
+                    elif r.type != REDIS_REPLY_INTEGER:
                         clean = False
                         break
             if clean:
-                return [replies[i].integer for i in range(n)]
+                return [1 if plains[i] else replies[i].integer for i in range(n)]
             groups = {}
             first = []
             for k in range(m):
@@ -375,7 +438,7 @@ cdef class ClusterRouter:
                     first.append((addresses[number], outcomes[k]))
                 else:
                     first.append((addresses[number], [_py_reply(replies[i]) for i in idxs]))
-            return self._many_handed(what, sha, keys, tokens, ms, u, (groups, first))
+            return self._many_handed(what, sha, keys, tokens, ms, u, (groups, first), plains)
         except BaseException:
             if written:
                 # Commands out on some nodes whose replies will not be read: those
@@ -392,14 +455,21 @@ cdef class ClusterRouter:
             free(nodes)
             free(place)
             free(rules)
+            free(plains)
 
     cdef object _many_handed(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
-                             object first):
+                             object first, const char *plains):
+        # Each key's command as it was sent (plains: Lua-free or not), for Route to read its reply.
+        cdef Py_ssize_t i
         if ms < 0:
             commands = [(b"EVALSHA", sha, b"1", k, t) for k, t in zip(keys, tokens)]
         else:
             num = b"%d" % ms
             commands = [(b"EVALSHA", sha, b"1", k, t, num) for k, t in zip(keys, tokens)]
+        if plains is not NULL:
+            for i in range(len(keys)):
+                if plains[i]:
+                    commands[i] = _plain_command(plains[i], keys[i], tokens[i], ms)
         return self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -96,13 +97,15 @@ class Cluster:
         self.migrate_keys(slot, source, target)
         self.end_migration(slot, target)
 
-    def restart(self, port: int) -> None:
-        """Start a stopped node again with its own command line and nodes.conf: it rejoins
-        the cluster (a killed primary comes back as its promoted replica's replica)."""
+    def restart(self, port: int, *extra: str) -> None:
+        """Start a stopped node again with its own command line (``extra`` added) and
+        nodes.conf: it rejoins the cluster (a killed primary comes back as its promoted
+        replica's replica)."""
         node = next(n for n in self.nodes if n.port == port)
         assert node.proc is not None and node.proc.poll() is not None
         node._client = None
-        node.proc = subprocess.Popen(node.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args = [*node.proc.args, *extra]  # type: ignore[misc]
+        node.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         node.pid = node.proc.pid
         self.wait_ok()
         self.wait_synced()
@@ -172,14 +175,21 @@ class Cluster:
             node.stop()
 
 
-def start_cluster(primaries: int = 3, replicas: int = 1) -> Cluster:
-    """Start ``primaries * (1 + replicas)`` cluster-enabled redis-servers and create the cluster."""
+def start_cluster(
+    primaries: int = 3,
+    replicas: int = 1,
+    kinds: Sequence[str] = (),
+    extra: Sequence[Sequence[str]] = (),
+) -> Cluster:
+    """Start ``primaries * (1 + replicas)`` cluster-enabled servers and create the cluster.
+    Node i is of ``kinds[i]`` ("redis" when not given) with ``extra[i]`` added to its
+    command line; redis-cli makes the first ``primaries`` nodes the primaries."""
     cli = shutil.which("redis-cli")
     if cli is None:
         pytest.fail("redis-cli is not installed (make test installs it)")
     cluster = Cluster()
     try:
-        for _ in range(primaries * (1 + replicas)):
+        for i in range(primaries * (1 + replicas)):
             # The bus port named outright: the default (port + 10000) may be taken or past 65535.
             bus = str(free_port())
             cluster.nodes.append(
@@ -198,6 +208,8 @@ def start_cluster(primaries: int = 3, replicas: int = 1) -> Cluster:
                     # replica that never synced cannot be promoted.
                     "--repl-diskless-sync-delay",
                     "0",
+                    *(extra[i] if i < len(extra) else ()),
+                    kind=kinds[i] if i < len(kinds) else "redis",
                 )
             )
         created = subprocess.run(

@@ -117,7 +117,8 @@ def connect(
         commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
         dialect = detect(info, commands, scripts)
         opened.use_dialect(dialect)
-        log_server(info, dialect, opened.name, opened.server, why)
+        # What the backend made of it (a cluster: each primary's own).
+        log_server(info, opened.dialect, opened.name, opened.server, why)
     except BaseException:
         opened.close()
         raise

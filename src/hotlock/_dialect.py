@@ -32,7 +32,7 @@ with a limit) is refused WRONGTYPE, and goes again by script too, which says "no
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ._ident import TOKEN_BYTES
@@ -41,15 +41,20 @@ from ._scripts import PERMIT_MARK
 __all__ = [
     "COMMAND_PROBE",
     "MEMORY",
+    "NODE_PROBE",
     "SCRIPTS_POLICIES",
     "UNDETECTED",
+    "ClusterDialect",
     "Dialect",
     "by_script",
     "check_scripts",
     "commands_from",
     "detect",
     "extend_command",
+    "info_fields",
     "kind_and_version",
+    "lacks_command",
+    "node_dialect",
     "probe_needed",
     "release_command",
     "script_serves",
@@ -62,8 +67,13 @@ SCRIPTS_POLICIES = ("auto", "always")
 # Asked once at connect; the reply lists, in this order, each command's info or nil.
 COMMAND_PROBE: tuple[bytes, ...] = (b"COMMAND", b"INFO", b"DELIFEQ", b"DELEX")
 
+# What a cluster asks each primary, in one round trip, to decide that node's dialect.
+NODE_PROBE: tuple[tuple[bytes, ...], ...] = ((b"INFO", b"server"), COMMAND_PROBE)
+
 # The release commands a Dialect can name, and "script" for EVALSHA of _scripts.RELEASE.
 _RELEASES = ("script", "DELIFEQ", "DELEX")
+
+_FORCED = "connect(scripts='always')"
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,12 @@ class Dialect:
     @property
     def lua_free(self) -> bool:
         return self.release != "script"
+
+    @property
+    def forced(self) -> bool:
+        """Whether connect(scripts='always') chose the scripts (a cluster then keeps every
+        node on them, whatever each node has)."""
+        return self.reason == _FORCED
 
     def mapping(self) -> Mapping[str, object]:
         """cache.server_info: a read-only mapping."""
@@ -107,6 +123,45 @@ class Dialect:
             release = "DELEX IFEQ" if self.release == "DELEX" else self.release
             return f"{server}, Lua-free extend/release (SET IFEQ, {release})"
         return f"{server}, extend/release by script ({self.reason})"
+
+
+@dataclass(frozen=True)
+class ClusterDialect(Dialect):
+    """A cluster's dialect: each primary has its own (``nodes``, by "host:port"), and the
+    Dialect fields sum them up. ``mixed``: the primaries differ (a rolling upgrade), and
+    extend/release are "per node"."""
+
+    nodes: Mapping[str, Dialect] = field(default_factory=dict)
+    mixed: bool = False
+
+    def mapping(self) -> Mapping[str, object]:
+        fields = dict(super().mapping())
+        if self.mixed:
+            fields["extend"] = fields["release"] = "per node"
+        fields["nodes"] = MappingProxyType({where: d.describe() for where, d in self.nodes.items()})
+        return MappingProxyType(fields)
+
+    def describe(self) -> str:
+        if not self.mixed:
+            return super().describe()
+        name = {"redis": "Redis", "valkey": "Valkey"}.get(self.kind, "server")
+        server = f"{name} {self.version}" if self.version else name
+        return f"{server}, extend/release per node ({self.reason})"
+
+    @classmethod
+    def of(cls, connected: Dialect, nodes: Mapping[str, Dialect]) -> ClusterDialect:
+        """The summary of ``nodes``, named after ``connected`` (the first primary's INFO)."""
+        releases = {d.release for d in nodes.values()}
+        kind, version = connected.kind, connected.version
+        if len(releases) == 1:
+            (release,) = releases
+            reason = next(iter(nodes.values())).reason
+            return cls(kind, version, release, reason, MappingProxyType(dict(nodes)))
+        if not nodes:
+            return cls(kind, version, "script", connected.reason)
+        free = sum(d.lua_free for d in nodes.values())
+        reason = f"{free} of {len(nodes)} primaries Lua-free"
+        return cls(kind, version, "script", reason, MappingProxyType(dict(nodes)), mixed=True)
 
 
 MEMORY = Dialect("memory", None, "script", "in-process: no server")
@@ -157,7 +212,7 @@ def detect(info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, 
     """
     kind, version = kind_and_version(info)
     if scripts == "always":
-        return Dialect(kind, version, "script", "connect(scripts='always')")
+        return Dialect(kind, version, "script", _FORCED)
     if kind == "unknown":
         return Dialect(kind, version, "script", "INFO refused: the server's kind is unknown")
     v = _version(version)
@@ -166,6 +221,9 @@ def detect(info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, 
         if has and v >= (8, 1):
             how = "COMMAND INFO" if commands is not None else "the version (COMMAND refused)"
             return Dialect(kind, version, "DELIFEQ", f"DELIFEQ and SET IFEQ, from {how}")
+        if commands is not None and v >= (9, 0):
+            # A Valkey 9 without it: the command renamed away (rename-command), or a build without it.
+            return Dialect(kind, version, "script", "no DELIFEQ, from COMMAND INFO")
         return Dialect(kind, version, "script", "no DELIFEQ before Valkey 9.0")
     has = commands["DELEX"] if commands is not None else v >= (8, 4)
     if has and v >= (8, 4):
@@ -187,6 +245,36 @@ def commands_from(reply: object) -> dict[str, bool] | None:
     if not isinstance(reply, list) or len(reply) != 2:
         return None
     return {"DELIFEQ": bool(reply[0]), "DELEX": bool(reply[1])}
+
+
+def info_fields(reply: object) -> dict[str, str]:
+    """INFO's text as {field: value}."""
+    text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
+    fields = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, sep, value = line.partition(":")
+            if sep:
+                fields[name] = value
+    return fields
+
+
+def node_dialect(info_reply: object, command_reply: object, scripts: str, error: type[BaseException]) -> Dialect:
+    """One cluster node's dialect from its replies to NODE_PROBE: an ``error`` instance
+    for INFO means refused (the kind is unknown), for COMMAND INFO that the version decides."""
+    info = None if isinstance(info_reply, error) else info_fields(info_reply)
+    commands = None if isinstance(command_reply, error) else commands_from(command_reply)
+    return detect(info, commands if probe_needed(info, scripts) else None, scripts)
+
+
+def lacks_command(error: str) -> bool:
+    """Whether a Lua-free extend or release refused with this error text says the node
+    does not have the command (any more): DELIFEQ or DELEX unknown, or SET without IFEQ
+    (a syntax error). The node was downgraded, or its configuration renamed the command
+    away, in place: the call goes by script, and so does every later one on that node.
+    redis-py takes the ERR code off the text, so it is optional here."""
+    text = error.removeprefix("ERR ").lower()
+    return text.startswith(("unknown command", "syntax error"))
 
 
 def by_script(values: Iterable[bytes]) -> bool:

@@ -22,6 +22,14 @@ goes where:
   success); the map is refreshed from another node first, so a dead primary's slots are
   looked up again (a failover may have moved them to its replica).
 
+Each primary has its own dialect (hotlock._dialect), asked of it at connect and whenever a
+map refresh brings a primary the map did not have: an extend or release goes Lua-free
+(``SET … IFEQ``, ``DELIFEQ``/``DELEX``) to a node that has those commands and by script to
+one that does not, so a cluster half-way through a rolling upgrade serves both. A miss
+(a waiter's mark, which those commands compare too), OOM, WRONGTYPE, or a node that no
+longer knows the command (it was downgraded, or renamed it away, in place) sends that key
+once more by script, as on one server; the last also keeps that node on the scripts.
+
 None of MOVED, ASK, TRYAGAIN, CLUSTERDOWN or NOSCRIPT means the command ran, so resending
 after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
 
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -41,7 +50,20 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .._config import ServerConfig
-from .._dialect import UNDETECTED, Dialect
+from .._dialect import (
+    COMMAND_PROBE,
+    NODE_PROBE,
+    UNDETECTED,
+    ClusterDialect,
+    Dialect,
+    by_script,
+    extend_command,
+    info_fields,
+    lacks_command,
+    node_dialect,
+    release_command,
+    script_serves,
+)
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .wakeup import cluster_slot, wait
@@ -63,6 +85,8 @@ __all__ = [
 
 SLOTS = 16384
 Address = tuple[str, int]
+
+log = logging.getLogger("hotlock")
 
 
 # -- hash slots ------------------------------------------------------------------------
@@ -214,6 +238,23 @@ def acquired(result: int) -> bool:
     return result > 0
 
 
+# The scripts whose call a node with compare-and-set takes as one plain command.
+_LUA_FREE_SHAS = (EXTEND.sha, RELEASE_SHARDED.sha)
+PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
+
+
+def script_form(command: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """The script call a Lua-free extend or release stands for (any other command as it
+    is): what Route sends the key by when the node is not to get the plain form."""
+    if command[0] == b"SET" and len(command) == 7 and command[3] == b"IFEQ":
+        return (b"EVALSHA", EXTEND.sha, b"1", command[1], command[2], command[6])
+    if command[0] == b"DELIFEQ":
+        return (b"EVALSHA", RELEASE_SHARDED.sha, b"1", command[1], command[2])
+    if command[0] == b"DELEX":
+        return (b"EVALSHA", RELEASE_SHARDED.sha, b"1", command[1], command[3])
+    return command
+
+
 class Route:
     """The redirection rules for one call, as a state machine with no I/O, so the sync
     and the async cluster backends share every rule and differ only in how they wait.
@@ -239,7 +280,10 @@ class Route:
         self._cluster = cluster
         self.what = what
         self.keys = keys
-        self.commands = commands
+        # The script forms, always; a fast path may have sent some Lua-free (see handed).
+        self.commands = [script_form(c) for c in commands]
+        self._plain = {i for i, c in enumerate(commands) if c is not self.commands[i]}  # sent Lua-free this round
+        self._scripted: set[int] = set()  # keys that go by script from now on, whatever the node
         self._slots = [key_slot(k) for k in keys]  # hashed once per call
         self.results: list[Any] = [None] * len(keys)
         self._pending = list(range(len(keys)))
@@ -286,12 +330,18 @@ class Route:
         self._groups = groups
         self._pending = []
         out = []
+        self._plain.clear()
         for address, idxs in groups.items():
             batch: list[tuple[bytes, ...]] = []
             for i in idxs:
                 if i in self._asking:
                     batch.append((b"ASKING",))
-                batch.append(self.commands[i])
+                command = self.commands[i]
+                if i not in self._scripted:
+                    command = self._cluster.sent_form(address, command)
+                    if command is not self.commands[i]:
+                        self._plain.add(i)
+                batch.append(command)
             if self._wait:
                 batch.append(self._cluster.wait_command)
             out.append((address, batch))
@@ -326,6 +376,8 @@ class Route:
                 del self._asking[i]
             reply = replies[j]
             j += 1
+            if i in self._plain and self._lua_free_reply(address, i, reply):
+                continue
             if not isinstance(reply, ReplyError):
                 self.results[i] = reply
                 continue
@@ -359,6 +411,27 @@ class Route:
                 if code == "READONLY":
                     self._cluster.map.stale = True  # a demoted primary: look again
                 self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
+
+    def _lua_free_reply(self, address: Address, i: int, reply: Any) -> bool:
+        """A Lua-free extend's or release's reply: True when it is dealt with here (the
+        result, or the key to go again by script); False for the rules every command
+        follows (MOVED, ASK...: the next node decides the form again)."""
+        if not isinstance(reply, ReplyError):
+            if reply == b"OK" or reply == 1:  # SET IFEQ's OK; DELIFEQ's or DELEX's 1
+                self.results[i] = 1
+                return True
+            # nil or 0. These compare the whole value, a waiter's mark ('+') too: once more
+            # by script, which accepts the mark and announces the release (SPUBLISH), as
+            # on one server; only under contention, or for a lock already lost.
+        elif lacks_command(str(reply)):
+            # The node no longer has the command (downgraded or renamed in place): this key
+            # by script, with the same value, and every later call on that node.
+            self._cluster.downgrade(address, str(reply))
+        elif not script_serves(str(reply)):
+            return False
+        self._scripted.add(i)
+        self._again.append(i)
+        return True
 
     def _fail(self, text: str, key: bytes | None) -> None:
         if self._error is None:
@@ -455,14 +528,84 @@ class ClusterCore:
         self.wait_ms = round(config.wait_timeout * 1000)
         self.wait_command = (b"WAIT", b"%d" % self.wait_replicas, b"%d" % self.wait_ms)
         self.map = SlotMap()
-        self.dialect = UNDETECTED
+        self._connected = UNDETECTED  # what connect() detected from the first primary's INFO
+        # "auto" or "always" once connect() has told use_dialect; until then every node
+        # keeps the scripts, which every server runs.
+        self._policy: str | None = None
+        self._nodes: dict[Address, Dialect] = {}  # each primary's own (read without a lock)
+        self._probes: dict[Address, tuple[Any, Any]] = {}  # info()'s NODE_PROBE replies, for use_dialect
+        self._unprobed: dict[Address, float] = {}  # a primary whose probe failed: when
+
+    @property
+    def dialect(self) -> Dialect:
+        """cache.server_info: the primaries' dialects summed up, and each under "nodes"."""
+        nodes = {f"{h}:{p}": self.node_dialect((h, p)) for h, p in self.map.primaries}
+        return ClusterDialect.of(self._connected, nodes)
+
+    def node_dialect(self, address: Address) -> Dialect:
+        return self._nodes.get(address, UNDETECTED)
 
     def use_dialect(self, dialect: Dialect) -> None:
-        """The Lua-free extend/release is not routed on a cluster yet: here they stay on
-        the scripts (which every server runs), and server_info says so."""
-        if dialect.lua_free:
-            dialect = Dialect(dialect.kind, dialect.version, "script", "on a cluster extend/release run as scripts")
-        self.dialect = dialect
+        """connect()'s decision says only whether scripts="always" (every node keeps the
+        scripts); with "auto" each primary gets the dialect its own probe shows."""
+        self._connected = dialect
+        self._policy = "always" if dialect.forced else "auto"
+        probes, self._probes = self._probes, {}
+        for address, (info, commands) in probes.items():
+            self.probed(address, info, commands)
+
+    def probed(self, address: Address, info: Any, commands: Any) -> None:
+        """A primary's replies to INFO and COMMAND INFO DELIFEQ DELEX (ReplyError: refused)."""
+        if self._policy is None:
+            self._probes[address] = (info, commands)  # connect() has not decided yet
+            return
+        self._unprobed.pop(address, None)
+        self.set_node(address, node_dialect(info, commands, self._policy, ReplyError))
+
+    def unprobed(self, address: Address) -> None:
+        self._unprobed[address] = time.monotonic()
+
+    def set_node(self, address: Address, dialect: Dialect) -> None:
+        self._nodes[address] = dialect
+
+    def to_probe(self, before: tuple[Address, ...]) -> list[Address]:
+        """After a map refresh, the primaries to ask for their dialect: one the map did not
+        have a moment ago (new, at a new address, or back after a failover: it may have
+        been upgraded meanwhile), or whose last probe failed (at most every PROBE_RETRY_S)."""
+        if self._policy is None:
+            return []
+        now = time.monotonic()
+        return [
+            a
+            for a in self.map.primaries
+            if a not in before
+            or (a not in self._nodes and now - self._unprobed.get(a, now - PROBE_RETRY_S) >= PROBE_RETRY_S)
+        ]
+
+    def downgrade(self, address: Address, error: str) -> None:
+        """The node refused a Lua-free command as unknown: the scripts there from now on."""
+        old = self._nodes.get(address)
+        if old is None or not old.lua_free:
+            return
+        reason = f"{error.split(',')[0]}: downgraded in place, extend/release by script"
+        self.set_node(address, Dialect(old.kind, old.version, "script", reason))
+        log.warning(
+            "%s:%d refused a Lua-free extend/release (%s): extend and release on it go by script from now on",
+            *address,
+            error,
+        )
+
+    def sent_form(self, address: Address, command: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        """What goes to ``address`` for ``command`` (a script call): an extend's or a
+        release's Lua-free form where that node has it, else ``command`` itself."""
+        if command[0] != b"EVALSHA" or command[1] not in _LUA_FREE_SHAS:
+            return command
+        dialect = self._nodes.get(address)
+        if dialect is None or not dialect.lua_free or by_script((command[4],)):
+            return command
+        if command[1] == EXTEND.sha:
+            return extend_command(command[3], command[4], int(command[5]))
+        return release_command(dialect, command[3], command[4])
 
     def primaries(self) -> tuple[Address, ...]:
         """Every primary in the slot map now (for a caller that must visit each one)."""
@@ -510,7 +653,7 @@ class ClusterCore:
                 if reply.code == "NOPERM":
                     return None
                 raise cache_error(f"INFO failed: the server replied {reply}", self.server)
-            fields = _info_fields(reply)
+            fields = info_fields(reply)
             if merged is None:
                 merged = dict(fields)
                 merged["maxmemory_policy"] = "noeviction"
@@ -589,10 +732,29 @@ class ClusterBackend(ClusterCore):
             if not ranges:
                 errors.append(f"{address[0]}:{address[1]}: no slots assigned")
                 continue
+            before = self.map.primaries
             with self.map.mutex:
                 self.map.replace(ranges)
+            for new in self.to_probe(before):
+                self._probe(new)
             return
         raise self.no_map(errors)
+
+    def _probe(self, address: Address) -> None:
+        # A failed probe leaves the node as it was (a new one on the scripts): no call fails for it.
+        try:
+            info, commands = self._call(self._link(address), list(NODE_PROBE))
+        except (LinkLost, CacheError):
+            self.unprobed(address)
+        else:
+            self.probed(address, info, commands)
+
+    def set_node(self, address: Address, dialect: Dialect) -> None:
+        super().set_node(address, dialect)
+        # The native link keeps it too: the extension's fast path reads each link's own.
+        use = getattr(self._links.get(address), "use_dialect", None)
+        if use is not None:
+            use(dialect)
 
     @staticmethod
     def _call(link: Link, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
@@ -765,15 +927,17 @@ class ClusterBackend(ClusterCore):
         return int(self._run(Route(self, "incr", [key], [(b"INCRBY", key, b"%d" % amount)], None, False))[0])
 
     def command_info(self) -> list[object] | None:
-        return None  # the version decides (use_dialect keeps the scripts on a cluster anyway)
+        return None  # each primary was asked with its INFO (info()); use_dialect decides per node
 
     def info(self) -> dict[str, str] | None:
         replies = []
         for address in self.map.primaries:
             try:
-                replies.append((address, self._call(self._link(address), [(b"INFO",)])[0]))
+                info, commands = self._call(self._link(address), [(b"INFO",), COMMAND_PROBE])
             except LinkLost as exc:
                 raise cache_error(f"INFO on {address[0]}:{address[1]} failed: {exc}", self.server) from exc
+            replies.append((address, info))
+            self.probed(address, info, commands)
         return self.info_summary(replies)
 
     def close(self) -> None:
@@ -783,13 +947,3 @@ class ClusterBackend(ClusterCore):
             links = list(self._links.values())
         for link in links:
             link.link_close()
-
-
-def _info_fields(reply: object) -> dict[str, str]:
-    fields = {}
-    for line in _text(reply).splitlines():
-        if line and not line.startswith("#"):
-            name, sep, value = line.partition(":")
-            if sep:
-                fields[name] = value
-    return fields

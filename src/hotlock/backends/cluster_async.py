@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from .._config import ServerConfig
+from .._dialect import COMMAND_PROBE, NODE_PROBE
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges
@@ -100,9 +101,21 @@ class AsyncClusterBackend(ClusterCore):
             if not ranges:
                 errors.append(f"{address[0]}:{address[1]}: no slots assigned")
                 continue
+            before = self.map.primaries
             self.map.replace(ranges)
+            for new in self.to_probe(before):
+                await self._probe(new)
             return
         raise self.no_map(errors)
+
+    async def _probe(self, address: Address) -> None:
+        # As in sync: a failed probe leaves the node as it was; no call fails for it.
+        try:
+            info, commands = await self._node(address, list(NODE_PROBE), None)
+        except (LinkLost, CacheError):
+            self.unprobed(address)
+        else:
+            self.probed(address, info, commands)
 
     async def _link(self, address: Address) -> AsyncLink:
         task = self._links.get(address)
@@ -196,25 +209,36 @@ class AsyncClusterBackend(ClusterCore):
         return await self._run(self.route(what, script, keys, args, until))
 
     async def _fast(
-        self, what: str, key: bytes, command: tuple[bytes, ...], route: Callable[[], Route], shield: bytes | None
+        self,
+        what: str,
+        key: bytes,
+        command: tuple[bytes, ...],
+        until: float | None,
+        wait: bool,
+        shield: bytes | None,
     ) -> Any:
         """One key's command. Where the router knows the key's node and its link, the
-        command goes straight to that node's connection (ordered there, as on one server);
-        a reply that is no error is the answer. Anything else, or no router, goes on under
-        ``route()``, from that first round, behind InFlight under the token ``shield``."""
+        command goes straight to that node's connection (ordered there, as on one server),
+        Lua-free where that node has it (ClusterCore.sent_form); a reply that is no error
+        (and, Lua-free, no miss) is the answer. Anything else, or no router, goes on under
+        Route, from that first round, behind InFlight under the token ``shield``."""
         first: First | None = None
+        sent = command
         found = None if self._router is None else self._router.node(key)
         if found is not None:
             address, link = found
+            sent = self.sent_form(address, command)
             try:
-                reply = await link.link_one(command)
+                reply = await link.link_one(sent)
             except (LinkLost, CacheError) as exc:
                 first = ({address: [0]}, [(address, exc)])
             else:
-                if not isinstance(reply, ReplyError):
+                if sent is command and not isinstance(reply, ReplyError):
                     return reply
+                if sent is not command and (reply == b"OK" or reply == 1):
+                    return 1  # SET IFEQ's OK, DELIFEQ's or DELEX's 1; a miss goes by script in Route
                 first = ({address: [0]}, [(address, [reply])])
-        work = self._run(route(), first)
+        work = self._run(Route(self, what, [key], [sent], until, wait), first)
         return (await (work if shield is None else self._inflight.shielded([shield], work)))[0]
 
     async def _many(
@@ -227,7 +251,12 @@ class AsyncClusterBackend(ClusterCore):
         groups = None if self._router is None else self._router.group(keys)
         if groups is None:
             return await self._scripts(what, script, keys, args, until)
-        commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
+        scripts = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
+        # Each key in the form its node takes (Lua-free extend/release where it can).
+        commands = list(scripts)
+        for address, _, idxs in groups:
+            for i in idxs:
+                commands[i] = self.sent_form(address, scripts[i])
         outcomes = await asyncio.gather(
             *(link.link_call([commands[i] for i in idxs], None) for _, link, idxs in groups), return_exceptions=True
         )
@@ -240,6 +269,10 @@ class AsyncClusterBackend(ClusterCore):
                 clean = False
                 continue
             for i, reply in zip(idxs, outcome, strict=True):
+                if commands[i] is not scripts[i]:
+                    # Lua-free: OK or 1 is done; a miss, or an error, is Route's to finish.
+                    clean = clean and (reply == b"OK" or reply == 1)
+                    reply = 1
                 clean = clean and not isinstance(reply, ReplyError)
                 results[i] = reply
         if clean:
@@ -265,21 +298,17 @@ class AsyncClusterBackend(ClusterCore):
         script: Script = ACQUIRE,
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
-        args = (token, b"%d" % ttl_ms)
-        command = (b"EVALSHA", script.sha, b"1", key, *args)
-        route = lambda: self.route("acquire", script, [key], [args], until)  # noqa: E731
-        return int(await self._fast("acquire", key, command, route, token))
+        command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)
+        wait = script is ACQUIRE and self.wait_replicas > 0  # as ClusterCore.route
+        return int(await self._fast("acquire", key, command, until, wait, token))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self._until(None, 0, self.timeout))
         return [int(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        args = (token, b"%d" % ttl_ms)
-        command = (b"EVALSHA", EXTEND.sha, b"1", key, *args)
-        return bool(
-            await self._fast("extend", key, command, lambda: self.route("extend", EXTEND, [key], [args], None), None)
-        )
+        command = (b"EVALSHA", EXTEND.sha, b"1", key, token, b"%d" % ttl_ms)
+        return bool(await self._fast("extend", key, command, None, False, None))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
         return [bool(r) for r in await self._many("extend_many", EXTEND, keys, tokens, ttl_ms, None)]
@@ -288,8 +317,7 @@ class AsyncClusterBackend(ClusterCore):
         await self._inflight.settled([token])
         until = self._until(None, 0, self.timeout)
         command = (b"EVALSHA", RELEASE_SHARDED.sha, b"1", key, token)
-        route = lambda: self.route("release", RELEASE_SHARDED, [key], [(token,)], until)  # noqa: E731
-        return bool(await self._fast("release", key, command, route, token))
+        return bool(await self._fast("release", key, command, until, False, token))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
@@ -298,25 +326,24 @@ class AsyncClusterBackend(ClusterCore):
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        route = lambda: Route(self, "set_nx", [key], [command], None, False)  # noqa: E731
-        return await self._fast("set_nx", key, command, route, None) is not None
+        return await self._fast("set_nx", key, command, None, False, None) is not None
 
     async def incr(self, key: bytes, amount: int) -> int:
         command = (b"INCRBY", key, b"%d" % amount)
-        return int(
-            await self._fast("incr", key, command, lambda: Route(self, "incr", [key], [command], None, False), None)
-        )
+        return int(await self._fast("incr", key, command, None, False, None))
 
     async def command_info(self) -> list[object] | None:
-        return None  # as in sync: the version decides, and a cluster keeps the scripts
+        return None  # as in sync: each primary was asked with its INFO; use_dialect decides per node
 
     async def info(self) -> dict[str, str] | None:
         replies = []
         for address in self.map.primaries:
             try:
-                replies.append((address, (await self._node(address, [(b"INFO",)], None))[0]))
+                info, commands = await self._node(address, [(b"INFO",), COMMAND_PROBE], None)
             except LinkLost as exc:
                 raise cache_error(f"INFO on {address[0]}:{address[1]} failed: {exc}", self.server) from exc
+            replies.append((address, info))
+            self.probed(address, info, commands)
         return self.info_summary(replies)
 
     async def close(self) -> None:
