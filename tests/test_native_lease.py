@@ -102,8 +102,12 @@ def test_the_one_call_lock_is_the_python_paths_lock(
     a = fast.lock(key, ttl)  # type: ignore[arg-type]
     held = a._token
     assert len(held) > 16 and held[16:] == str(a.fence).encode()  # token + fence digits
-    assert 0 < a.valid_for() <= a.ttl
-    assert a.unlock() is True
+    # A TTL of a few ms may run out in one scheduling pause of a loaded machine: for those,
+    # only what the clock cannot change is asserted.
+    short = a.ttl < 0.1
+    left = a.valid_for()
+    assert 0 <= left <= a.ttl and (left > 0 or short)
+    assert a.unlock() is True or short
     b = slow.lock(key, ttl)  # type: ignore[arg-type]
     try:
         assert type(a) is type(b) is NativeLock  # the native backend's leases, either path
@@ -116,7 +120,8 @@ def test_the_one_call_lock_is_the_python_paths_lock(
         assert a.fence < b.fence  # fresh fences from the server's clock
         assert a._token == b""  # released
         assert len(b._token) > 16 and b._token[16:] == str(b.fence).encode()
-        assert 0 < b.valid_for() <= b.ttl
+        left = b.valid_for()
+        assert 0 <= left <= b.ttl and (left > 0 or short)
     finally:
         b.unlock()
     assert redis_server.client().keys("hotlock:lock:*") == []
