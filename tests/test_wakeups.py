@@ -100,14 +100,19 @@ def handoffs(holder: hotlock.Cache, waiter: hotlock.Cache, key: str, rounds: int
     for _ in range(rounds):
         lock = holder.lock(key, ttl=30)
         got: list[float] = []
+        running = threading.Event()
 
-        def wait(got: list[float] = got) -> None:
+        def wait(got: list[float] = got, running: threading.Event = running) -> None:
+            running.set()
             lk = waiter.lock_wait(key, ttl=30, wait=10)
             got.append(time.monotonic())
             lk.unlock()
 
         t = threading.Thread(target=wait)
         t.start()
+        # The hold counts from the waiter thread's start: on a loaded machine a thread may
+        # start late, and a waiter that first tries after the release is never woken.
+        assert running.wait(10), "the waiter thread did not start"
         time.sleep(hold)
         released = time.monotonic()
         lock.unlock()

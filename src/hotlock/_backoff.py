@@ -8,11 +8,7 @@ schedule in C; tests/test_native.py checks it against ``delay_ms`` here.
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable
-
-__all__ = ["BASE_MS", "CAP_MS", "Backoff", "ceiling_ms", "delay_ms", "poll"]
+__all__ = ["BASE_MS", "CAP_MS", "ceiling_ms", "delay_ms"]
 
 BASE_MS = 1.0
 CAP_MS = 50.0
@@ -34,43 +30,3 @@ def delay_ms(attempt: int, u: float, remaining_ms: float, holder_ttl_ms: int, ca
     if holder_ttl_ms > 0:
         d = min(d, float(holder_ttl_ms))
     return max(0.0, min(d, remaining_ms))
-
-
-class Backoff:
-    """One lock_wait's schedule: call ``next_sleep`` after each failed attempt."""
-
-    __slots__ = ("_attempt", "_cap_ms", "deadline")
-
-    def __init__(self, wait_ms: int, cap_ms: float = CAP_MS) -> None:
-        self.deadline = time.monotonic() + wait_ms / 1000.0
-        self._attempt = 0
-        self._cap_ms = cap_ms
-
-    def next_sleep(self, holder_ttl_ms: int) -> float | None:
-        """Seconds to sleep before the next attempt, or None when the deadline has passed.
-
-        ``holder_ttl_ms`` as in delay_ms: the failed acquire's result negated."""
-        remaining_ms = (self.deadline - time.monotonic()) * 1000.0
-        if remaining_ms <= 0:
-            return None
-        d = delay_ms(self._attempt, random.random(), remaining_ms, holder_ttl_ms, self._cap_ms)
-        self._attempt += 1
-        return d / 1000.0
-
-
-def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float]:
-    """Run ``acquire`` on the schedule until it returns a fence (> 0) or the deadline passes.
-
-    Returns the last result and the time.monotonic() at which that attempt was sent.
-    This is the loop of the pure-Python backends; the native one runs it in C.
-    """
-    backoff = Backoff(wait_ms)
-    while True:
-        sent = time.monotonic()
-        result = acquire()
-        if result > 0:
-            return result, sent
-        sleep = backoff.next_sleep(-result)
-        if sleep is None:
-            return result, sent
-        time.sleep(sleep)

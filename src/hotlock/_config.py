@@ -1,7 +1,7 @@
 """What a backend needs to reach a server: the parsed URL and timeouts, and its errors.
 
 The bottom of the module graph (it imports only the errors and the Sentinel URL helpers):
-the chooser in _backend and every backend, sync and async, import it, never each other.
+the connect step (_connect) and every backend, sync and async, import it, never each other.
 """
 
 from __future__ import annotations

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from .._backoff import Backoff
 from .._cache import CacheBase
 from .._decorate import Locking
 from .._ident import new_token, new_tokens
-from .._keys import stored, wake_channel
+from .._keys import stored
 from .._renewer import warn_unreleased
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, permit_ask
+from .._scripts import permit_ask
 from .._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -29,7 +29,8 @@ from .._validate import (
     value_bytes,
     wait_ms,
 )
-from ..backends.wakeup_async import POLL_FIRST, AsyncEntry, AsyncSlot, AsyncWaiter, AsyncWakeups
+from .._waiting import FIRST, Step, Waiting
+from ..backends.wakeup_async import AsyncSlot, AsyncWaiter, AsyncWakeups
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
 
@@ -125,29 +126,23 @@ class AsyncCache(CacheBase[AsyncLock]):
         loop = asyncio.get_running_loop()
         token = new_token()
         ask = permit_ask(token, limit)
-        backoff = None if wait_for is None else Backoff(wait_for)
-        # The backend's wake-up subscriber (hotlock.backends.wakeup_async), for a lock_wait: after
-        # POLL_FIRST plain attempts the wait marks, and joins the key's channel when its
-        # first marking attempt fails (see hotlock.backends.wakeup.wait, the sync loop this follows).
-        slot: AsyncSlot | None = None if backoff is None else getattr(self._backend, "wake_slot", None)
-        script = ACQUIRE
-        attempts = seq = 0
+        # The wait's start on the machine's clock (its deadline counts from here); a lock()
+        # never waits and reads no clock for it.
+        start = 0.0 if wait_for is None else time.monotonic()
+        # The backend's wake-up subscriber (hotlock.backends.wakeup_async), for a lock_wait.
+        # The steps are hotlock._waiting.Waiting's, made when the first attempt fails; this
+        # loop only does them.
+        slot: AsyncSlot | None = None if wait_for is None else getattr(self._backend, "wake_slot", None)
+        machine: Waiting | None = None
+        script = FIRST
         hub: AsyncWakeups | None = None
         waiter: AsyncWaiter | None = None
-        watched: AsyncEntry | None = None  # the channel's confirmed subscription as the first marking attempt went
-        channel = b""
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
         since = loop.time()
         try:
             while True:
-                if attempts == POLL_FIRST and hub is not None:
-                    # Mark from this attempt on; join only if it fails (see hotlock.backends.wakeup.wait).
-                    channel = wake_channel(name)
-                    watched = hub.subscribed(channel)
-                    seq = 0 if watched is None else watched.seq
-                    script = ACQUIRE_CHAIN if watched is not None and watched.waiters else ACQUIRE_WAIT
                 sent = loop.time()
                 maybe_held = True
                 result = await self._backend.acquire(name, ask, ms, since, wait_for or 0, script)
@@ -161,29 +156,33 @@ class AsyncCache(CacheBase[AsyncLock]):
                         waiter = None
                     return lock
                 maybe_held = False
-                attempts += 1
-                if attempts == 1 and slot is not None:
-                    hub = slot.get()  # start the subscriber now, so it is connected when this wait joins
-                elif attempts == POLL_FIRST + 1 and hub is not None and backoff is not None:
-                    waiter = hub.join(channel) if time.monotonic() < backoff.deadline else None
-                    if waiter is not None:
-                        assert waiter.entry is not None
-                        if waiter.entry is not watched:
-                            # Subscribed after the attempt was sent: try again now. Still
-                            # being subscribed: the confirmation wakes the first waiter.
-                            seq = waiter.entry.seq - (1 if waiter.entry.confirmed else 0)
-                sleep = None if backoff is None else backoff.next_sleep(-result)
-                if sleep is None:
+                if wait_for is None:
                     raise self._not_acquired(key, result, wait_for, limit)
-                if waiter is None or waiter.entry is None:
-                    await asyncio.sleep(sleep)
-                    continue
-                # A message while the attempt was out (seq moved): try again at once. On a
-                # channel not yet subscribed, the confirmation wakes this wait.
-                if waiter.entry.seq == seq:
-                    await waiter.sleep(sleep)
-                seq = waiter.entry.seq
-                script = ACQUIRE_CHAIN if len(waiter.entry.waiters) > 1 else ACQUIRE_WAIT
+                if machine is None:
+                    machine = Waiting(name, wait_for, start, time.monotonic, random.random, slot is not None)
+                step = machine.failed(result)
+                while step is not Step.ATTEMPT:
+                    if step is Step.SLEEP:
+                        await asyncio.sleep(machine.sleep_s)
+                        step = machine.slept()
+                    elif step is Step.WAKEABLE:
+                        assert waiter is not None
+                        await waiter.sleep(machine.sleep_s)
+                        step = machine.slept()
+                    elif step is Step.START:
+                        assert slot is not None
+                        hub = slot.get()
+                        step = machine.started(hub is not None)
+                    elif step is Step.LOOK:
+                        assert hub is not None
+                        step = machine.looked(hub.subscribed(machine.channel))
+                    elif step is Step.JOIN:
+                        assert hub is not None
+                        waiter = hub.join(machine.channel)
+                        step = machine.joined(None if waiter is None else waiter.entry)
+                    else:
+                        raise self._not_acquired(key, result, wait_for, limit)
+                script = machine.script
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
             # taken the key: release it behind that acquire, since nobody will hold the

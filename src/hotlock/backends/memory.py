@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 import time
 
-from .._backoff import poll
 from .._dialect import MEMORY, Dialect
 from .._ident import TOKEN_BYTES
 from .._scripts import KIND_CONFLICT, held_value, is_permit
+from .._waiting import poll
 from ..errors import cache_error
 
 __all__ = ["MemoryBackend"]

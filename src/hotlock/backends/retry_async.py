@@ -1,6 +1,6 @@
 """The time budget of an async lost-reply retry, a timeout that keeps cancellations, the
 wait_replicas error and the INFO fields: shared by the async Redis backends, below the
-chooser in aio/_backend."""
+connect step (hotlock._connect)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ cache and by both sync backends (the native one sleeps in C on the same file des
 - **One connection, one thread.** The subscriber thread does all of the connection's I/O
   (select() on its socket and on a control pipe, so it never holds the GIL while it
   waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
-- **Poll first, then ask to be woken.** A wait's first POLL_FIRST attempts are plain
+- **Poll first, then ask to be woken.** A wait's first attempts (_waiting.POLL_FIRST) are plain
   polling (many contended waits end after the first short sleep, and a wake-up costs
   more than that sleep); then every attempt marks, and a wait whose first marking
-  attempt fails joins its key's channel (see wait()).
+  attempt fails joins its key's channel (the steps are hotlock._waiting's).
 - **Subscribe, then try.** join() never blocks. A wait joins once its first marking
   attempt has failed: a release between that attempt and the join shows in the channel's
   message count (``Entry.seq``, read as the attempt was sent), and the wait tries again at
@@ -40,6 +40,7 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import select
 import socket
 import sys
@@ -48,15 +49,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._backoff import Backoff, poll
 from .._config import ServerConfig, tls_context
-from .._keys import wake_channel
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
+from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
+from .._waiting import FIRST, Step, Waiting, poll
 
 __all__ = [
     "LINGER_S",
-    "POLL_FIRST",
     "ClusterWakeups",
     "Entry",
     "Slot",
@@ -75,12 +74,6 @@ LINGER_S = 5.0
 # The subscriber thread's longest sleep: how often it looks for lingering subscriptions
 # to drop and for close().
 TICK_S = 0.5
-# Attempts a lock_wait makes on its plain backoff before it asks to be woken (see wait()):
-# the first; after one sleep on the backoff's first step (0-1 ms) the next attempt marks.
-# Against 2 and 3 (bench/profile_notes.md, "Wake-ups under contention"): the waits that
-# outlast one short sleep are woken sooner, which lowers the p99 wait, and split cores
-# keep polling's sections/s.
-POLL_FIRST = 1
 _ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
 
 
@@ -545,61 +538,49 @@ def cluster_slot(config: ServerConfig, owner: Callable[[bytes], tuple[str, int] 
 def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float]:
     """_backoff.poll with wake-ups: ``acquire(script)`` attempts with ACQUIRE or one of its
     waiting forms until it returns a fence (> 0) or ``wait_ms`` has passed. Returns the last
-    result and the time.monotonic() that attempt was sent. The loop of the pure-Python
-    backend; NativeBackend.acquire_wait runs the same one in C.
-
-    The first POLL_FIRST attempts are plain: an uncontended acquire, and asking to be
-    woken (a mark, a PUBLISH, a wake-up in every subscribed process) costs more than a
-    wait that the first short sleep ends. From then on every attempt marks; a wait joins
-    the key's channel only when its first marking attempt fails (most succeed: joining
-    costs more than the attempt), and then sleeps on its wake-up fd. The channel's
-    message count as that attempt was sent tells whether a release came before the join
-    (then the wait tries again at once)."""
+    result and the time.monotonic() that attempt was sent. The sync driver of
+    hotlock._waiting.Waiting, which decides every step; this function only does them (the
+    attempts, the sleeps, the subscriber's start, join and leave).
+    NativeBackend.acquire_wait runs the same steps in C."""
     if slot is None:
         return poll(lambda: acquire(ACQUIRE), wait_ms)
-    backoff = Backoff(wait_ms)
-    script = ACQUIRE
-    attempts = 0
-    hub = waiter = current = watched = None
-    channel = b""
-    seq = 0
+    sent = time.monotonic()
+    result = acquire(FIRST)
+    if result > 0:
+        return result, sent  # uncontended: no machine made, nothing more to do
+    machine = Waiting(key, wait_ms, sent, time.monotonic, random.random)
+    hub: Wakeups | None = None
+    waiter: Waiter | None = None
     acquired = False
+    step = machine.failed(result)
     try:
         while True:
-            if attempts == POLL_FIRST and hub is not None:
-                channel = wake_channel(key)
-                watched = hub.subscribed(channel)  # None: not subscribed (yet)
-                seq = 0 if watched is None else watched.seq
-                script = ACQUIRE_CHAIN if watched is not None and watched.waiters else ACQUIRE_WAIT
-            sent = time.monotonic()
-            result = acquire(script)
-            if result > 0:
-                acquired = True
+            if step is Step.ATTEMPT:
+                sent = time.monotonic()
+                result = acquire(machine.script)
+                if result > 0:
+                    acquired = True
+                    return result, sent
+                step = machine.failed(result)
+            elif step is Step.SLEEP:
+                time.sleep(machine.sleep_s)
+                step = machine.slept()
+            elif step is Step.WAKEABLE:
+                assert waiter is not None
+                waiter.sleep(machine.sleep_s)
+                step = machine.slept()
+            elif step is Step.START:
+                hub = slot.get()
+                step = machine.started(hub is not None)
+            elif step is Step.LOOK:
+                assert hub is not None
+                step = machine.looked(hub.subscribed(machine.channel))
+            elif step is Step.JOIN:
+                assert hub is not None
+                waiter = hub.join(machine.channel)
+                step = machine.joined(None if waiter is None else waiter.entry)
+            else:
                 return result, sent
-            attempts += 1
-            if attempts == 1:
-                hub = slot.get()  # start the subscriber now, so it is connected when this wait joins
-            elif attempts == POLL_FIRST + 1 and hub is not None and time.monotonic() < backoff.deadline:
-                waiter = hub.join(channel)
-                if waiter is not None:
-                    current = waiter.entry
-                    assert current is not None
-                    if current is not watched:
-                        # Subscribed after the attempt was sent (a release meanwhile may have
-                        # gone unheard: try again now), or still being subscribed (the
-                        # confirmation wakes the channel's first waiter: subscribe, then try).
-                        seq = current.seq - 1 if current.confirmed else current.seq
-            sleep = backoff.next_sleep(-result)
-            if sleep is None:
-                return result, sent
-            if waiter is None:
-                time.sleep(sleep)
-                continue
-            assert current is not None
-            if current.seq == seq:  # no message came while the attempt was out
-                waiter.sleep(sleep)
-            seq = current.seq
-            script = ACQUIRE_CHAIN if len(current.waiters) > 1 else ACQUIRE_WAIT
     finally:
         if waiter is not None:
             assert hub is not None

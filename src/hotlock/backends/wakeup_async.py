@@ -3,10 +3,11 @@ loop (read its docstring first).
 
 One subscriber connection per async cache, read by one task on the cache's loop; waiting
 tasks write their SUBSCRIBE on it directly (one thread: no hand-over needed) and sleep on
-an asyncio.Event instead of an fd. The rest is the sync design unchanged: a wait polls
-POLL_FIRST times, then marks with ACQUIRE_WAIT / ACQUIRE_CHAIN and joins the key's
-channel if that attempt fails (subscribe, then try); a message wakes the longest-waiting local waiter; the
-backoff stays the safety net; an ACL refusing SUBSCRIBE turns wake-ups off, said once.
+an asyncio.Event instead of an fd. The rest is the sync design unchanged, with the same
+steps (hotlock._waiting.Waiting decides them for both): a wait polls first, then marks
+and joins the key's channel if that attempt fails (subscribe, then try); a message wakes
+the longest-waiting local waiter; the backoff stays the safety net; an ACL refusing
+SUBSCRIBE turns wake-ups off, said once.
 On a Redis Cluster, AsyncClusterWakeups keeps one sharded-pub/sub subscriber per primary,
 as hotlock.backends.wakeup.ClusterWakeups does for sync.
 """
@@ -25,10 +26,9 @@ from typing import Any
 from .._config import ServerConfig, tls_context
 from .._sentinel import PrimaryWatch
 from .retry_async import within
-from .wakeup import LINGER_S, POLL_FIRST, TICK_S, current_pid, resp_command
+from .wakeup import LINGER_S, TICK_S, current_pid, resp_command
 
 __all__ = [
-    "POLL_FIRST",
     "AsyncClusterWakeups",
     "AsyncEntry",
     "AsyncSlot",
