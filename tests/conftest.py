@@ -230,10 +230,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # (test_unlock_is_idempotent[native-valkey]); session scope keeps one server per kind.
     _parametrize_topology(metafunc)
     if "server_kind" in metafunc.fixturenames:
-        # A test on the session's cluster with no topology parameter of its own (the
-        # cluster-only tests) says so in its id too: test_x[native-cluster-valkey], as the
-        # topology-parametrized ones do.
-        on_cluster_only = "redis_cluster" in metafunc.fixturenames and "topology" not in metafunc.fixturenames
+        # A test on a cluster with no topology parameter of its own (one that asks for the
+        # session's cluster, or is marked topologies("cluster") and starts its own) says so
+        # in its id too: test_x[native-cluster-valkey], as the topology-parametrized ones do.
+        marker = metafunc.definition.get_closest_marker("topologies")
+        on_cluster_only = "topology" not in metafunc.fixturenames and (
+            "redis_cluster" in metafunc.fixturenames or (marker is not None and tuple(marker.args) == ("cluster",))
+        )
         ids = [f"cluster-{k}" for k in SERVERS] if on_cluster_only else list(SERVERS)
         metafunc.parametrize("server_kind", SERVERS, indirect=True, scope="session", ids=ids)
 

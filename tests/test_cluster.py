@@ -26,6 +26,7 @@ import pytest
 import redis
 
 import hotlock
+import hotlock.aio
 from hotlock import Cache, CacheError, LockNotAcquired
 from hotlock._config import ServerConfig, parse_url
 from hotlock._dialect import commands_from, detect, probe_needed
@@ -508,9 +509,9 @@ def test_the_checker_catches_a_broken_lock_across_shards(cluster_url: str, redis
 
 
 @pytest.fixture(scope="module")
-def spare_cluster() -> Iterator[Cluster]:
-    """A cluster of its own for the tests that kill nodes."""
-    cluster = start_cluster()
+def spare_cluster(server_kind: str) -> Iterator[Cluster]:
+    """A cluster of its own, of the test's server kind, for the tests that kill nodes."""
+    cluster = start_cluster(kinds=[server_kind] * 6)
     yield cluster
     cluster.stop()
 
@@ -656,6 +657,48 @@ def _flagged_failed(cluster: Cluster, by: int, port: int) -> bool:
             if int(node[b"port"]) == port:
                 return bool(node[b"health"] == b"fail")
     return False
+
+
+def test_a_cache_connected_after_a_failover_maps_the_promoted_replica(spare_cluster: Cluster) -> None:
+    """A primary SIGKILLed and its replica promoted, the dead node still down: a cache
+    connected then (sync and async, native and redis-py) maps the shard's slots to the
+    promoted replica alone and locks there, both at once after the takeover and once the
+    other nodes flag the dead one failed. Valkey keeps a node's shard id through a
+    failover, so its CLUSTER SHARDS lists the dead node as a second primary of the same
+    shard in both states (Redis 7.0 lists it alone, in a shard with no slots); a map that
+    counted it failed every connect() until it came back."""
+    cluster = spare_cluster
+    primary, replica = _shard_to_fail(cluster)
+    key = keys_on(cluster, primary, 1, "after")[0]
+    dead, promoted = ("127.0.0.1", primary), ("127.0.0.1", replica)
+
+    async def connect_async(backend: str) -> None:
+        async with await hotlock.aio.connect(cluster.url, backend=backend, timeout=1, connect_timeout=1) as acache:
+            assert dead not in acache._backend.map.primaries  # type: ignore[attr-defined]
+            lock = await acache.lock(key, ttl=10)
+            assert cluster.client(replica).get(lock_name(key)) == lock._token
+            assert await lock.unlock() is True
+
+    def connect_each() -> None:
+        for backend in ("native", "redis-py"):
+            with hotlock.connect(cluster.url, backend=backend, timeout=1, connect_timeout=1) as cache:
+                assert dead not in cache._backend.map.primaries  # type: ignore[attr-defined]
+                assert cache._backend.slot_owner(lock_name(key)) == promoted  # type: ignore[attr-defined]
+                with cache.lock(key, ttl=10) as lock:
+                    assert cluster.client(replica).get(lock_name(key)) == lock._token
+            asyncio.run(connect_async(backend))
+
+    try:
+        _kill(cluster, primary)
+        _take_over(cluster, replica, key)
+        connect_each()
+        deadline = time.monotonic() + 30
+        while not _flagged_failed(cluster, replica, primary):
+            assert time.monotonic() < deadline, "the dead primary was never flagged failed"
+            time.sleep(0.05)
+        connect_each()
+    finally:
+        _bring_back(cluster, primary)
 
 
 def test_a_serving_primary_flagged_failed_keeps_its_slots(redis_backend: str, spare_cluster: Cluster) -> None:
