@@ -1035,6 +1035,9 @@ def test_lost_reply_after_a_moved(
     cache.close()
 
 
+# The Valkey cluster's run is make test-slow's: the test waits out the client's own retry
+# budget (seconds of CLUSTERDOWN), the same code on either kind.
+@pytest.mark.slow_variants("server_kind")
 def test_clusterdown_is_waited_out_within_the_budget(redis_backend: str, spare_cluster: Cluster) -> None:
     """One slot unassigned on every node, with full coverage required: every node answers
     CLUSTERDOWN for every key. A try-once lock on another slot during the outage is a
