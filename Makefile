@@ -73,9 +73,9 @@ tools: $(TOOLS)/.installed
 
 # The whole suite but the long forms (marked slow), each of which has a short form here;
 # test-slow runs the long forms. Every server-facing test runs on Redis and on Valkey
-# (tests/conftest.py), but for the ones whose cost is waiting on what the client times
-# (reply timeouts, renewals, max_hold, failovers): those run on Redis here, on Valkey in
-# test-slow (slow_variants). Two workers (-n 2, pytest-xdist, each with its own servers);
+# (tests/conftest.py), the cluster tests on a cluster of each, but for the ones whose cost
+# is waiting on what the client times (reply timeouts, renewals, max_hold, failovers, the
+# cluster soak): those run on Redis here, on Valkey in test-slow (slow_variants). Two workers (-n 2, pytest-xdist, each with its own servers);
 # worksteal hands a worker left idle at the end the other's remaining tests.
 # tests/test_packaging.py builds an sdist and a repaired wheel for this Python with the
 # tools venv, once for both workers; then the behaviour suite runs on every other

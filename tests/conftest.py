@@ -230,7 +230,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # (test_unlock_is_idempotent[native-valkey]); session scope keeps one server per kind.
     _parametrize_topology(metafunc)
     if "server_kind" in metafunc.fixturenames:
-        metafunc.parametrize("server_kind", SERVERS, indirect=True, scope="session")
+        # A test on a cluster with no topology parameter of its own (one that asks for the
+        # session's cluster, or is marked topologies("cluster") and starts its own) says so
+        # in its id too: test_x[native-cluster-valkey], as the topology-parametrized ones do.
+        marker = metafunc.definition.get_closest_marker("topologies")
+        on_cluster_only = "topology" not in metafunc.fixturenames and (
+            "redis_cluster" in metafunc.fixturenames or (marker is not None and tuple(marker.args) == ("cluster",))
+        )
+        ids = [f"cluster-{k}" for k in SERVERS] if on_cluster_only else list(SERVERS)
+        metafunc.parametrize("server_kind", SERVERS, indirect=True, scope="session", ids=ids)
 
 
 @pytest.fixture(scope="session")
@@ -321,10 +329,12 @@ def rcache(redis_backend: str, server_url: str) -> Iterator[hotlock.Cache]:
 
 # -- the topology dimension: one server, or a Redis Cluster --------------------------------
 # A test (or a module, by pytestmark) marked @pytest.mark.topologies("single", "cluster")
-# runs its cache/rcache on each (ids test_x[native-single], test_x[native-cluster]).
-# Unmarked tests run on one server only. The memory backend has no cluster form, so that
-# pair is deselected. HOTLOCK_TEST_TOPOLOGIES=single leaves the cluster out (make
-# test-pythons: the cluster dimension runs on the main Python only).
+# runs its cache/rcache on each, and each on every server kind: the cluster is 3 primaries
+# and 3 replicas of the test's kind (ids test_x[native-single-redis],
+# test_x[native-cluster-redis], test_x[native-cluster-valkey]). Unmarked tests run on one
+# server only. The memory backend has no cluster form, so that pair is deselected.
+# HOTLOCK_TEST_TOPOLOGIES=single leaves the clusters out (make test-pythons: the cluster
+# dimension runs on the main Python only); HOTLOCK_TEST_SERVERS=redis leaves the Valkey one out.
 
 TOPOLOGIES = ("single", "cluster")
 ENABLED_TOPOLOGIES = tuple(t for t in os.environ.get("HOTLOCK_TEST_TOPOLOGIES", ",".join(TOPOLOGIES)).split(",") if t)
@@ -353,8 +363,7 @@ def _parametrize_topology(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the pairs that would only repeat or cannot exist: an in-process (memory)
-    backend runs on one server kind and one topology (it never talks to the server), and
-    the test cluster is Redis processes, so a cluster test runs once, not per server kind.
+    backend runs on one server kind and one topology (it never talks to the server).
     Mark the long variants (slow_variants, above) slow."""
     keep, drop = [], []
     for item in items:
@@ -366,7 +375,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         on_memory = "memory" in (params.get("backend"), params.get("aio_backend"), params.get("aio"))
         on_cluster = params.get("topology", "single") == "cluster"
         other_kind = params.get("server_kind", SERVERS[0]) != SERVERS[0]
-        (drop if (on_memory and (on_cluster or other_kind)) or (on_cluster and other_kind) else keep).append(item)
+        (drop if on_memory and (on_cluster or other_kind) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -377,14 +386,35 @@ def topology(request: pytest.FixtureRequest) -> str:
     return str(getattr(request, "param", "single"))
 
 
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[Cluster]:
-    """3 primaries and 3 replicas (tests/cluster.py), started on first use, stopped by pid."""
+def _session_cluster(kind: str) -> Iterator[Cluster]:
     from .cluster import start_cluster
 
-    cluster = start_cluster()
+    cluster = start_cluster(kinds=[kind] * 6)
     yield cluster
     cluster.stop()
+
+
+# One cluster per server kind, each a session fixture of its own with no parameter: under
+# xdist a worker's tests alternate between kinds, and a fixture that depended on the kind
+# would be torn down (six servers stopped) and started again at every switch.
+@pytest.fixture(scope="session")
+def _redis_kind_cluster() -> Iterator[Cluster]:
+    """3 Redis primaries and 3 replicas (tests/cluster.py), started on first use, stopped by pid."""
+    yield from _session_cluster("redis")
+
+
+@pytest.fixture(scope="session")
+def _valkey_kind_cluster() -> Iterator[Cluster]:
+    """3 Valkey primaries and 3 replicas, started on first use, stopped by pid. Like the
+    Redis one, one that cannot start fails the tests that ask for it (start_cluster)."""
+    yield from _session_cluster("valkey")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(server_kind: str, request: pytest.FixtureRequest) -> Cluster:
+    """The session's cluster of this test's server kind (its id says which: -cluster-valkey)."""
+    cluster: Cluster = request.getfixturevalue(f"_{server_kind}_kind_cluster")
+    return cluster
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """Redis Cluster beyond the behaviour suite (which runs on the cluster too: test_behaviour's
-[backend-cluster] ids): routing, batches over every shard, MOVED, ASK, a lost reply, a
-killed primary and exclusion across shards, on every sync backend, against the real
-cluster of tests/cluster.py.
+[backend-cluster-redis] and [backend-cluster-valkey] ids): routing, batches over every
+shard, MOVED, ASK, a lost reply, a killed primary and exclusion across shards, on every
+sync backend, against the real clusters of tests/cluster.py: the session's cluster of each
+server kind (Redis 7.0 nodes: every call a script; Valkey 9 nodes: extend and release
+Lua-free, SET IFEQ and DELIFEQ), which the ids name (test_x[native-cluster-valkey]).
 
 The fault tests reach one node through tests/faultproxy.py: the slot map keeps the
 node's real address (what the cluster announces) and the test's link opener connects to
@@ -24,8 +26,10 @@ import pytest
 import redis
 
 import hotlock
+import hotlock.aio
 from hotlock import Cache, CacheError, LockNotAcquired
 from hotlock._config import ServerConfig, parse_url
+from hotlock._dialect import commands_from, detect, probe_needed
 from hotlock.aio import AsyncCache
 from hotlock.backends.cluster import ClusterBackend, Link, crc16, key_slot
 from hotlock.backends.cluster_async import AsyncClusterBackend, AsyncLink
@@ -60,10 +64,17 @@ def routed_cache(url: str, backend: str, proxies: dict[int, FaultProxy], timeout
         proxy = proxies.get(node.port)
         return base(node if proxy is None else node.node("127.0.0.1", proxy.port))
 
-    return Cache(
-        ClusterBackend(config, backend[:6] if backend.startswith("native") else backend, open_link, router(backend)),
-        b"hotlock:",
+    opened = ClusterBackend(
+        config, backend[:6] if backend.startswith("native") else backend, open_link, router(backend)
     )
+    # Each primary's dialect, asked as connect() asks it: on Valkey nodes extend and release
+    # then go Lua-free, the path a real cache takes there (a backend nobody told keeps every
+    # node on the scripts).
+    info = opened.info()
+    opened.use_dialect(
+        detect(info, commands_from(opened.command_info()) if probe_needed(info, "auto") else None, "auto")
+    )
+    return Cache(opened, b"hotlock:")
 
 
 def router(backend: str) -> object:
@@ -89,9 +100,19 @@ def keys_on(cluster: Cluster, port: int, n: int, prefix: str = "k") -> list[str]
     return found
 
 
-def evalsha_calls(client: redis.Redis) -> int:
+def calls(client: redis.Redis, command: str) -> int:
+    """How many times the node ran ``command`` (a script's own calls included)."""
     stats = client.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    return calls(client, "evalsha")
+
+
+def release_command(cluster: Cluster) -> str:
+    """What a release runs on this cluster's primaries: DELIFEQ on Valkey 9, the script on Redis 7.0."""
+    return "delifeq" if cluster.nodes[0].lua_free else "evalsha"
 
 
 # -- routing ---------------------------------------------------------------------------
@@ -173,11 +194,18 @@ def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url
 def test_connect_names_the_cluster(
     redis_backend: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
+    node = redis_cluster.nodes[0]
     with caplog.at_level(logging.INFO, logger="hotlock"), hotlock.connect(cluster_url, backend=redis_backend) as cache:
         assert cache.backend == redis_backend
         assert cache.server == cluster_url
+        assert cache.server_info["kind"] == node.kind and cache.server_info["lua_free"] is node.lua_free
+        nodes: Any = cache.server_info["nodes"]
+        assert set(nodes) == {f"127.0.0.1:{p}" for p in redis_cluster.primary_ports()}
+        assert all(d.startswith(node.named) for d in nodes.values()), nodes
     line = next(r.getMessage() for r in caplog.records if "connected to" in r.getMessage())
-    assert cluster_url in line and "Redis Cluster of 3 shards" in line and "Redis 7" in line, line
+    # "Redis Cluster" is the protocol's name: a cluster of Valkey nodes says it too.
+    assert cluster_url in line and "Redis Cluster of 3 shards" in line and node.named in line, line
+    assert ("Lua-free extend/release (SET IFEQ, DELIFEQ)" in line) is node.lua_free, line
 
 
 def test_connect_warns_of_each_evicting_primary(
@@ -231,11 +259,13 @@ def test_batch_over_every_shard_is_one_round_trip(
 ) -> None:
     """With 100 ms added each way on every primary's path, a round trip costs >= 200 ms: a
     batch over 3 shards that went node by node would take >= 600 ms; one round trip
-    takes about 200. And each primary ran each of its keys' scripts exactly once."""
+    takes about 200. And each primary ran each of its keys' acquire script and release
+    exactly once (the release: the script on Redis 7.0, DELIFEQ on Valkey 9)."""
     backend, proxies = routed
     cache = routed_cache(cluster_url, backend, proxies, timeout=2.0)
     keys = [k for port in redis_cluster.primary_ports() for k in keys_on(redis_cluster, port, 10, "b")]
-    before = {p: evalsha_calls(redis_cluster.client(p)) for p in proxies}
+    release = release_command(redis_cluster)
+    before = {p: (evalsha_calls(redis_cluster.client(p)), calls(redis_cluster.client(p), "delifeq")) for p in proxies}
     for proxy in proxies.values():
         proxy.delay(0.1)
     started = time.monotonic()
@@ -248,7 +278,10 @@ def test_batch_over_every_shard_is_one_round_trip(
     took = time.monotonic() - started
     assert took < 0.5, f"unlock_many over 3 shards took {took:.3f} s"
     for port in proxies:
-        assert evalsha_calls(redis_cluster.client(port)) - before[port] == 20  # 10 acquires + 10 releases
+        scripts = evalsha_calls(redis_cluster.client(port)) - before[port][0]
+        delifeqs = calls(redis_cluster.client(port), "delifeq") - before[port][1]
+        # 10 acquires (always a script) and 10 releases.
+        assert (scripts, delifeqs) == ((10, 10) if release == "delifeq" else (20, 0)), port
     cache.close()
 
 
@@ -283,7 +316,7 @@ def test_a_lost_reply_is_retried_once_only(
     replies are the acquire's, so the call is a CacheError; the native links reconnect with
     a handshake (its SCRIPT LOAD replies are the second one dropped, retried as any lost
     handshake reply), so the retry's own reply arrives and the lock is held. A lost extend
-    reply is never resent."""
+    reply is never resent (the extend: the script on Redis 7.0, SET IFEQ on Valkey 9)."""
     backend, proxies = routed
     port = redis_cluster.primary_ports()[1]
     client = redis_cluster.client(port)
@@ -303,10 +336,13 @@ def test_a_lost_reply_is_retried_once_only(
         lock = cache.lock(key, ttl=10)
     assert proxies[port].dropped_replies == 2
     assert evalsha_calls(client) - before == 2
+    # SET counts the acquires' own SETs too, but none runs between these two readings.
+    extend = "set" if redis_cluster.nodes[0].lua_free else "evalsha"
+    before_extend = calls(client, extend)
     proxies[port].drop_replies(1)
     with pytest.raises(CacheError):
         lock.extend()
-    assert evalsha_calls(client) - before == 3
+    assert calls(client, extend) - before_extend == 1
     assert lock.unlock() is True
     cache.close()
 
@@ -473,9 +509,9 @@ def test_the_checker_catches_a_broken_lock_across_shards(cluster_url: str, redis
 
 
 @pytest.fixture(scope="module")
-def spare_cluster() -> Iterator[Cluster]:
-    """A cluster of its own for the tests that kill nodes."""
-    cluster = start_cluster()
+def spare_cluster(server_kind: str) -> Iterator[Cluster]:
+    """A cluster of its own, of the test's server kind, for the tests that kill nodes."""
+    cluster = start_cluster(kinds=[server_kind] * 6)
     yield cluster
     cluster.stop()
 
@@ -621,6 +657,48 @@ def _flagged_failed(cluster: Cluster, by: int, port: int) -> bool:
             if int(node[b"port"]) == port:
                 return bool(node[b"health"] == b"fail")
     return False
+
+
+def test_a_cache_connected_after_a_failover_maps_the_promoted_replica(spare_cluster: Cluster) -> None:
+    """A primary SIGKILLed and its replica promoted, the dead node still down: a cache
+    connected then (sync and async, native and redis-py) maps the shard's slots to the
+    promoted replica alone and locks there, both at once after the takeover and once the
+    other nodes flag the dead one failed. Valkey keeps a node's shard id through a
+    failover, so its CLUSTER SHARDS lists the dead node as a second primary of the same
+    shard in both states (Redis 7.0 lists it alone, in a shard with no slots); a map that
+    counted it failed every connect() until it came back."""
+    cluster = spare_cluster
+    primary, replica = _shard_to_fail(cluster)
+    key = keys_on(cluster, primary, 1, "after")[0]
+    dead, promoted = ("127.0.0.1", primary), ("127.0.0.1", replica)
+
+    async def connect_async(backend: str) -> None:
+        async with await hotlock.aio.connect(cluster.url, backend=backend, timeout=1, connect_timeout=1) as acache:
+            assert dead not in acache._backend.map.primaries  # type: ignore[attr-defined]
+            lock = await acache.lock(key, ttl=10)
+            assert cluster.client(replica).get(lock_name(key)) == lock._token
+            assert await lock.unlock() is True
+
+    def connect_each() -> None:
+        for backend in ("native", "redis-py"):
+            with hotlock.connect(cluster.url, backend=backend, timeout=1, connect_timeout=1) as cache:
+                assert dead not in cache._backend.map.primaries  # type: ignore[attr-defined]
+                assert cache._backend.slot_owner(lock_name(key)) == promoted  # type: ignore[attr-defined]
+                with cache.lock(key, ttl=10) as lock:
+                    assert cluster.client(replica).get(lock_name(key)) == lock._token
+            asyncio.run(connect_async(backend))
+
+    try:
+        _kill(cluster, primary)
+        _take_over(cluster, replica, key)
+        connect_each()
+        deadline = time.monotonic() + 30
+        while not _flagged_failed(cluster, replica, primary):
+            assert time.monotonic() < deadline, "the dead primary was never flagged failed"
+            time.sleep(0.05)
+        connect_each()
+    finally:
+        _bring_back(cluster, primary)
 
 
 def test_a_serving_primary_flagged_failed_keeps_its_slots(redis_backend: str, spare_cluster: Cluster) -> None:
@@ -789,7 +867,11 @@ async def _async_routed(url: str, backend: str, proxies: dict[int, FaultProxy], 
         return await RedisAsyncLink.open(target)
 
     name = backend[:6] if backend.startswith("native") else backend
-    return AsyncCache(await AsyncClusterBackend.open(config, name, open_link, router(backend)), b"hotlock:")  # type: ignore[arg-type]
+    opened = await AsyncClusterBackend.open(config, name, open_link, router(backend))  # type: ignore[arg-type]
+    info = await opened.info()
+    commands = commands_from(await opened.command_info()) if probe_needed(info, "auto") else None
+    opened.use_dialect(detect(info, commands, "auto"))  # as hotlock.aio.connect() does: Lua-free on Valkey
+    return AsyncCache(opened, b"hotlock:")
 
 
 def test_async_batch_over_every_shard_is_one_round_trip(
@@ -856,11 +938,13 @@ def test_the_readme_acl_list_is_enough_on_a_cluster(
     """The documented ACL list plus its cluster additions lets a user lock on every shard,
     ASK included; without CLUSTER SHARDS (and SLOTS) no map can be had: CacheError at
     connect; without ASKING a key mid-migration is a CacheError (never "held elsewhere")."""
-    from .test_security import COMMANDS, PASSWORD, USER, acl_line
+    from .test_security import PASSWORD, USER, acl_line, listed
 
     # Without SHARDS the client falls back to SLOTS: both go for the "no map" case.
     gone = {"+cluster|shards": {"+cluster|shards", "+cluster|slots"}}.get(missing or "", {missing})
-    commands = [c for c in COMMANDS + CLUSTER_COMMANDS if c not in gone]
+    # The list documented for the nodes' kind: on Valkey 9, +delifeq and +command|info for
+    # the Lua-free path, and no +pexpire or +del.
+    commands = [c for c in listed(redis_cluster.nodes[0].kind, "auto") + CLUSTER_COMMANDS if c not in gone]
     for node in redis_cluster.nodes:
         node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
     url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
@@ -951,6 +1035,9 @@ def test_lost_reply_after_a_moved(
     cache.close()
 
 
+# The Valkey cluster's run is make test-slow's: the test waits out the client's own retry
+# budget (seconds of CLUSTERDOWN), the same code on either kind.
+@pytest.mark.slow_variants("server_kind")
 def test_clusterdown_is_waited_out_within_the_budget(redis_backend: str, spare_cluster: Cluster) -> None:
     """One slot unassigned on every node, with full coverage required: every node answers
     CLUSTERDOWN for every key. A try-once lock on another slot during the outage is a

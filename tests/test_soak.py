@@ -249,6 +249,10 @@ def test_soak_no_overlaps(redis_backend: str, redis_url: str, tmp_path: Path) ->
     assert result.cache_errors == 0
 
 
+# The Valkey cluster's soak is make test-slow's: the soak's subject is the client's exclusion
+# under contention, which the Redis cluster's run shows in make test (and the single server's
+# on both kinds); the behaviour suite and test_cluster run on the Valkey cluster there.
+@pytest.mark.slow_variants("server_kind")
 def test_soak_no_overlaps_on_the_cluster(
     redis_backend: str, cluster_url: str, redis_cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -631,8 +631,9 @@ def test_cluster_a_moved_slot_still_acquires_within_the_cap(redis_backend: str, 
 
 
 # uvloop's waiters are woken on one server by the tests above; on the cluster that is
-# make test-slow's.
-@pytest.mark.slow_variants("loop_kind")
+# make test-slow's, and so is the Valkey cluster's run: make test wakes the sync waiters on
+# it (above) and async ones through test_cluster_dialect's Lua-free release.
+@pytest.mark.slow_variants("loop_kind", "server_kind")
 def test_async_cluster_waiters_are_woken_by_sharded_pub_sub(
     redis_backend: str, loop_kind: str, redis_cluster: Cluster
 ) -> None:
@@ -661,8 +662,9 @@ def test_async_cluster_waiters_are_woken_by_sharded_pub_sub(
 
 
 # uvloop's waiters are woken on one server by the tests above; on the cluster that is
-# make test-slow's.
-@pytest.mark.slow_variants("loop_kind")
+# make test-slow's, and so is the Valkey cluster's run: make test wakes the sync waiters on
+# it (above) and async ones through test_cluster_dialect's Lua-free release.
+@pytest.mark.slow_variants("loop_kind", "server_kind")
 def test_async_cluster_a_moved_slot_still_acquires_within_the_cap(
     redis_backend: str, loop_kind: str, redis_cluster: Cluster
 ) -> None:

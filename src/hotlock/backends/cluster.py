@@ -8,7 +8,8 @@ goes where:
 
 - every key goes to the primary of its slot (CRC16-XMODEM of the key's hash tag, mod
   16384); the slot map comes from ``CLUSTER SHARDS`` (``CLUSTER SLOTS`` where SHARDS is
-  missing), primaries only, flagged ``fail`` or not (see parse_shards);
+  missing, or where a shard lists two primaries: see needs_slots), primaries only, flagged
+  ``fail`` or not (see parse_shards);
 - ``MOVED slot host:port``: the slot now belongs there; note it, resend there, and refresh
   the whole map before the next call (a MOVED usually means a reshard moved many slots);
 - ``ASK slot host:port`` (the slot is being migrated and this key is already gone):
@@ -79,6 +80,7 @@ __all__ = [
     "acquired",
     "crc16",
     "key_slot",
+    "needs_slots",
     "parse_shards",
     "parse_slots",
 ]
@@ -156,10 +158,21 @@ def parse_shards(reply: list[Any], tls: bool = False) -> list[tuple[int, int, Ad
     after which the call asks another node for the map.
 
     Over TLS a node's address is its tls-port (a node may listen on both)."""
-    ranges = []
+    return [
+        (first, last, address)
+        for slots, primaries in _shards(reply, tls)
+        for address in primaries
+        for first, last in zip(slots[::2], slots[1::2], strict=True)
+    ]
+
+
+def _shards(reply: list[Any], tls: bool) -> list[tuple[list[int], list[Address]]]:
+    """Each shard of a ``CLUSTER SHARDS`` reply: its slot bounds and the nodes it lists as primary."""
+    shards = []
     for shard in reply:
         fields = dict(zip(map(_text, shard[::2]), shard[1::2], strict=True))
         slots = [int(s) for s in fields.get("slots", [])]
+        primaries = []
         for node in fields.get("nodes", []):
             info = dict(zip(map(_text, node[::2]), node[1::2], strict=True))
             if _text(info.get("role")) != "master":
@@ -169,9 +182,23 @@ def parse_shards(reply: list[Any], tls: bool = False) -> list[tuple[int, int, Ad
                 port = int(info["tls-port"])
             else:
                 port = int(info.get("port") or info.get("tls-port") or 0)
-            for first, last in zip(slots[::2], slots[1::2], strict=True):
-                ranges.append((first, last, (host, port)))
-    return ranges
+            primaries.append((host, port))
+        shards.append((slots, primaries))
+    return shards
+
+
+def needs_slots(reply: Any) -> bool:
+    """Whether the map must come from ``CLUSTER SLOTS`` instead of this ``CLUSTER SHARDS``
+    reply: SHARDS is an unknown command (Redis 6 and older), or a shard with slots lists
+    more than one primary. Valkey keeps a node's shard id through a failover, so a primary
+    that died and was replaced is listed as a second primary of its old shard (flagged
+    ``fail`` or not yet) until it comes back as a replica: the shard's slots do not say
+    which of the two serves them, and a map that gave them to the dead one (or counted it
+    among the primaries connect() opens a link to) would fail every call there. SLOTS names
+    each range's one owner."""
+    if isinstance(reply, ReplyError):
+        return True
+    return any(slots and len(primaries) > 1 for slots, primaries in _shards(reply, False))
 
 
 def parse_slots(reply: list[Any]) -> list[tuple[int, int, Address]]:
@@ -667,8 +694,8 @@ class ClusterCore:
 
 def map_ranges(reply: Any, fallback: Callable[[], Any], tls: bool = False) -> list[tuple[int, int, Address]]:
     """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
-    SHARDS is an unknown command (Redis 6 and older)."""
-    if isinstance(reply, ReplyError):
+    SHARDS cannot say (``needs_slots``)."""
+    if needs_slots(reply):
         slots = fallback()
         if isinstance(slots, ReplyError):
             raise slots

@@ -20,7 +20,7 @@ from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
-from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges
+from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges, needs_slots
 from .retry_async import InFlight, retry_until
 from .wakeup_async import async_cluster_slot
 
@@ -92,7 +92,7 @@ class AsyncClusterBackend(ClusterCore):
                 link = await self._link(address)
                 shards = (await link.link_call([(b"CLUSTER", b"SHARDS")], None))[0]
                 slots = None
-                if isinstance(shards, ReplyError):
+                if needs_slots(shards):
                     slots = (await link.link_call([(b"CLUSTER", b"SLOTS")], None))[0]
                 ranges = map_ranges(shards, lambda slots=slots: slots, self.config.tls)  # type: ignore[misc]
             except MAP_ERRORS as exc:
