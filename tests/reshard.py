@@ -316,6 +316,9 @@ def failover_during_reshard(
         if code != 0:
             assert "SETSLOT only with masters" in said, said[-1500:]
             seed = f"127.0.0.1:{target}"
+            # fix refuses ("Nodes don't agree about configuration!") until the failover's
+            # new epoch has reached every node.
+            cluster.wait_ok()
             cli("--cluster", "fix", seed, "--cluster-yes")
             cluster.wait_ok()
             left = base + slots - slot_counts(cluster)[target]
