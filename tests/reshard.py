@@ -58,15 +58,21 @@ class Report:
     overlaps: int = 0
     samples: dict[str, str] = field(default_factory=dict)  # one full message per error kind
     notes: list[str] = field(default_factory=list)  # what the operation itself saw
+    # What the servers answered the clients while the operation ran (redirect_counts):
+    # evidence that the load went through the migration's redirections, not around them.
+    redirects: Counter[str] = field(default_factory=Counter)
 
     def errors_text(self) -> str:
         return ", ".join(f"{kind}: {n}" for kind, n in sorted(self.errors.items())) or "none"
+
+    def redirects_text(self) -> str:
+        return ", ".join(f"{kind} {n}" for kind, n in sorted(self.redirects.items())) or "no redirections"
 
     def line(self) -> str:
         return (
             f"{self.operation} [{self.server}, {self.backend}]: {self.seconds:.1f} s, "
             f"{self.sections} sections ({self.during} during the operation), {self.conflicts} conflicts, "
-            f"errors: {self.errors_text()}, overlaps: {self.overlaps}"
+            f"errors: {self.errors_text()}, overlaps: {self.overlaps}, server side: {self.redirects_text()}"
             + (f" ({'; '.join(self.notes)})" if self.notes else "")
         )
 
@@ -164,6 +170,39 @@ def run_under_load(
     report.overlaps = checker.overlaps
     report.conflicts = sum(conflicts)
     return report
+
+
+def redirect_counts(cluster: Cluster) -> Counter[str]:
+    """Over the live nodes: the ASKING commands served (one per ASK a client followed;
+    redis-cli's MIGRATE never sends it) and the MOVED/ASK/TRYAGAIN/CLUSTERDOWN error
+    replies (INFO errorstats)."""
+    counts: Counter[str] = Counter()
+    for node in cluster.nodes:
+        if node.proc is None or node.proc.poll() is not None:
+            continue
+        try:
+            stats = node.client().info("commandstats")
+            errors = node.client().info("errorstats")
+        except redis.RedisError:
+            continue
+        counts["ASKING"] += int(stats.get("cmdstat_asking", {}).get("calls", 0))
+        for code in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"):
+            counts[code] += int(errors.get(f"errorstat_{code}", {}).get("count", 0))
+    return counts
+
+
+def counted(cluster: Cluster, operation: Callable[[Report], None]) -> Callable[[Report], None]:
+    """``operation``, with the redirections the nodes served meanwhile noted in the report
+    (those of a node gone by the end, a deleted one, are not)."""
+
+    def run(report: Report) -> None:
+        before = redirect_counts(cluster)
+        try:
+            operation(report)
+        finally:
+            report.redirects = redirect_counts(cluster) - before
+
+    return run
 
 
 # -- the operations -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .reshard import (
     THIRD,
     Report,
     add_rebalance_drain_delete,
+    counted,
     failover_during_reshard,
     migrate_slots,
     reshard,
@@ -55,13 +56,15 @@ def valkey_cluster() -> Iterator[Cluster]:
 def run(
     cluster: Cluster, backend: str, name: str, server: str, operation: Callable[[Report], None], keys: int
 ) -> Report:
-    report = run_under_load(cluster.url, backend, operation, Report(name, server, backend), keys=keys)
+    report = run_under_load(cluster.url, backend, counted(cluster, operation), Report(name, server, backend), keys=keys)
     print(report.line())  # the report line (pytest -s, or -rA) shows what the run came to
     for kind, text in report.samples.items():
         print(f"  {kind}: e.g. {text}")
     # The load ran while the operation did, and nobody shared a key's section.
     assert report.during > 0, report.line()
     assert report.overlaps == 0, report.line()
+    # ... and it met the slots changing hands (MOVED at least), not only slots at rest.
+    assert sum(report.redirects.values()) > 0, report.line()
     # An unlock that found its lock gone, or anything but CacheError, is a bug anywhere.
     assert report.others == 0, report.samples
     return report
