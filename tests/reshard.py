@@ -90,6 +90,7 @@ def error_kind(exc: BaseException) -> str:
     """An error's kind: its type and message with the addresses, numbers and key names
     taken out, so the same failure on two nodes or keys counts as one kind."""
     text = str(exc).split("\n")[0]
+    text = re.sub(r"\s*\(server [^)]*\)", "", text)  # the cache's seeds, the same on every error
     text = re.sub(r"\d+\.\d+\.\d+\.\d+:\d+", "<node>", text)
     text = re.sub(r"'[^']*'", "<key>", text)
     text = re.sub(r"\d+", "N", text)
@@ -343,7 +344,11 @@ def failover_during_reshard(
                         break
                 else:
                     raise AssertionError("the manual failover did not happen")
-                report.notes.append(f"failover after {moved_at} slots moved (attempt {tries})")
+                # A primary votes against a replica whose claim covers a slot it has seen
+                # move with a newer epoch: the source's own replica may be refused until the
+                # reshard is over (observed), so when it happened is part of the report.
+                during = "while the reshard ran" if proc.poll() is None else "after the reshard had ended"
+                report.notes.append(f"failover after {moved_at} slots moved (attempt {tries}), {during}")
                 code = proc.wait(CLI_TIMEOUT_S)
             finally:
                 if proc.poll() is None:

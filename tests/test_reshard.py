@@ -126,7 +126,8 @@ def test_failover_in_the_middle_of_a_reshard(replicated_cluster: Cluster) -> Non
     """The failover pauses the old primary's writes until its replica has caught up; a
     lock call that meets the pause may lose its reply and its one retry (CacheError):
     counted, never an overlap. The rest of the reshard still completes."""
-    _failover(replicated_cluster, "native", 600, "bystander")
+    report = _failover(replicated_cluster, "native", 600, "bystander")
+    assert any("while the reshard ran" in note for note in report.notes), report.line()
 
 
 @pytest.mark.slow
