@@ -32,6 +32,7 @@ import redis
 
 import hotlock
 from hotlock import LockNotAcquired
+from hotlock.backends.cluster import key_slot
 
 from .cluster import Cluster, start_node
 from .overlap import OverlapChecker
@@ -107,13 +108,16 @@ def run_under_load(
     hold_s: float = 0.0005,
     settle_s: float = 0.3,
     timeout: float = 2.0,
+    names: list[str] | None = None,
 ) -> Report:
     """Start ``threads`` threads locking and unlocking ``keys`` keys (spread over every
     slot) on one cache; once sections flow, run ``operation(report)``; go on ``settle_s``
     after it, then stop. Returns ``report`` filled in. ``timeout``: the cache's reply
-    timeout (its retry budget for TRYAGAIN/CLUSTERDOWN derives from it)."""
+    timeout (its retry budget for TRYAGAIN/CLUSTERDOWN derives from it). ``names``: the
+    keys to lock, in place of ``keys`` ones spread over every slot (see hot_keys)."""
+    names = names or [f"rs{i}" for i in range(keys)]
+    keys = len(names)
     checker = OverlapChecker(keys)
-    names = [f"rs{i}" for i in range(keys)]
     stop = threading.Event()
     guard = threading.Lock()
     conflicts = [0] * threads
@@ -171,6 +175,37 @@ def run_under_load(
     report.overlaps = checker.overlaps
     report.conflicts = sum(conflicts)
     return report
+
+
+def hot_tags(first: int, last: int) -> list[str]:
+    """A hash tag for each slot from ``first`` to ``last``: a load aimed at the slots a
+    reshard moves first. A lock's key is its user key in braces, so a user key
+    ``{tag}:j`` hashes as ``{tag`` and all of one tag share a slot (see hot_keys)."""
+    tags: dict[int, str] = {}
+    n = 0
+    while len(tags) < last - first + 1:
+        tag = f"h{n}"
+        slot = key_slot(b"hotlock:lock:{{" + tag.encode() + b"}:0}")
+        if first <= slot <= last:
+            tags.setdefault(slot, tag)
+        n += 1
+    return list(tags.values())
+
+
+def hot_keys(tags: list[str], per_slot: int) -> list[str]:
+    """``per_slot`` user keys in the slot of each tag."""
+    return [f"{{{tag}}}:{j}" for tag in tags for j in range(per_slot)]
+
+
+def fill(client: redis.Redis, tags: list[str], per_slot: int) -> None:
+    """``per_slot`` plain keys in the slot of each tag (hashed as ``{tag``, as the locks):
+    the other data a cluster holds, which makes each slot's MIGRATE take a while, so the
+    load meets its slot MIGRATING, not only moved."""
+    pipe = client.pipeline(transaction=False)
+    for tag in tags:
+        for i in range(per_slot):
+            pipe.set(f"fill:{{{{{tag}}}:{i}}}", b"x" * 100)
+    pipe.execute()
 
 
 def redirect_counts(cluster: Cluster) -> Counter[str]:

@@ -23,6 +23,9 @@ from .reshard import (
     add_rebalance_drain_delete,
     counted,
     failover_during_reshard,
+    fill,
+    hot_keys,
+    hot_tags,
     migrate_slots,
     reshard,
     run_under_load,
@@ -54,9 +57,17 @@ def valkey_cluster() -> Iterator[Cluster]:
 
 
 def run(
-    cluster: Cluster, backend: str, name: str, server: str, operation: Callable[[Report], None], keys: int
+    cluster: Cluster,
+    backend: str,
+    name: str,
+    server: str,
+    operation: Callable[[Report], None],
+    keys: int,
+    names: list[str] | None = None,
 ) -> Report:
-    report = run_under_load(cluster.url, backend, counted(cluster, operation), Report(name, server, backend), keys=keys)
+    report = run_under_load(
+        cluster.url, backend, counted(cluster, operation), Report(name, server, backend), keys=keys, names=names
+    )
     print(report.line())  # the report line (pytest -s, or -rA) shows what the run came to
     for kind, text in report.samples.items():
         print(f"  {kind}: e.g. {text}")
@@ -89,6 +100,34 @@ def test_reshard_a_third_under_load(redis_cluster3: Cluster) -> None:
 @pytest.mark.parametrize("backend", ["native", "redis-py"])
 def test_reshard_a_third_under_load_full(backend: str, redis_cluster3: Cluster) -> None:
     _reshard(redis_cluster3, backend, 5000)
+
+
+def _reshard_hot(cluster: Cluster, backend: str, slots: int, per_slot: int) -> None:
+    """All the load on the slots the reshard moves, each slot holding 200 other keys (its
+    MIGRATE takes a while): many calls meet their slot MIGRATING (a lock's key exists only
+    while held, so the source answers ASK and the call goes ASKING to the target) or just
+    moved (MOVED), and none fails."""
+    source, target, _ = three_primaries(cluster)
+    first, _ = cluster.primaries()[source]
+    # redis-cli takes a source's slots lowest first.
+    tags = hot_tags(first, first + slots - 1)
+    fill(cluster.client(source), tags, 200)
+    names = hot_keys(tags, per_slot)
+    operation = reshard(cluster, source, target, slots)
+    report = run(cluster, backend, f"reshard of {slots} hot slots", "redis", operation, 0, names)
+    assert report.redirects["ASKING"] > 0, report.line()
+    assert report.cache_errors == 0, report.samples
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_reshard_of_the_slots_under_load(backend: str, redis_cluster3: Cluster) -> None:
+    _reshard_hot(redis_cluster3, backend, 100, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_reshard_of_the_slots_under_load_full(backend: str, redis_cluster3: Cluster) -> None:
+    _reshard_hot(redis_cluster3, backend, 1000, 10)
 
 
 # -- b: a fourth primary added, rebalanced onto, drained and deleted ----------------------
