@@ -5,6 +5,8 @@ operation, server kind and backend, 8 threads lock and unlock keys spread over e
 (tests/reshard.py) while the operation runs, on a cluster of its own:
 
 - ``redis-cli --cluster reshard`` of a third of the slots (16384/3) from one primary to another;
+- the same of 1000 slots with all the load on them (10 locks and 200 other keys per slot:
+  each slot's MIGRATE takes a while, so the calls meet it MIGRATING and go ASKING);
 - ``redis-cli --cluster add-node`` of a fourth primary, ``rebalance
   --cluster-use-empty-masters``, a drain (``rebalance --cluster-weight <it>=0``), ``del-node``;
 - a plain ``CLUSTER FAILOVER`` to a replica once a tenth of a reshard is done (the third
@@ -24,6 +26,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.cluster import Cluster, start_cluster
 from tests.reshard import (
@@ -32,6 +36,9 @@ from tests.reshard import (
     add_rebalance_drain_delete,
     counted,
     failover_during_reshard,
+    fill,
+    hot_keys,
+    hot_tags,
     migrate_slots,
     reshard,
     run_under_load,
@@ -44,6 +51,17 @@ Operation = Callable[[Cluster], Callable[[Report], None]]
 def _reshard(cluster: Cluster) -> Callable[[Report], None]:
     source, target, _ = three_primaries(cluster)
     return reshard(cluster, source, target, THIRD)
+
+
+def _reshard_hot(cluster: Cluster) -> Callable[[Report], None]:
+    source, target, _ = three_primaries(cluster)
+    first, _ = cluster.primaries()[source]
+    fill(cluster.client(source), HOT_TAGS.setdefault(first, hot_tags(first, first + HOT_SLOTS - 1)), 200)
+    return reshard(cluster, source, target, HOT_SLOTS)
+
+
+HOT_SLOTS = 1000
+HOT_TAGS: dict[int, list[str]] = {}  # the first slot of the source -> the tags of its first HOT_SLOTS
 
 
 def _failover(shard: str) -> Operation:
@@ -64,6 +82,7 @@ def _migrate_slots(cluster: Cluster) -> Callable[[Report], None]:
 OPERATIONS: list[tuple[str, str, int, Operation]] = [
     ("redis-cli --cluster reshard 1/3", "redis", 0, _reshard),
     ("redis-cli --cluster reshard 1/3", "valkey", 0, _reshard),
+    (f"redis-cli --cluster reshard of {HOT_SLOTS} hot slots", "redis", 0, _reshard_hot),
     ("add-node, rebalance, drain, del-node", "redis", 0, add_rebalance_drain_delete),
     ("CLUSTER FAILOVER (third shard) mid-reshard", "redis", 1, _failover("bystander")),
     ("CLUSTER FAILOVER (source shard) mid-reshard", "redis", 1, _failover("source")),
@@ -75,9 +94,14 @@ def measure(name: str, kind: str, replicas: int, make: Operation, backend: str, 
     cluster = start_cluster(3, replicas, kinds=[kind] * (3 * (1 + replicas)))
     report = Report(name, kind, backend)
     try:
-        run_under_load(cluster.url, backend, counted(cluster, make(cluster)), report, keys=keys)
-    except Exception as exc:  # a failed operation is a row of the table, not the end of the run
-        report.notes.append(f"FAILED: {str(exc).splitlines()[0][:200]}")
+        operation = make(cluster)
+        names = None
+        if make is _reshard_hot:
+            # All the load on the slots that move (10 locks each), 200 other keys in each.
+            names = hot_keys(HOT_TAGS[cluster.primaries()[three_primaries(cluster)[0]][0]], 10)
+        run_under_load(cluster.url, backend, counted(cluster, operation), report, keys=keys, names=names)
+    except (Exception, pytest.fail.Exception) as exc:  # a failed operation is a row of the table
+        report.notes.append(f"FAILED: {str(exc).splitlines()[0][:300]}")
     finally:
         cluster.stop()
     print(report.line(), flush=True)
