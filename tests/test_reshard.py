@@ -32,8 +32,6 @@ from .reshard import (
     three_primaries,
 )
 
-REPORTS: list[str] = []
-
 
 @pytest.fixture
 def redis_cluster3() -> Iterator[Cluster]:
