@@ -172,6 +172,9 @@ bench: compile vendor
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
 	$(PY) -m bench.cluster
+	# Resharding and failover under load (redis-cli reshard, add/rebalance/drain/del-node, a
+	# failover mid-reshard, Valkey's CLUSTER MIGRATESLOTS): errors by kind and overlaps.
+	$(PY) -m bench.reshard
 	# rediss://: native TLS against the redis-py path, redis-py's Lock and the C TLS loop on
 	# the same pinned hiredis, cycle and extend, in both placements.
 	$(PY) -m bench.tls --json bench/out/tls-split.json

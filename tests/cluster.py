@@ -177,6 +177,31 @@ class Cluster:
             node.stop()
 
 
+def start_node(kind: str = "redis", extra: Sequence[str] = ()) -> RedisServer:
+    """One cluster-enabled server, not yet part of any cluster (start_cluster makes them
+    one; a test adds one more with ``redis-cli --cluster add-node``)."""
+    # The bus port named outright: the default (port + 10000) may be taken or past 65535.
+    bus = str(free_port())
+    return start_redis(
+        "--cluster-enabled",
+        "yes",
+        "--cluster-node-timeout",
+        str(NODE_TIMEOUT_MS),
+        "--cluster-port",
+        bus,
+        # The other shards go on serving while one has no primary (docs/cluster.md
+        # recommends the same for locks): the default stops every slot.
+        "--cluster-require-full-coverage",
+        "no",
+        # Replicas sync at once (the default waits 5 s for more to join): a
+        # replica that never synced cannot be promoted.
+        "--repl-diskless-sync-delay",
+        "0",
+        *extra,
+        kind=kind,
+    )
+
+
 def start_cluster(
     primaries: int = 3,
     replicas: int = 1,
@@ -192,27 +217,8 @@ def start_cluster(
     cluster = Cluster()
     try:
         for i in range(primaries * (1 + replicas)):
-            # The bus port named outright: the default (port + 10000) may be taken or past 65535.
-            bus = str(free_port())
             cluster.nodes.append(
-                start_redis(
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    str(NODE_TIMEOUT_MS),
-                    "--cluster-port",
-                    bus,
-                    # The other shards go on serving while one has no primary (docs/cluster.md
-                    # recommends the same for locks): the default stops every slot.
-                    "--cluster-require-full-coverage",
-                    "no",
-                    # Replicas sync at once (the default waits 5 s for more to join): a
-                    # replica that never synced cannot be promoted.
-                    "--repl-diskless-sync-delay",
-                    "0",
-                    *(extra[i] if i < len(extra) else ()),
-                    kind=kinds[i] if i < len(kinds) else "redis",
-                )
+                start_node(kinds[i] if i < len(kinds) else "redis", extra[i] if i < len(extra) else ())
             )
         created = subprocess.run(
             [

@@ -19,6 +19,7 @@ BENCH = [
     "bench/one-core/results.md",
     "bench/one-core/results.png",
     "bench/results-cluster.md",
+    "bench/results-reshard.md",
     "bench/renewal.md",
     "bench/profile_notes.md",
 ]
