@@ -67,6 +67,12 @@ def held_value(token: bytes, fence: int) -> bytes: ...
 # passed to the Python method given.
 def cache_lock(cls: type, lock: Callable[..., Any]) -> Callable[..., Any]: ...
 
+# Cache.lock_many and Cache.unlock_many with the native common case in C (ext/_batch.pxi);
+# every other case is passed to the Python methods given.
+def cache_batch(
+    cls: type, lock_many: Callable[..., Any], unlock_many: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[..., Any]]: ...
+
 # Lock.unlock and Lock.extend with the native common case in C (ext/_lease.pxi); every
 # other case is passed to the Python methods given.
 def lease_methods(
