@@ -12,6 +12,7 @@ input the Python methods refuse, the same exception with the same message and no
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -417,5 +418,45 @@ def test_the_one_call_batch_on_a_cluster_is_the_python_paths(redis_cluster: Clus
         assert fast_sent == slow_sent
         assert holder.unlock() is True
         assert all(p.dbsize() == 0 for p in primaries)
+    finally:
+        cache.close()
+
+
+def _router_with(table: list[int]) -> Any:
+    from types import SimpleNamespace
+
+    from hotlock._native import ClusterRouter
+
+    router = ClusterRouter(SimpleNamespace(timeout=1.0), SimpleNamespace(stale=False))
+    nodes = max((n for n in table if n != 0xFFFF), default=-1) + 1
+    router.set_map(array("H", table).tobytes(), [("127.0.0.1", 7000 + i) for i in range(nodes)], [None] * nodes)
+    return router
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        [0] * 5461 + [1] * 5462 + [2] * 5461,  # a new cluster's three ranges
+        [0xFFFF] * 16384,  # nothing served yet
+        [0] * 100 + [0xFFFF] * 16184 + [1] * 100,  # unserved slots between
+        [(s // 256) % 3 for s in range(16384)],  # 64 runs: the most kept as runs
+        [(s // 252) % 3 for s in range(16384)],  # 66 runs: the table is used
+        [s % 7 for s in range(16384)],  # a run per slot
+    ],
+)
+def test_a_routers_runs_of_slots_name_the_nodes_its_table_does(table: list[int]) -> None:
+    router = _router_with(table)
+    assert [router.node_of_slot(s) for s in range(16384)] == [(n, n) for n in table]
+    with pytest.raises(ValueError):
+        router.node_of_slot(16384)
+
+
+def test_a_live_clusters_runs_name_the_nodes_its_table_does(redis_cluster: Cluster, cluster_url: str) -> None:
+    cache = hotlock.connect(cluster_url, backend="native")
+    try:
+        router = cache._backend._router  # type: ignore[attr-defined]
+        pairs = [router.node_of_slot(s) for s in range(16384)]
+        assert all(runs == table != 0xFFFF for runs, table in pairs)
+        assert len({table for _, table in pairs}) == 3
     finally:
         cache.close()
