@@ -10,9 +10,9 @@
 # this cache's backend by this process, not auto-extended. Anything else (a bad key, a
 # duplicate, a generator, a timedelta TTL, a lease of another cache, ...) runs the Python
 # method with the arguments as given, before any byte is sent, so every error and message
-# stays Python's. tests/test_native_lease.py holds the two paths to each other.
+# stays Python's. tests/test_native_batch.py holds the two paths to each other.
 
-from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_GetSlice, PyList_New, PyList_SET_ITEM
 
 cdef object _batch_cls = None  # the class the methods were made for (hotlock._fastpath.NativeCache)
 cdef object _py_lock_many = None  # its Python lock_many and unlock_many: every other case
@@ -44,9 +44,14 @@ cdef object _take_many(_Taker taker, object keys, object ttl):
     cdef char *out
     cdef char *block
     cdef long long *values = NULL
-    cdef bint is_list = type(keys) is list
+    cdef bint is_list = False
     if n == 0:
         return None
+    if type(keys) is list:
+        # A copy, as key_list's list(keys): another thread may change the caller's list
+        # while the round trip runs without the GIL, and the leases are made after it.
+        keys = PyList_GetSlice(keys, 0, n)
+        is_list = True
     # The TTL, as ttl_ms takes it unchanged (round() is half to even, as rint is).
     if type(ttl) is int:
         ms = PyLong_AsLongLongAndOverflow(ttl, &overflow)
@@ -176,6 +181,10 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
         router = _router_of(<object>owner)
         if router is None:
             return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+    if is_list:
+        # A copy, as _live's list(locks): another thread may change the caller's list while
+        # the round trip runs without the GIL, and the locks are read again after it.
+        locks = PyList_GetSlice(locks, 0, len(locks))
     n = len(locks)
     live = <Py_ssize_t *>malloc((n + 1) * sizeof(Py_ssize_t))
     if live is NULL:

@@ -460,3 +460,32 @@ def test_a_live_clusters_runs_name_the_nodes_its_table_does(redis_cluster: Clust
         assert len({table for _, table in pairs}) == 3
     finally:
         cache.close()
+
+
+def test_a_list_changed_during_the_round_trip_changes_nothing(redis_server: RedisServer) -> None:
+    """The caller's list is read once, before anything is sent, as the Python methods' list()
+    does: another thread emptying it while the round trip runs (without the GIL) changes
+    neither the leases nor the results."""
+    import threading
+
+    with FaultProxy(redis_server.port) as proxy:
+        cache = hotlock.connect(proxy.url, backend="native")
+        try:
+            cache.lock("connect", 1).unlock()
+            keys: list[str | bytes] = [f"changed-{i}" for i in range(50)]
+            given = list(keys)
+            proxy.delay(0.3)
+            emptier = threading.Timer(0.1, keys.clear)
+            emptier.start()
+            locks = cache.lock_many(keys, 30)
+            emptier.join()
+            assert keys == [] and [lk.key if lk else None for lk in locks] == given
+            held = list(locks)
+            emptier = threading.Timer(0.1, held.clear)
+            emptier.start()
+            assert cache.unlock_many(held) == [True] * 50
+            emptier.join()
+            assert held == [] and all(lk is not None and lk._token == b"" for lk in locks)
+        finally:
+            proxy.clear()
+            cache.close()
