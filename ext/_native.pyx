@@ -9,7 +9,7 @@ each defined once, in Python.
 Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
 NativeBackend), _route.pxi (a Redis Cluster's healthy case routed in C over NativeBackend
 links), _aio.pxi (the asyncio protocol under hotlock.aio), _lease.pxi (Cache.lock's
-common case in one call).
+common case in one call), _batch.pxi (Cache.lock_many's and unlock_many's).
 """
 
 import os
@@ -135,3 +135,4 @@ include "_sync.pxi"
 include "_route.pxi"
 include "_aio.pxi"
 include "_lease.pxi"
+include "_batch.pxi"

@@ -937,7 +937,7 @@ cdef class NativeBackend:
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        plain = _PLAIN_NONE if by_script(tokens) else -1
+        plain = _PLAIN_NONE if _any_by_script(tokens) else -1
         try:
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
         except CacheError as exc:
@@ -974,7 +974,12 @@ cdef class NativeBackend:
         return value != 0
 
     def release_many(self, list keys not None, list tokens not None):
-        plain = _PLAIN_NONE if by_script(tokens) else -1
+        return [v != 0 for v in self._release_many(keys, tokens)]
+
+    cdef list _release_many(self, list keys, list tokens):
+        """release_many(), also Cache.unlock_many's one-call path (ext/_batch.pxi): each
+        key's value, nonzero where released."""
+        plain = _PLAIN_NONE if _any_by_script(tokens) else -1
         try:
             values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
         except CacheError as exc:
@@ -983,7 +988,7 @@ cdef class NativeBackend:
             values = [0] * len(keys)  # a key now holds permits (WRONGTYPE): all once more by script
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_RELEASE, keys, tokens, -1, True, "release_many", values)
-        return [v != 0 for v in values]
+        return values
 
     cdef list _by_script(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what, list values):
         """After a Lua-free batch: the entries it missed (0) once more by script, which
@@ -1123,6 +1128,19 @@ cdef object _py_reply(redisReply *r):
 cdef inline bint _permit(bytes value) noexcept:
     """A permit's held value: token '#' fence (hotlock._scripts.PERMIT_MARK)."""
     return PyBytes_GET_SIZE(value) > _TOKEN_BYTES and PyBytes_AS_STRING(value)[_TOKEN_BYTES] == 35
+
+
+cdef bint _any_by_script(list values) except -1:
+    """= hotlock._dialect.by_script(values) (a bare token or a permit's value among them),
+    without a Python frame per value; anything but bytes is left to by_script itself."""
+    cdef Py_ssize_t i
+    for i in range(len(values)):
+        value = values[i]
+        if type(value) is not bytes:
+            return by_script(values)
+        if PyBytes_GET_SIZE(<bytes>value) == _TOKEN_BYTES or _permit(<bytes>value):
+            return True
+    return False
 
 
 cdef inline bint _script_serves(int plain, object exc):

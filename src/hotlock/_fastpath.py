@@ -2,12 +2,14 @@
 connect() chooses when the backend is the native one.
 
 ``NativeCache.lock``, ``NativeLock.unlock`` and ``NativeLock.extend`` are extension
-functions (ext/_lease.pxi) that do the common case in one call: what the Python method
-would check, checked in C, the command sent from there, and (for lock) the new lease's
-slots filled by their offsets, which the extension derives from ``Lease``'s own slot
+functions (ext/_lease.pxi) that do the common case in one call, and so are
+``NativeCache.lock_many`` and ``NativeCache.unlock_many`` (ext/_batch.pxi): what the
+Python method would check, checked in C, the command sent from there, and (for lock and
+lock_many) the new leases' slots filled by their offsets, which the extension derives from ``Lease``'s own slot
 descriptors. Every other case (another backend, auto_extend or max_hold, a bad argument,
 a released, inherited, lost or auto-extended lock) is handed, with its arguments as given,
-to the Python method it stands for: ``Cache.lock``, ``Lock.unlock``, ``Lock.extend``.
+to the Python method it stands for: ``Cache.lock``, ``Lock.unlock``, ``Lock.extend``,
+``Cache.lock_many``, ``Cache.unlock_many``.
 tests/test_native_lease.py holds the two paths to the same results and errors.
 
 Without the extension these classes are their bases unchanged, and connect() never
@@ -33,7 +35,8 @@ class NativeLock(Lock):
 
 
 class NativeCache(Cache):
-    """A Cache of the native backend: lock() in one extension call; its leases are NativeLocks."""
+    """A Cache of the native backend: lock(), lock_many() and unlock_many() in one extension
+    call each; its leases are NativeLocks."""
 
     __slots__ = ()
     _lease_class = NativeLock
@@ -42,6 +45,9 @@ class NativeCache(Cache):
 if _native is not None:
     NativeLock.unlock, NativeLock.extend = _native.lease_methods(NativeLock, Lock.unlock, Lock.extend, TAKEN)  # type: ignore[method-assign]
     NativeCache.lock = _native.cache_lock(NativeCache, Cache.lock)  # type: ignore[method-assign]
+    NativeCache.lock_many, NativeCache.unlock_many = _native.cache_batch(  # type: ignore[method-assign]
+        NativeCache, Cache.lock_many, Cache.unlock_many
+    )
 
 
 class MeteredNativeCache(MeteredCache, NativeCache):

@@ -1,0 +1,258 @@
+# Cache.lock_many's and Cache.unlock_many's common case in one extension call each, as
+# ext/_lease.pxi does for lock() and unlock(): per key, what the Python methods would
+# check is checked here, the names, tokens and leases are made here, and the batch is sent
+# through the same backend calls (NativeBackend._scripts / _release_many, or on a native
+# cluster ClusterRouter.many) with the same what/err_key/retry rule.
+#
+# The common case: (lock_many) a list or tuple of 1.. str/bytes keys that key_bytes takes
+# as they are, none twice, an int/float TTL that ttl_ms takes unchanged, no auto_extend
+# nor max_hold; (unlock_many) a list or tuple of None and leases of _lease_cls taken on
+# this cache's backend by this process, not auto-extended. Anything else (a bad key, a
+# duplicate, a generator, a timedelta TTL, a lease of another cache, ...) runs the Python
+# method with the arguments as given, before any byte is sent, so every error and message
+# stays Python's. tests/test_native_batch.py holds the two paths to each other.
+
+from cpython.list cimport PyList_GetSlice, PyList_New, PyList_SET_ITEM
+
+cdef object _batch_cls = None  # the class the methods were made for (hotlock._fastpath.NativeCache)
+cdef object _py_lock_many = None  # its Python lock_many and unlock_many: every other case
+cdef object _py_unlock_many = None
+cdef Py_ssize_t _at_cache_backend  # the offset of CacheBase._backend
+cdef Py_ssize_t _at_batch_take  # the offset of Cache._take
+cdef object _urandom = os.urandom  # as hotlock._ident.new_tokens draws a batch's tokens
+cdef PyMethodDef _lock_many_def, _unlock_many_def
+
+
+cdef inline object _new_list(Py_ssize_t n, object fill):
+    """[fill] * n."""
+    cdef object out = PyList_New(n)
+    cdef Py_ssize_t i
+    for i in range(n):
+        Py_INCREF(fill)
+        PyList_SET_ITEM(out, i, fill)
+    return out
+
+
+cdef object _take_many(_Taker taker, object keys, object ttl):
+    """Cache.lock_many(keys, ttl): a Lock or None per key, or None when the call is not the
+    common case (nothing has been sent then)."""
+    cdef Py_ssize_t n = len(keys), i, p, kn
+    cdef const char *s
+    cdef long long ms
+    cdef int overflow = 0
+    cdef double d, sent
+    cdef char *out
+    cdef char *block
+    cdef long long *values = NULL
+    cdef bint is_list = False
+    if n == 0:
+        return None
+    if type(keys) is list:
+        # A copy, as key_list's list(keys): another thread may change the caller's list
+        # while the round trip runs without the GIL, and the leases are made after it.
+        keys = PyList_GetSlice(keys, 0, n)
+        is_list = True
+    # The TTL, as ttl_ms takes it unchanged (round() is half to even, as rint is).
+    if type(ttl) is int:
+        ms = PyLong_AsLongLongAndOverflow(ttl, &overflow)
+        if overflow != 0 or not 0 < ms <= _MAX_TTL_MS // 1000:
+            return None
+        ms *= 1000
+    elif type(ttl) is float and isfinite(PyFloat_AS_DOUBLE(ttl)):
+        d = rint(PyFloat_AS_DOUBLE(ttl) * 1000.0)
+        if not 0.0 < d <= <double>_MAX_TTL_MS:
+            return None
+        ms = <long long>d
+    else:
+        return None
+    # Each key as key_bytes takes it, stored as hotlock._keys.stored(prefix, raw).
+    p = PyBytes_GET_SIZE(taker._prefix)
+    names = PyList_New(n)
+    for i in range(n):
+        key = (<list>keys)[i] if is_list else (<tuple>keys)[i]
+        if type(key) is str:
+            s = PyUnicode_AsUTF8AndSize(key, &kn)
+            if s is NULL:
+                PyErr_Clear()  # a lone surrogate: key_list says so
+                return None
+        elif type(key) is bytes:
+            s = PyBytes_AS_STRING(key)
+            kn = PyBytes_GET_SIZE(key)
+        else:
+            return None
+        if kn == 0 or kn > _MAX_KEY:
+            return None
+        name = PyBytes_FromStringAndSize(NULL, p + kn + 2)
+        out = PyBytes_AS_STRING(name)
+        memcpy(out, PyBytes_AS_STRING(taker._prefix), p)
+        out[p] = c'{'
+        memcpy(out + p + 1, s, kn)
+        out[p + 1 + kn] = c'}'
+        Py_INCREF(name)
+        PyList_SET_ITEM(names, i, name)
+    # One stored name per raw key: the same key twice is a duplicate name too.
+    if n > 1 and len(set(names)) != n:
+        return None
+    # The tokens: one os.urandom block cut in 16-byte pieces, as new_tokens(n).
+    raw = _urandom(_TOKEN_BYTES * n)
+    block = PyBytes_AS_STRING(raw)
+    tokens = PyList_New(n)
+    for i in range(n):
+        token = PyBytes_FromStringAndSize(block + i * _TOKEN_BYTES, _TOKEN_BYTES)
+        Py_INCREF(token)
+        PyList_SET_ITEM(tokens, i, token)
+    values = <long long *>malloc(n * sizeof(long long))
+    if values is NULL:
+        raise MemoryError()
+    try:
+        sent = _monotonic()
+        if taker._router is not None:
+            # ClusterBackend.acquire_many: int() of each result, retry_until() as the deadline.
+            results = taker._router.many("acquire_many", _SHA_ACQUIRE, names, tokens, ms, taker._router._until())
+            if len(results) != n:
+                raise ValueError("acquire_many: one result per key")
+            for i in range(n):
+                values[i] = int(results[i])
+        else:
+            taker._backend._scripts(_SHA_ACQUIRE, names, tokens, n, ms, taker._backend._rule(0.0, True),
+                                    "acquire_many", None, values)
+        locks = PyList_New(n)
+        for i in range(n):
+            if values[i] > 0:
+                lock = taker._lease((<list>keys)[i] if is_list else (<tuple>keys)[i], <bytes>(<list>names)[i],
+                                    _held(<bytes>(<list>tokens)[i], values[i]), values[i], ms, sent)
+            else:
+                lock = None
+            Py_INCREF(lock)
+            PyList_SET_ITEM(locks, i, lock)
+        return locks
+    finally:
+        free(values)
+
+
+cdef object _lock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Cache.lock_many(keys, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None)
+    cdef PyObject *taker
+    cdef Py_ssize_t i
+    cdef object keys, ttl = DEFAULT_TTL
+    cdef bint got_ttl = nargs == 2
+    if nargs < 1 or nargs > 2:
+        return _as_given(_py_lock_many, self, args, nargs, kwnames)
+    keys = <object>args[0]
+    if got_ttl:
+        ttl = <object>args[1]
+    if kwnames is not NULL:
+        for i in range(PyTuple_GET_SIZE(<object>kwnames)):
+            name = <object>PyTuple_GET_ITEM(<object>kwnames, i)
+            value = <object>args[nargs + i]
+            if name == "ttl" and not got_ttl:
+                ttl = value
+                got_ttl = True
+            elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
+                return _as_given(_py_lock_many, self, args, nargs, kwnames)
+    if (type(keys) is list or type(keys) is tuple) and isinstance(self, _batch_cls):
+        taker = _slot(self, _at_batch_take)
+        if taker is not NULL and type(<object>taker) is _Taker:
+            locks = _take_many(<_Taker><object>taker, keys, ttl)
+            if locks is not None:
+                return locks
+    return _as_given(_py_lock_many, self, args, nargs, kwnames)
+
+
+cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
+    # Cache.unlock_many(locks)
+    cdef PyObject *owner
+    cdef PyObject *pid
+    cdef PyObject *name
+    cdef PyObject *token
+    cdef Py_ssize_t n, i, m = 0
+    cdef Py_ssize_t *live = NULL
+    cdef int overflow = 0
+    cdef bint is_list
+    cdef ClusterRouter router = None
+    if nargs != 1 or kwnames is not NULL or not isinstance(self, _batch_cls):
+        return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+    locks = <object>args[0]
+    is_list = type(locks) is list
+    owner = _slot(self, _at_cache_backend)
+    if (not is_list and type(locks) is not tuple) or owner is NULL:
+        return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+    if type(<object>owner) is not NativeBackend:
+        router = _router_of(<object>owner)
+        if router is None:
+            return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+    if is_list:
+        # A copy, as _live's list(locks): another thread may change the caller's list while
+        # the round trip runs without the GIL, and the locks are read again after it.
+        locks = PyList_GetSlice(locks, 0, len(locks))
+    n = len(locks)
+    live = <Py_ssize_t *>malloc((n + 1) * sizeof(Py_ssize_t))
+    if live is NULL:
+        raise MemoryError()
+    try:
+        names = []
+        tokens = []
+        for i in range(n):
+            lock = (<list>locks)[i] if is_list else (<tuple>locks)[i]
+            if lock is None:
+                continue
+            # A lease of this cache's backend, of this process, not auto-extended (the
+            # Python method's forget() is then nothing): else it is the Python method's.
+            if type(lock) is not _lease_cls or _slot(lock, _at_backend) != owner:
+                return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+            pid = _slot(lock, _at_pid)
+            name = _slot(lock, _at_name)
+            token = _slot(lock, _at_token)
+            if (pid is NULL or type(<object>pid) is not int
+                    or PyLong_AsLongAndOverflow(<object>pid, &overflow) != _my_pid or overflow != 0
+                    or _slot(lock, _at_auto) != <PyObject *>None
+                    or name is NULL or type(<object>name) is not bytes
+                    or token is NULL or type(<object>token) is not bytes):
+                return _as_given(_py_unlock_many, self, args, nargs, kwnames)
+            if PyBytes_GET_SIZE(<object>token) == 0:
+                continue  # released already: nothing is sent for it
+            names.append(<object>name)
+            tokens.append(<object>token)
+            live[m] = i
+            m += 1
+        out = _new_list(n, False)
+        if m == 0:
+            return out
+        # A CacheError keeps every token, as unlock_many does.
+        if router is None:
+            values = (<NativeBackend><object>owner)._release_many(names, tokens)
+        else:
+            # ClusterBackend.release_many: RELEASE_SHARDED, retry_until() as the deadline.
+            values = router.many("release_many", _SHA_RELEASE_SHARDED, names, tokens, -1, router._until())
+        if len(values) != m:
+            raise ValueError("release_many: one result per key")
+        for i in range(m):
+            lock = (<list>locks)[live[i]] if is_list else (<tuple>locks)[live[i]]
+            _store(lock, _at_token, b"")
+            ok = True if values[i] else False
+            Py_INCREF(ok)
+            Py_DECREF((<list>out)[live[i]])
+            PyList_SET_ITEM(out, live[i], ok)
+        return out
+    finally:
+        free(live)
+
+
+def cache_batch(cls not None, lock_many not None, unlock_many not None):
+    """(lock_many, unlock_many) of cls (hotlock._fastpath.NativeCache) with the common case in
+    one call; every other case goes to the given Python methods. Call after lease_methods
+    (the lease class and its offsets come from there)."""
+    global _batch_cls, _py_lock_many, _py_unlock_many, _at_cache_backend, _at_batch_take
+    if _lease_cls is None:
+        raise RuntimeError("lease_methods first")
+    offsets = {}
+    for slot in ("_take", "_backend"):
+        descr = next((k.__dict__[slot] for k in cls.__mro__ if slot in k.__dict__), None)
+        if type(descr) is not MemberDescriptorType:
+            raise TypeError(f"{slot} is not a plain slot")
+        offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    _at_batch_take = offsets["_take"]
+    _at_cache_backend = offsets["_backend"]
+    _batch_cls, _py_lock_many, _py_unlock_many = cls, lock_many, unlock_many
+    return (_method(cls, &_lock_many_def, <void *>_lock_many_c, lock_many),
+            _method(cls, &_unlock_many_def, <void *>_unlock_many_c, unlock_many))
