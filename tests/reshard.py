@@ -382,7 +382,11 @@ def failover_during_reshard(
                 # A primary votes against a replica whose claim covers a slot it has seen
                 # move with a newer epoch: the source's own replica may be refused until the
                 # reshard is over (observed), so when it happened is part of the report.
-                during = "while the reshard ran" if proc.poll() is None else "after the reshard had ended"
+                # A reshard that has already stopped with an error met the failover mid-way:
+                # it stops on the demoted primary's refusal (checked below), so it counts
+                # as "while it ran" too.
+                ended = proc.poll()
+                during = "while the reshard ran" if ended is None or ended != 0 else "after the reshard had ended"
                 report.notes.append(f"failover after {moved_at} slots moved (attempt {tries}), {during}")
                 code = proc.wait(CLI_TIMEOUT_S)
             finally:
