@@ -27,7 +27,7 @@ import time
 import weakref
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -284,6 +284,17 @@ def _backend_params() -> list[str]:
 
 
 BACKENDS = _backend_params()
+
+
+def native_for_module() -> Any:
+    """The extension, for a test module about it: its absence fails the module when the
+    run requires the extension (make test), and skips it otherwise."""
+    native, why = native_module()
+    if native is None:
+        if REQUIRE_NATIVE:
+            pytest.fail(f"HOTLOCK_REQUIRE_EXTENSIONS=1 but the native backend is not live: {why}", pytrace=False)
+        pytest.skip(f"the native extension is not live: {why}", allow_module_level=True)
+    return native
 
 
 @pytest.fixture(params=BACKENDS)

@@ -28,16 +28,11 @@ import hotlock
 from hotlock import _backoff, _scripts
 from hotlock._config import parse_url
 from hotlock._connect import choose
-from hotlock.backends.native import native_module
 from hotlock.errors import CacheError, LockLost, LockNotAcquired
 
-from .conftest import REQUIRE_NATIVE, RedisServer, lock_name, start_redis
+from .conftest import RedisServer, lock_name, native_for_module, start_redis
 
-native, _why = native_module()
-if native is None:
-    if REQUIRE_NATIVE:
-        pytest.fail(f"HOTLOCK_REQUIRE_EXTENSIONS=1 but the native backend is not live: {_why}", pytrace=False)
-    pytest.skip(f"the native extension is not live: {_why}", allow_module_level=True)
+native = native_for_module()
 
 
 @pytest.fixture

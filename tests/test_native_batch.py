@@ -24,17 +24,12 @@ import hotlock
 from hotlock._cache import Cache
 from hotlock._fastpath import NativeCache, NativeLock
 from hotlock._lock import Lease, Lock
-from hotlock.backends.native import native_module
 
 from .cluster import Cluster
-from .conftest import REQUIRE_NATIVE, RedisServer, lock_name
+from .conftest import RedisServer, lock_name, native_for_module
 from .faultproxy import FaultProxy
 
-native, _why = native_module()
-if native is None:
-    if REQUIRE_NATIVE:
-        pytest.fail(f"HOTLOCK_REQUIRE_EXTENSIONS=1 but the native backend is not live: {_why}", pytrace=False)
-    pytest.skip(f"the native extension is not live: {_why}", allow_module_level=True)
+native = native_for_module()
 
 SLOTS = [s for klass in Lease.__mro__ for s in getattr(klass, "__slots__", ())]
 PY_LOCK_MANY = Cache.lock_many

@@ -29,16 +29,11 @@ from hotlock import _ident
 from hotlock._cache import Cache
 from hotlock._fastpath import NativeCache, NativeLock
 from hotlock._lock import TAKEN, Lease, Lock
-from hotlock.backends.native import native_module
 from hotlock.errors import LockLost, LockNotAcquired
 
-from .conftest import REQUIRE_NATIVE, RedisServer, lock_name
+from .conftest import RedisServer, lock_name, native_for_module
 
-native, _why = native_module()
-if native is None:
-    if REQUIRE_NATIVE:
-        pytest.fail(f"HOTLOCK_REQUIRE_EXTENSIONS=1 but the native backend is not live: {_why}", pytrace=False)
-    pytest.skip(f"the native extension is not live: {_why}", allow_module_level=True)
+native = native_for_module()
 
 SLOTS = [s for klass in Lease.__mro__ for s in getattr(klass, "__slots__", ())]
 # The methods as written in Python: what the one-call ones hand every other case to.
