@@ -107,12 +107,9 @@ cdef object _take_many(_Taker taker, object keys, object ttl):
     try:
         sent = _monotonic()
         if taker._router is not None:
-            # ClusterBackend.acquire_many: int() of each result, retry_until() as the deadline.
-            results = taker._router.many("acquire_many", _SHA_ACQUIRE, names, tokens, ms, taker._router._until())
-            if len(results) != n:
-                raise ValueError("acquire_many: one result per key")
-            for i in range(n):
-                values[i] = int(results[i])
+            # ClusterBackend.acquire_many, retry_until() as the deadline.
+            taker._router._many("acquire_many", _SHA_ACQUIRE, <list>names, <list>tokens, ms, taker._router._until(),
+                                values)
         else:
             taker._backend._scripts(_SHA_ACQUIRE, names, tokens, n, ms, taker._backend._rule(0.0, True),
                                     "acquire_many", None, values)
@@ -167,6 +164,7 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
     cdef PyObject *token
     cdef Py_ssize_t n, i, m = 0
     cdef Py_ssize_t *live = NULL
+    cdef long long *released = NULL  # on a cluster, each live lease's result
     cdef int overflow = 0
     cdef bint is_list
     cdef ClusterRouter router = None
@@ -219,23 +217,28 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
         if m == 0:
             return out
         # A CacheError keeps every token, as unlock_many does.
+        values = None
         if router is None:
             values = (<NativeBackend><object>owner)._release_many(names, tokens)
+            if len(values) != m:
+                raise ValueError("release_many: one result per key")
         else:
             # ClusterBackend.release_many: RELEASE_SHARDED, retry_until() as the deadline.
-            values = router.many("release_many", _SHA_RELEASE_SHARDED, names, tokens, -1, router._until())
-        if len(values) != m:
-            raise ValueError("release_many: one result per key")
+            released = <long long *>malloc(m * sizeof(long long))
+            if released is NULL:
+                raise MemoryError()
+            router._many("release_many", _SHA_RELEASE_SHARDED, names, tokens, -1, router._until(), released)
         for i in range(m):
             lock = (<list>locks)[live[i]] if is_list else (<tuple>locks)[live[i]]
             _store(lock, _at_token, b"")
-            ok = True if values[i] else False
+            ok = True if (values[i] if released is NULL else released[i]) else False
             Py_INCREF(ok)
             Py_DECREF((<list>out)[live[i]])
             PyList_SET_ITEM(out, live[i], ok)
         return out
     finally:
         free(live)
+        free(released)
 
 
 def cache_batch(cls not None, lock_many not None, unlock_many not None):

@@ -206,14 +206,13 @@ cdef class ClusterRouter:
     cdef inline unsigned short _number(self, bytes key):
         if self._map.stale:
             return _NO_NODE
-        return self._table_number(key)
+        return self._table_number(key, min(len(self._links), len(self._addresses)))
 
-    cdef inline unsigned short _table_number(self, bytes key):
-        """_number without the map's staleness, which a batch asks once for all its keys."""
+    cdef inline unsigned short _table_number(self, bytes key, Py_ssize_t known) noexcept:
+        """_number without the map's staleness, which a batch asks once for all its keys;
+        ``known``: how many node numbers have an address and a link slot."""
         cdef unsigned short number = self._node_of(_slot_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)))
-        if number == _NO_NODE or number >= len(self._links) or number >= len(self._addresses):
-            return _NO_NODE
-        return number
+        return number if number < known else _NO_NODE
 
     def group(self, list keys not None):
         """[(address, link, [key indexes])] by node, in first-seen order, for a batch the
@@ -356,23 +355,11 @@ cdef class ClusterRouter:
 
     def many(self, str what, bytes sha not None, list keys not None, list tokens not None, long long ms, until):
         """EVALSHA sha 1 key token [ms] for every key: grouped by node, every node's
-        commands written before any reply is read (one round trip of wall time), the
-        replies in the keys' order. What is not a clean answer from every node goes to
-        Route with the round as it went."""
-        cdef Py_ssize_t n = len(keys), i, k, m = 0, nlinks
-        cdef double u = -1.0 if until is None else <double>until
-        cdef unsigned short number
-        cdef unsigned short *nodes = NULL  # each key's node number
-        cdef int *place = NULL  # node number -> its position among the nodes used, or -1
-        cdef redisReply **replies = NULL  # each key's reply
-        cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
-        cdef redisReply *r
-        cdef _Retry *rules = NULL
-        cdef NativeBackend link
-        cdef _Conn conn
-        cdef int rc, done
-        cdef bint clean = True
-        cdef bint written = False
+        commands written before any reply is read (one round trip of wall time), each
+        key's integer result in the keys' order. What is not a clean answer from every
+        node goes to Route with the round as it went."""
+        cdef Py_ssize_t n = len(keys), i
+        cdef long long *values
         if len(tokens) != n:
             raise ValueError("keys and tokens differ in length")
         for i in range(n):
@@ -380,90 +367,131 @@ cdef class ClusterRouter:
                 raise TypeError("keys and tokens must be bytes")
         if n == 0:
             return []
+        values = <long long *>malloc(n * sizeof(long long))
+        if values is NULL:
+            raise MemoryError()
+        try:
+            self._many(what, sha, keys, tokens, ms, -1.0 if until is None else <double>until, values)
+            return [values[i] for i in range(n)]
+        finally:
+            free(values)
+
+    cdef int _many(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
+                   long long *values) except -1:
+        """many() into values[i], for 1 or more keys and tokens that are bytes (many() and
+        the batch paths of ext/_batch.pxi make sure). A Lua-free entry that went through
+        counts 1."""
+        cdef Py_ssize_t n = len(keys), i, j, k, m = 0, nlinks, known
+        cdef unsigned short number
+        cdef unsigned short *nodes = NULL  # each key's node number
+        cdef Py_ssize_t *place = NULL  # node number -> its position among the nodes used, or -1
+        cdef unsigned short *used = NULL  # position -> node number, in first-seen order
+        # The keys' indexes grouped by node, in the keys' order within a node: the node at
+        # position k has order[start[k]] up to order[start[k + 1]].
+        cdef Py_ssize_t *order = NULL
+        cdef Py_ssize_t *start = NULL
+        cdef redisReply **replies = NULL  # each key's reply
+        cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
+        cdef redisContext **ctxs = NULL  # per position: the context to use, NULL once failed
+        cdef int *rcs = NULL  # per position: REDIS_OK, or the write or read failed
+        cdef _Retry *rules = NULL
+        cdef redisReply *r
+        cdef NativeBackend link
+        cdef _Conn conn
+        cdef int done
+        cdef bint clean = True
+        cdef bint sending = False
         links = self._links
         addresses = self._addresses
         nlinks = len(links)
-        used = []  # the node numbers this call sends to, in first-seen order
-        conns = []
-        outcomes = []  # per used node: None (sent), or the exception that kept it from its replies
+        known = min(nlinks, len(addresses))
+        conns = []  # per position: its _Conn
+        outcomes = []  # per position: None (answered), or the exception that kept it from its replies
         nodes = <unsigned short *>malloc(n * sizeof(unsigned short))
-        place = <int *>malloc((nlinks + 1) * sizeof(int))
+        order = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
         replies = <redisReply **>calloc(n, sizeof(redisReply *))
         plains = <char *>calloc(n, 1)
-        if nodes is NULL or place is NULL or replies is NULL or plains is NULL:
-            free(nodes)
-            free(place)
-            free(replies)
-            free(plains)
-            raise MemoryError()
+        place = <Py_ssize_t *>malloc((nlinks + 1) * sizeof(Py_ssize_t))
+        used = <unsigned short *>malloc((nlinks + 1) * sizeof(unsigned short))
+        start = <Py_ssize_t *>calloc(nlinks + 2, sizeof(Py_ssize_t))
+        ctxs = <redisContext **>calloc(nlinks + 1, sizeof(redisContext *))
+        rcs = <int *>calloc(nlinks + 1, sizeof(int))
+        rules = <_Retry *>malloc((nlinks + 1) * sizeof(_Retry))
         try:
+            if (nodes is NULL or order is NULL or replies is NULL or plains is NULL or place is NULL
+                    or used is NULL or start is NULL or ctxs is NULL or rcs is NULL or rules is NULL):
+                raise MemoryError()
             for k in range(nlinks):
                 place[k] = -1
             if self._map.stale:  # asked once: no Python code runs in the loop below
-                return self._many_handed(what, sha, keys, tokens, ms, u, None, NULL)
+                return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values)
             for i in range(n):
-                number = self._table_number(<bytes>keys[i])
+                number = self._table_number(<bytes>keys[i], known)
                 if number == _NO_NODE or type(links[number]) is not NativeBackend:
-                    return self._many_handed(what, sha, keys, tokens, ms, u, None, NULL)
+                    return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values)
                 nodes[i] = number
                 plains[i] = <char>_plain_of(<NativeBackend>links[number], sha, <bytes>tokens[i])
                 if place[number] < 0:
-                    place[number] = <int>len(used)
-                    used.append(number)
-            m = len(used)
-            rules = <_Retry *>malloc(m * sizeof(_Retry))
-            if rules is NULL:
-                raise MemoryError()
-            # Write every node's commands before reading any reply.
-            written = True
+                    place[number] = m
+                    used[m] = number
+                    m += 1
+                start[place[number] + 2] += 1
+            # A counting sort: start[k + 2] holds node k's count; summed, start[k + 1] is
+            # where node k's keys begin, and it is moved on as they are placed, so that it
+            # ends where node k + 1's begin (start[0] stays 0, start[m] ends n).
+            for k in range(2, m + 1):
+                start[k] += start[k - 1]
+            for i in range(n):
+                k = place[nodes[i]]
+                order[start[k + 1]] = i
+                start[k + 1] += 1
+            # Every node's commands are appended, then written, then every reply read, with
+            # the GIL released once for all of it.
+            sending = True
             for k in range(m):
-                link = <NativeBackend>links[<unsigned short>used[k]]
+                link = <NativeBackend>links[used[k]]
                 conn = link._conn()
                 conns.append(conn)
                 outcomes.append(None)
-                rules[k] = link._rule(0.0, u >= 0.0)
+                rules[k] = link._rule(0.0, until >= 0.0)
                 try:
                     link._ready(conn, what, None, &rules[k])
                 except CacheError as exc:  # not connected: nothing was sent
                     outcomes[k] = exc
                     continue
-                number = <unsigned short>used[k]
-                for i in range(n):
-                    if nodes[i] != number:
-                        continue
+                for j in range(start[k], start[k + 1]):
+                    i = order[j]
                     if plains[i]:
-                        rc = _append_plain(conn.ctx, plains[i], <bytes>keys[i], <bytes>tokens[i], ms)
+                        rcs[k] = _append_plain(conn.ctx, plains[i], <bytes>keys[i], <bytes>tokens[i], ms)
                     else:
-                        rc = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
-                    if rc != REDIS_OK:
-                        _drop(conn)
+                        rcs[k] = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
+                    if rcs[k] != REDIS_OK:
                         raise MemoryError()
-                done = 0
-                rc = REDIS_OK
-                conn.busy = True
-                with nogil:
-                    while not done and rc == REDIS_OK:
-                        rc = redisBufferWrite(conn.ctx, &done)
+                ctxs[k] = conn.ctx
+            for k in range(m):
+                if ctxs[k] is not NULL:
+                    (<_Conn>conns[k]).busy = True
+            with nogil:
+                _many_round(ctxs, rcs, m, order, start, replies)
+            sending = False
+            for k in range(m):
+                if ctxs[k] is NULL:
+                    continue  # outcomes[k] says why
+                link = <NativeBackend>links[used[k]]
+                conn = <_Conn>conns[k]
                 conn.busy = False
-                if rc != REDIS_OK:
+                if rcs[k] != REDIS_OK:
                     outcomes[k] = LinkLost(link._lost(conn))
-                elif conn.doomed:
-                    _drop(conn)
-                    outcomes[k] = LinkLost("the cache was closed meanwhile")
-            written = False
-            # Read the node written last first: with the servers sharing cores its replies
-            # come last, and the others' are then waiting, so the client sleeps once per
-            # round trip rather than once per node (the wall time is the same).
-            for k in range(m - 1, -1, -1):
+                    clean = False
+                else:
+                    conn.used = _monotonic()
+                    conn.answered = True
+                    if conn.doomed:
+                        _drop(conn)
+                link._settle(conn, &rules[k])
+            for k in range(m):
                 if outcomes[k] is not None:
                     clean = False
-                    continue
-                link = <NativeBackend>links[<unsigned short>used[k]]
-                conn = <_Conn>conns[k]
-                if _read_node(conn, replies, nodes, n, <unsigned short>used[k]) != 0:
-                    outcomes[k] = LinkLost(link._lost(conn))
-                    clean = False
-                link._settle(conn, &rules[k])
             if clean:
                 for i in range(n):
                     r = replies[i]
@@ -472,43 +500,53 @@ cdef class ClusterRouter:
                         if r.type != REDIS_REPLY_STATUS and not (r.type == REDIS_REPLY_INTEGER and r.integer == 1):
                             clean = False
                             break
-                    elif r.type != REDIS_REPLY_INTEGER:
+                        values[i] = 1
+                    elif r.type == REDIS_REPLY_INTEGER:
+                        values[i] = r.integer
+                    else:
                         clean = False
                         break
             if clean:
-                return [1 if plains[i] else replies[i].integer for i in range(n)]
+                return 0
             groups = {}
             first = []
             for k in range(m):
-                number = <unsigned short>used[k]
-                idxs = [i for i in range(n) if nodes[i] == number]
-                groups[addresses[number]] = idxs
+                idxs = [order[j] for j in range(start[k], start[k + 1])]
+                groups[addresses[used[k]]] = idxs
                 if outcomes[k] is not None:
-                    first.append((addresses[number], outcomes[k]))
+                    first.append((addresses[used[k]], outcomes[k]))
                 else:
-                    first.append((addresses[number], [_py_reply(replies[i]) for i in idxs]))
-            return self._many_handed(what, sha, keys, tokens, ms, u, (groups, first), plains)
+                    first.append((addresses[used[k]], [_py_reply(replies[i]) for i in idxs]))
+            return self._many_handed(what, sha, keys, tokens, ms, until, (groups, first), plains, values)
         except BaseException:
-            if written:
-                # Commands out on some nodes whose replies will not be read: those
-                # connections are out of step, and are dropped.
+            if sending:
+                # Commands appended or out on some nodes whose replies will not be read:
+                # those connections are out of step, and are dropped.
                 for k in range(len(conns)):
+                    (<_Conn>conns[k]).busy = False
                     if outcomes[k] is None:
                         _drop(<_Conn>conns[k])
             raise
         finally:
-            for i in range(n):
-                if replies[i] is not NULL:
-                    freeReplyObject(replies[i])
+            if replies is not NULL:
+                for i in range(n):
+                    if replies[i] is not NULL:
+                        freeReplyObject(replies[i])
             free(replies)
             free(nodes)
+            free(order)
             free(place)
+            free(used)
+            free(start)
+            free(ctxs)
+            free(rcs)
             free(rules)
             free(plains)
 
-    cdef object _many_handed(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
-                             object first, const char *plains):
-        # Each key's command as it was sent (plains: Lua-free or not), for Route to read its reply.
+    cdef int _many_handed(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
+                          object first, const char *plains, long long *values) except -1:
+        # Each key's command as it was sent (plains: Lua-free or not), for Route to read its
+        # reply; its results into values (Route answers True/False for a Lua-free one).
         cdef Py_ssize_t i
         if ms < 0:
             commands = [(b"EVALSHA", sha, b"1", k, t) for k, t in zip(keys, tokens)]
@@ -519,28 +557,36 @@ cdef class ClusterRouter:
             for i in range(len(keys)):
                 if plains[i]:
                     commands[i] = _plain_command(plains[i], keys[i], tokens[i], ms)
-        return self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
+        results = self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
+        if len(results) != len(keys):
+            raise ValueError(f"{what}: one result per key")
+        for i in range(len(keys)):
+            r = results[i]
+            values[i] = <long long>r if isinstance(r, int) else (1 if r else 0)
+        return 0
 
 
-cdef int _read_node(_Conn conn, redisReply **replies, const unsigned short *nodes, Py_ssize_t n,
-                    unsigned short number) noexcept:
-    """Read the replies of the keys sent to node ``number`` on conn, each into its key's
-    place, without the GIL (as _exchange). 0 when all arrived; -1 on an I/O error or timeout."""
-    cdef redisContext *ctx = conn.ctx
-    cdef Py_ssize_t i
-    cdef int rc = 0
-    conn.busy = True
-    with nogil:
-        for i in range(n):
-            if nodes[i] == number:
-                if redisGetReply(ctx, <void **>&replies[i]) != REDIS_OK:
-                    replies[i] = NULL
-                    rc = -1
-                    break
-    conn.busy = False
-    conn.used = _monotonic()
-    if rc == 0:
-        conn.answered = True
-    if rc == 0 and conn.doomed:
-        _drop(conn)
-    return rc
+cdef void _many_round(redisContext **ctxs, int *rcs, Py_ssize_t m, const Py_ssize_t *order,
+                      const Py_ssize_t *start, redisReply **replies) noexcept nogil:
+    """One round trip of a batch over m nodes, without the GIL (their connections busy):
+    write each context's pipeline, then read each one's replies (the keys order[start[k]]
+    up to order[start[k + 1]]) into their keys' places. A NULL context is skipped; rcs[k]
+    ends REDIS_ERR when node k's write or read failed (an I/O error or timeout)."""
+    cdef Py_ssize_t k, j
+    cdef int done
+    for k in range(m):
+        if ctxs[k] is not NULL:
+            done = 0
+            while not done and rcs[k] == REDIS_OK:
+                rcs[k] = redisBufferWrite(ctxs[k], &done)
+    # Read the node written last first: with the servers sharing cores its replies come
+    # last, and the others' are then waiting, so the client sleeps once per round trip
+    # rather than once per node (the wall time is the same).
+    for k in range(m - 1, -1, -1):
+        if ctxs[k] is NULL or rcs[k] != REDIS_OK:
+            continue
+        for j in range(start[k], start[k + 1]):
+            if redisGetReply(ctxs[k], <void **>&replies[order[j]]) != REDIS_OK:
+                replies[order[j]] = NULL
+                rcs[k] = REDIS_ERR
+                break
