@@ -1,6 +1,6 @@
 /* The C ceiling: hotlock's own EVALSHA commands sent from C over libhiredis.
  *
- *   ceiling HOST PORT MODE SECONDS SCRIPTDIR TAG
+ *   ceiling HOST PORT MODE SECONDS SCRIPTDIR TAG [PORT...]
  *
  * MODE  cycle   acquire + release of a fresh key, one round trip each
  *       extend  extend of one held lock, one round trip each
@@ -9,6 +9,12 @@
  * SCRIPTDIR holds acquire.lua, extend.lua and release.lua, written by bench/ceiling.py
  * from hotlock._scripts at run time, so the Lua lives in one place only; they are
  * loaded with SCRIPT LOAD and called by the SHA1 the server returns.
+ *
+ * More PORTs make HOST:PORT and them the primaries of one Redis Cluster (batch only): each
+ * key goes to its slot's primary (CRC16 and CLUSTER SLOTS, as hotlock routes), every
+ * node's pipeline is written before any reply is read, and the node written last is read
+ * first, as hotlock's cluster batch does: the floor for what a batch on a cluster costs the
+ * client against one server, the same kernel work with no Python in it.
  *
  * Every acquisition takes a fresh 16-byte token from getrandom(2), as hotlock takes
  * one from os.urandom: the same work per cycle, so CPU per cycle compares fairly.
@@ -41,8 +47,13 @@
 #define KEYMAX 96
 /* Check the clock once per CHUNK operations, as the Python loops do. */
 #define CHUNK 16
+#define MAXNODES 16
+#define SLOTS 16384
 
-static redisContext *ctx;
+static redisContext *ctx;                 /* the first node: every mode's connection */
+static redisContext *nodes[MAXNODES];     /* on a cluster, every primary's */
+static int nnodes = 1;
+static unsigned char slot_node[SLOTS];    /* slot -> index in nodes */
 static char sha_acquire[41], sha_extend[41], sha_release[41];
 static const char *tag;
 static unsigned long serial;
@@ -77,10 +88,49 @@ static void load(const char *dir, const char *name, char *sha) {
     static char text[65536];
     size_t n = fread(text, 1, sizeof text, f);
     fclose(f);
-    redisReply *r = redisCommand(ctx, "SCRIPT LOAD %b", text, n);
-    if (!r || r->type != REDIS_REPLY_STRING || r->len != 40) die("SCRIPT LOAD", r);
-    memcpy(sha, r->str, 41);
+    for (int k = 0; k < nnodes; k++) {
+        redisReply *r = redisCommand(nodes[k], "SCRIPT LOAD %b", text, n);
+        if (!r || r->type != REDIS_REPLY_STRING || r->len != 40) die("SCRIPT LOAD", r);
+        memcpy(sha, r->str, 41);
+        freeReplyObject(r);
+    }
+}
+
+/* CRC16-XMODEM of the key's hash tag (or of the whole key), as Redis Cluster slots keys. */
+static unsigned slot_of(const char *key, size_t n) {
+    static unsigned short table[256];
+    if (!table[1])
+        for (unsigned b = 0; b < 256; b++) {
+            unsigned c = b << 8;
+            for (int i = 0; i < 8; i++) c = (c & 0x8000) ? (c << 1) ^ 0x1021 : c << 1;
+            table[b] = (unsigned short)c;
+        }
+    const char *open = memchr(key, '{', n);
+    if (open) {
+        const char *close = memchr(open + 1, '}', (size_t)(key + n - open - 1));
+        if (close && close > open + 1) key = open + 1, n = (size_t)(close - open - 1);
+    }
+    unsigned crc = 0;
+    for (size_t i = 0; i < n; i++) crc = ((crc << 8) & 0xFFFF) ^ table[((crc >> 8) ^ (unsigned char)key[i]) & 0xFF];
+    return crc & (SLOTS - 1);
+}
+
+/* slot_node from CLUSTER SLOTS: each range's primary, by its port among the ones given. */
+static void map_slots(char **ports) {
+    redisReply *r = redisCommand(ctx, "CLUSTER SLOTS");
+    if (!r || r->type != REDIS_REPLY_ARRAY) die("CLUSTER SLOTS", r);
+    memset(slot_node, 0xFF, sizeof slot_node);
+    for (size_t i = 0; i < r->elements; i++) {
+        redisReply *range = r->element[i];
+        long long port = range->element[2]->element[1]->integer;
+        for (int k = 0; k < nnodes; k++)
+            if (atoll(ports[k]) == port)
+                for (long long s = range->element[0]->integer; s <= range->element[1]->integer; s++)
+                    slot_node[s] = (unsigned char)k;
+    }
     freeReplyObject(r);
+    for (int s = 0; s < SLOTS; s++)
+        if (slot_node[s] == 0xFF) die("a slot no given port serves", NULL);
 }
 
 static void token(unsigned char *buf, size_t n) {
@@ -136,14 +186,16 @@ static size_t held(unsigned char *out, const unsigned char *tok, long long fence
     return TOKEN + (size_t)(20 - i);
 }
 
-static long long reply_int(void) {
+static long long reply_int_on(redisContext *c) {
     redisReply *r;
-    if (redisGetReply(ctx, (void **)&r) != REDIS_OK) die("reply", NULL);
+    if (redisGetReply(c, (void **)&r) != REDIS_OK) die("reply", NULL);
     if (r->type != REDIS_REPLY_INTEGER) die("EVALSHA", r);
     long long v = r->integer;
     freeReplyObject(r);
     return v;
 }
+
+static long long reply_int(void) { return reply_int_on(ctx); }
 
 static void one_cycle(void) {
     char key[KEYMAX];
@@ -169,30 +221,52 @@ static void one_extend(void) {
     if (reply_int() != 1) die("extend lost the lock", NULL);
 }
 
+/* Each node's pipeline written, then the replies read, the node written last first. */
+static void flush_nodes(void) {
+    for (int k = 0; k < nnodes; k++) {
+        int done = 0;
+        while (!done)
+            if (redisBufferWrite(nodes[k], &done) != REDIS_OK) die("write", NULL);
+    }
+}
+
 static void one_batch(void) {
     static char keys[BATCH][KEYMAX];
     static size_t lens[BATCH];
     static unsigned char toks[BATCH][TOKEN];
     static unsigned char vals[BATCH][HELD];
     static size_t vlens[BATCH];
+    static int at[BATCH]; /* each key's node */
+    redisContext *one = ctx;
     token(&toks[0][0], sizeof toks); /* one draw for the batch, as lock_many does */
     for (int i = 0; i < BATCH; i++) {
         lens[i] = next_key(keys[i]);
+        at[i] = nnodes == 1 ? 0 : slot_node[slot_of(keys[i], lens[i])];
+        ctx = nodes[at[i]];
         append(sha_acquire, keys[i], lens[i], toks[i], 1);
     }
+    flush_nodes();
+    for (int k = nnodes - 1; k >= 0; k--)
+        for (int i = 0; i < BATCH; i++)
+            if (at[i] == k) {
+                long long fence = reply_int_on(nodes[k]);
+                if (fence <= 0) die("batch acquire found a fresh key held", NULL);
+                vlens[i] = held(vals[i], toks[i], fence);
+            }
     for (int i = 0; i < BATCH; i++) {
-        long long fence = reply_int();
-        if (fence <= 0) die("batch acquire found a fresh key held", NULL);
-        vlens[i] = held(vals[i], toks[i], fence);
+        ctx = nodes[at[i]];
+        append_n(sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
     }
-    for (int i = 0; i < BATCH; i++) append_n(sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
-    for (int i = 0; i < BATCH; i++)
-        if (reply_int() != 1) die("batch release did not release", NULL);
+    ctx = one;
+    flush_nodes();
+    for (int k = nnodes - 1; k >= 0; k--)
+        for (int i = 0; i < BATCH; i++)
+            if (at[i] == k && reply_int_on(nodes[k]) != 1) die("batch release did not release", NULL);
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) {
-        fprintf(stderr, "usage: ceiling HOST PORT cycle|extend|batch SECONDS SCRIPTDIR TAG\n");
+    if (argc < 7 || argc - 6 > MAXNODES) {
+        fprintf(stderr, "usage: ceiling HOST PORT cycle|extend|batch SECONDS SCRIPTDIR TAG [PORT...]\n");
         return 2;
     }
     const char *mode = argv[3];
@@ -206,12 +280,26 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ceiling: unknown mode %s\n", mode);
         return 2;
     }
-    struct timeval tv = {2, 0};
-    ctx = redisConnectWithTimeout(argv[1], atoi(argv[2]), tv);
-    if (!ctx || ctx->err) {
-        fprintf(stderr, "ceiling: connect: %s\n", ctx ? ctx->errstr : "out of memory");
-        return 1;
+    if (argc > 7 && op != one_batch) {
+        fprintf(stderr, "ceiling: a cluster (more ports) runs the batch mode only\n");
+        return 2;
     }
+    struct timeval tv = {2, 0};
+    /* argv[2] and the extra ports: the same host, one node each */
+    char *ports[MAXNODES];
+    ports[0] = argv[2];
+    nnodes = argc - 6;
+    for (int k = 1; k < nnodes; k++) ports[k] = argv[6 + k];
+    for (int k = 0; k < nnodes; k++) {
+        nodes[k] = redisConnectWithTimeout(argv[1], atoi(ports[k]), tv);
+        if (!nodes[k] || nodes[k]->err) {
+            fprintf(stderr, "ceiling: connect: %s\n", nodes[k] ? nodes[k]->errstr : "out of memory");
+            return 1;
+        }
+        redisSetTimeout(nodes[k], tv); /* a reply timeout, so the loop can never hang */
+    }
+    ctx = nodes[0];
+    if (nnodes > 1) map_slots(ports);
 #ifdef CEILING_TLS
     const char *ca = getenv("CEILING_TLS_CA");
     if (ca) {
@@ -230,7 +318,6 @@ int main(int argc, char **argv) {
         }
     }
 #endif
-    redisSetTimeout(ctx, tv); /* a reply timeout, so the loop can never hang */
     load(argv[5], "acquire", sha_acquire);
     load(argv[5], "extend", sha_extend);
     load(argv[5], "release", sha_release);
@@ -271,6 +358,6 @@ int main(int argc, char **argv) {
     }
     printf("{\"mode\": \"%s\", \"ops\": %ld, \"seconds\": %.6f, \"user\": %.6f, \"sys\": %.6f, \"batch\": %d}\n", mode,
            ops, t1 - t0, u1 - u0, s1 - s0, op == one_batch ? BATCH : 1);
-    redisFree(ctx);
+    for (int k = 0; k < nnodes; k++) redisFree(nodes[k]);
     return 0;
 }

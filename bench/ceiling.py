@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,21 @@ def build(out: Path = OUT) -> tuple[Path | None, str]:
     return exe, " ".join(cmd)
 
 
-def run_c(exe: Path, host: str, port: int, mode: str, seconds: float, tag: str, taskset: list[str]) -> dict[str, Any]:
-    """One run of the C loop; {"ops", "seconds", "cpu"}, ops counted in cycles/extends/batches."""
+def run_c(
+    exe: Path,
+    host: str,
+    port: int,
+    mode: str,
+    seconds: float,
+    tag: str,
+    taskset: list[str],
+    cluster_ports: Sequence[int] = (),
+) -> dict[str, Any]:
+    """One run of the C loop; {"ops", "seconds", "cpu"}, ops counted in cycles/extends/batches.
+    ``cluster_ports``: the other primaries of a cluster whose one primary is ``port`` (batch
+    mode only: the keys routed to their slots' primaries)."""
     scripts = write_scripts()
-    cmd = [*taskset, str(exe), host, str(port), mode, f"{seconds}", str(scripts), tag]
+    cmd = [*taskset, str(exe), host, str(port), mode, f"{seconds}", str(scripts), tag, *map(str, cluster_ports)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ceiling {mode} failed: {done.stderr.strip()}")

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
@@ -40,7 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.cluster import start_cluster
 from tests.conftest import start_redis
 
+from .ceiling import build, run_c
+
 THREADS = 8
+BATCH = "lock_many(100) + unlock_many(100)"
+BATCH_CPU = "client CPU per batch of 100"
 
 
 @dataclass
@@ -138,8 +143,8 @@ def measure(
         cache.unlock_many([lock for lock in locks if lock is not None])
         return 1
 
-    rows.append(Row("lock_many(100) + unlock_many(100)", backend, topology, _timed(seconds, 1, batch), "batches/s"))
-    rows.append(Row("client CPU per batch of 100", backend, topology, _CPU_US[-1], "µs"))
+    rows.append(Row(BATCH, backend, topology, _timed(seconds, 1, batch), "batches/s"))
+    rows.append(Row(BATCH_CPU, backend, topology, _CPU_US[-1], "µs"))
 
     def section(n: int, i: int) -> int:
         with cache.lock_wait(f"hot-{tag}-{(n * 7 + i) % 16}", ttl=10, wait=5):
@@ -159,6 +164,16 @@ def measure(
     return rows, cpu_per_cycle
 
 
+def _c_batch(exe: Path, ports: list[int], topology: str, seconds: float, tag: str, placement: str) -> list[Row]:
+    """The C loop's batch (bench/ceiling.c): on a cluster, routed to the primaries by slot."""
+    client = {"split": ["taskset", "-c", "1"], "one-core": ["taskset", "-c", "0"]}.get(placement, [])
+    done = run_c(exe, "127.0.0.1", ports[0], "batch", seconds, tag, client, ports[1:])
+    return [
+        Row(BATCH, "C loop", topology, done["ops"] / done["seconds"], "batches/s"),
+        Row(BATCH_CPU, "C loop", topology, done["cpu"] / done["ops"] * 1e6, "µs"),
+    ]
+
+
 async def _async_cycle(url: str, backend: str, tag: str, seconds: float) -> tuple[float, float]:
     """Acquire + release of fresh keys through hotlock.aio, one task: (cycles/s, client CPU µs each)."""
     cache = await hotlock.aio.connect(url, backend=backend)
@@ -176,6 +191,35 @@ async def _async_cycle(url: str, backend: str, tag: str, seconds: float) -> tupl
         await cache.close()
 
 
+def _ratios(rows: list[Row]) -> list[str]:
+    """The cluster against one server, per backend: client CPU and rate, each the ratio of
+    the two medians; the C loop's batch is the floor, the kernel's own cost of three
+    sockets against one with no Python in it."""
+    at = {(r.workload, r.backend, r.topology): r.rate for r in rows}
+    pairs = [
+        ("client CPU per cycle, 1 thread", "cycle client CPU"),
+        ("cycle, 1 thread", "cycle rate"),
+        ("client CPU per extend, 1 thread", "extend client CPU"),
+        ("extend, 1 thread", "extend rate"),
+        ("client CPU per async cycle, 1 task", "async cycle client CPU"),
+        ("async cycle, 1 task", "async cycle rate"),
+        (BATCH_CPU, "batch client CPU"),
+        (BATCH, "batch rate"),
+    ]
+    out = [
+        "The 3-shard cluster against one server (cluster ÷ one server, medians):",
+        "",
+        "| backend | figure | ratio |",
+        "|---|---|--:|",
+    ]
+    for backend in dict.fromkeys(r.backend for r in rows):
+        for workload, name in pairs:
+            one, three = at.get((workload, backend, "1 server")), at.get((workload, backend, "3-shard cluster"))
+            if one and three:
+                out.append(f"| {backend} | {name} | {three / one:.2f}\u00d7 |")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -189,6 +233,9 @@ def main() -> int:
         help="split: servers on core 0, client on core 1; one-core: all on core 0; none: unpinned",
     )
     args = parser.parse_args()
+    exe, how = build()
+    if exe is None:
+        print(f"bench.cluster: no C loop rows ({how})", file=sys.stderr)
     load_before = os.getloadavg()
     single = start_redis()
     cluster = start_cluster(replicas=0)
@@ -201,7 +248,7 @@ def main() -> int:
         primaries = [cluster.client(p) for p in cluster.primary_ports()]
         runs: dict[tuple[str, str, str], list[Row]] = {}
         cpus: dict[tuple[str, str], list[list[float]]] = {}
-        for _ in range(args.rounds):
+        for n in range(args.rounds):
             for backend in args.backends.split(","):
                 for url, topology, sides in (
                     (single.url, "1 server", [single.client()]),
@@ -211,6 +258,10 @@ def main() -> int:
                     for row in r:
                         runs.setdefault((row.workload, backend, topology), []).append(row)
                     cpus.setdefault((backend, topology), []).append(c)
+            if exe is not None:
+                for ports, topology in (([single.port], "1 server"), (cluster.primary_ports(), "3-shard cluster")):
+                    for row in _c_batch(exe, ports, topology, args.seconds, f"c{n}", args.placement):
+                        runs.setdefault((row.workload, row.backend, topology), []).append(row)
         rows = [
             Row(k[0], k[1], k[2], statistics.median(r.rate for r in v), v[0].unit)
             for k, v in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
@@ -238,7 +289,12 @@ def main() -> int:
         "| workload | backend | topology | rate | unit |",
         "|---|---|---|--:|---|",
     ]
-    lines += [f"| {r.workload} | {r.backend} | {r.topology} | {r.rate:,.0f} | {r.unit} |" for r in rows]
+    # CPU to a tenth of a µs: on one core a cycle costs the client about 8 µs.
+    lines += [
+        f"| {r.workload} | {r.backend} | {r.topology} | {r.rate:,.{1 if r.unit == 'µs' else 0}f} | {r.unit} |"
+        for r in rows
+    ]
+    lines += ["", *_ratios(rows)]
     lines += [
         "",
         "Client CPU per cycle is the steadier figure on a shared machine. The native cluster backend routes"

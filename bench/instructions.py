@@ -5,6 +5,8 @@ The steadiest evidence on a noisy machine: each workload runs under
 is the cost of one operation, start-up cancelled out, split by shared object (libpython,
 libhiredis, libc, the extension). The C loop runs a fixed count (CEILING_COUNT). Kernel
 work is not counted. Needs valgrind; takes a few minutes (Python under callgrind is slow).
+``batch-cluster`` is the batch on a 3-primary cluster it starts, hotlock's and the C loop's
+each key routed to its slot's primary.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from . import ceiling
 from .server import start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("cycle", "cycle-metrics", "extend", "batch", "python-layer")
+WORKLOADS = ("cycle", "cycle-metrics", "extend", "batch", "batch-cluster", "python-layer")
 
 
 def _workload(url: str, what: str, n: int) -> None:
@@ -58,7 +60,7 @@ def _workload(url: str, what: str, n: int) -> None:
         for _ in range(n):
             lock.extend(30)
         lock.unlock()
-    elif what == "batch":
+    elif what in ("batch", "batch-cluster"):
         for _ in range(n):
             cache.unlock_many(cache.lock_many([f"bench:i:{next(serial)}" for _ in range(100)], 30))
     cache.close()
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             if exe is not None and what not in ("python-layer", "cycle-metrics"):
                 c_cmd = [str(exe), server.host, str(server.port), what, "1", str(scripts), f"instr{what}{os.getpid()}"]
                 rows[f"C loop {what}"] = _c_per_op(c_cmd, n, env)
+    if "batch-cluster" in only:
+        rows.update(_cluster_batch(exe, env))
     cols = ("libpython", "libhiredis", "libc", "_native", "ceiling", "other")
     print("user-space instructions per operation (callgrind); batch = lock_many(100) + unlock_many")
     print(f"{'':<32}{'total':>12}" + "".join(f"{c:>12}" for c in cols))
@@ -146,6 +150,28 @@ def main(argv: list[str] | None = None) -> int:
     if exe is None:
         print(f"C loop: {why}")
     return 0
+
+
+def _cluster_batch(exe: Path | None, env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The batch on a 3-primary cluster (tests/cluster.py starts it), hotlock and the C loop
+    routing each key to its slot's primary: set beside the one-server batch, what routing
+    adds in user space."""
+    sys.path.insert(0, str(ROOT))
+    from tests.cluster import start_cluster
+
+    rows = {}
+    cluster = start_cluster(replicas=0)
+    try:
+        py = [sys.executable, "-m", "bench.instructions", "--child", cluster.url, "batch-cluster"]
+        rows["hotlock native batch-cluster"] = _per_op(lambda k: [*py, str(k)], 10, env)
+        if exe is not None:
+            ports = [str(p) for p in cluster.primary_ports()]
+            scripts = ceiling.write_scripts()
+            c_cmd = [str(exe), "127.0.0.1", ports[0], "batch", "1", str(scripts), f"instrcl{os.getpid()}", *ports[1:]]
+            rows["C loop batch-cluster"] = _c_per_op(c_cmd, 10, env)
+    finally:
+        cluster.stop()
+    return rows
 
 
 def _c_per_op(c_cmd: list[str], n: int, env: dict[str, str]) -> dict[str, float]:
