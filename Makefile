@@ -75,13 +75,17 @@ tools: $(TOOLS)/.installed
 # test-slow runs the long forms. Every server-facing test runs on Redis and on Valkey
 # (tests/conftest.py), the cluster tests on a cluster of each, but for the ones whose cost
 # is waiting on what the client times (reply timeouts, renewals, max_hold, failovers, the
-# cluster soak): those run on Redis here, on Valkey in test-slow (slow_variants). Two workers (-n 2, pytest-xdist, each with its own servers);
-# worksteal hands a worker left idle at the end the other's remaining tests.
+# cluster soak): those run on Redis here, on Valkey in test-slow (slow_variants). Three
+# workers (-n 3, pytest-xdist, each with its own servers) on the 2 cores: most of a test's
+# time is spent waiting on a TTL, a timeout or a server, so a third worker takes the run
+# from about 11.5 to 7.5 minutes; a fourth halves it but starves the auto-extend tests'
+# renewers (three of them failed in the run that tried it). worksteal hands a worker left
+# idle at the end the others' remaining tests.
 # tests/test_packaging.py builds an sdist and a repaired wheel for this Python with the
-# tools venv, once for both workers; then the behaviour suite runs on every other
+# tools venv, once for all workers; then the behaviour suite runs on every other
 # supported Python.
 test: compile tools docs
-	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -n 3 --dist worksteal -m "not slow"
 	@$(MAKE) --no-print-directory test-pythons
 
 # The behaviour suite (sync and async, every backend, the extension required) on each
