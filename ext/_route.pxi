@@ -392,13 +392,12 @@ cdef class ClusterRouter:
         cdef Py_ssize_t *start = NULL
         cdef redisReply **replies = NULL  # each key's reply
         cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
-        cdef redisContext **ctxs = NULL  # per position: the context to use, NULL once failed
+        cdef redisContext **ctxs = NULL  # per position: its context, NULL where nothing was sent
         cdef int *rcs = NULL  # per position: REDIS_OK, or the write or read failed
         cdef _Retry *rules = NULL
         cdef redisReply *r
         cdef NativeBackend link
         cdef _Conn conn
-        cdef int done
         cdef bint clean = True
         cdef bint sending = False
         links = self._links
@@ -473,21 +472,24 @@ cdef class ClusterRouter:
                     (<_Conn>conns[k]).busy = True
             with nogil:
                 _many_round(ctxs, rcs, m, order, start, replies)
+            # Every connection off busy before anything that may raise (_lost may).
+            for k in range(m):
+                if ctxs[k] is not NULL:
+                    conn = <_Conn>conns[k]
+                    conn.busy = False
+                    if rcs[k] == REDIS_OK:
+                        conn.used = _monotonic()
+                        conn.answered = True
+                        if conn.doomed:
+                            _drop(conn)
             sending = False
             for k in range(m):
                 if ctxs[k] is NULL:
                     continue  # outcomes[k] says why
                 link = <NativeBackend>links[used[k]]
                 conn = <_Conn>conns[k]
-                conn.busy = False
                 if rcs[k] != REDIS_OK:
                     outcomes[k] = LinkLost(link._lost(conn))
-                    clean = False
-                else:
-                    conn.used = _monotonic()
-                    conn.answered = True
-                    if conn.doomed:
-                        _drop(conn)
                 link._settle(conn, &rules[k])
             for k in range(m):
                 if outcomes[k] is not None:
