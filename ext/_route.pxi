@@ -466,10 +466,10 @@ cdef class ClusterRouter:
                         rcs[k] = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
                     if rcs[k] != REDIS_OK:
                         raise MemoryError()
+                # In flight from here: a close() while a later node connects (the GIL
+                # released) marks it doomed rather than freeing the context under us.
                 ctxs[k] = conn.ctx
-            for k in range(m):
-                if ctxs[k] is not NULL:
-                    (<_Conn>conns[k]).busy = True
+                conn.busy = True
             with nogil:
                 _many_round(ctxs, rcs, m, order, start, replies)
             # Every connection off busy before anything that may raise (_lost may).
