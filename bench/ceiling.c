@@ -145,15 +145,16 @@ static size_t next_key(char *key) {
 }
 
 /* EVALSHA sha 1 key token-or-held-value [ttl] */
-static void append_n(const char *sha, const char *key, size_t keylen, const unsigned char *tok, size_t toklen,
-                     int with_ttl) {
+static void append_n(redisContext *c, const char *sha, const char *key, size_t keylen, const unsigned char *tok,
+                     size_t toklen, int with_ttl) {
     const char *argv[6] = {"EVALSHA", sha, "1", key, (const char *)tok, "30000"};
     size_t lens[6] = {7, 40, 1, keylen, toklen, 5};
-    if (redisAppendCommandArgv(ctx, with_ttl ? 6 : 5, argv, lens) != REDIS_OK) die("append", NULL);
+    if (redisAppendCommandArgv(c, with_ttl ? 6 : 5, argv, lens) != REDIS_OK) die("append", NULL);
 }
 
-static void append(const char *sha, const char *key, size_t keylen, const unsigned char *tok, int with_ttl) {
-    append_n(sha, key, keylen, tok, TOKEN, with_ttl);
+static void append(redisContext *c, const char *sha, const char *key, size_t keylen, const unsigned char *tok,
+                   int with_ttl) {
+    append_n(c, sha, key, keylen, tok, TOKEN, with_ttl);
 }
 
 /* What the key holds after ACQUIRE returned fence: the token, then the fence in decimal
@@ -186,7 +187,7 @@ static size_t held(unsigned char *out, const unsigned char *tok, long long fence
     return TOKEN + (size_t)(20 - i);
 }
 
-static long long reply_int_on(redisContext *c) {
+static long long reply_int(redisContext *c) {
     redisReply *r;
     if (redisGetReply(c, (void **)&r) != REDIS_OK) die("reply", NULL);
     if (r->type != REDIS_REPLY_INTEGER) die("EVALSHA", r);
@@ -195,19 +196,17 @@ static long long reply_int_on(redisContext *c) {
     return v;
 }
 
-static long long reply_int(void) { return reply_int_on(ctx); }
-
 static void one_cycle(void) {
     char key[KEYMAX];
     unsigned char tok[TOKEN];
     size_t kl = next_key(key);
     token(tok, TOKEN);
     unsigned char val[HELD];
-    append(sha_acquire, key, kl, tok, 1);
-    long long fence = reply_int();
+    append(ctx, sha_acquire, key, kl, tok, 1);
+    long long fence = reply_int(ctx);
     if (fence <= 0) die("acquire found the fresh key held", NULL);
-    append_n(sha_release, key, kl, val, held(val, tok, fence), 0);
-    if (reply_int() != 1) die("release did not release", NULL);
+    append_n(ctx, sha_release, key, kl, val, held(val, tok, fence), 0);
+    if (reply_int(ctx) != 1) die("release did not release", NULL);
 }
 
 static char held_key[KEYMAX];
@@ -217,8 +216,8 @@ static unsigned char held_val[HELD];
 static size_t held_val_len;
 
 static void one_extend(void) {
-    append_n(sha_extend, held_key, held_len, held_val, held_val_len, 1);
-    if (reply_int() != 1) die("extend lost the lock", NULL);
+    append_n(ctx, sha_extend, held_key, held_len, held_val, held_val_len, 1);
+    if (reply_int(ctx) != 1) die("extend lost the lock", NULL);
 }
 
 /* Each node's pipeline written, then the replies read, the node written last first. */
@@ -237,31 +236,25 @@ static void one_batch(void) {
     static unsigned char vals[BATCH][HELD];
     static size_t vlens[BATCH];
     static int at[BATCH]; /* each key's node */
-    redisContext *one = ctx;
     token(&toks[0][0], sizeof toks); /* one draw for the batch, as lock_many does */
     for (int i = 0; i < BATCH; i++) {
         lens[i] = next_key(keys[i]);
         at[i] = nnodes == 1 ? 0 : slot_node[slot_of(keys[i], lens[i])];
-        ctx = nodes[at[i]];
-        append(sha_acquire, keys[i], lens[i], toks[i], 1);
+        append(nodes[at[i]], sha_acquire, keys[i], lens[i], toks[i], 1);
     }
     flush_nodes();
     for (int k = nnodes - 1; k >= 0; k--)
         for (int i = 0; i < BATCH; i++)
             if (at[i] == k) {
-                long long fence = reply_int_on(nodes[k]);
+                long long fence = reply_int(nodes[k]);
                 if (fence <= 0) die("batch acquire found a fresh key held", NULL);
                 vlens[i] = held(vals[i], toks[i], fence);
             }
-    for (int i = 0; i < BATCH; i++) {
-        ctx = nodes[at[i]];
-        append_n(sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
-    }
-    ctx = one;
+    for (int i = 0; i < BATCH; i++) append_n(nodes[at[i]], sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
     flush_nodes();
     for (int k = nnodes - 1; k >= 0; k--)
         for (int i = 0; i < BATCH; i++)
-            if (at[i] == k && reply_int_on(nodes[k]) != 1) die("batch release did not release", NULL);
+            if (at[i] == k && reply_int(nodes[k]) != 1) die("batch release did not release", NULL);
 }
 
 int main(int argc, char **argv) {
@@ -324,8 +317,8 @@ int main(int argc, char **argv) {
     if (op == one_extend) {
         held_len = (size_t)snprintf(held_key, KEYMAX, "hotlock:lock:bench:c:%s:held", tag);
         token(held_tok, TOKEN);
-        append(sha_acquire, held_key, held_len, held_tok, 1);
-        long long fence = reply_int();
+        append(ctx, sha_acquire, held_key, held_len, held_tok, 1);
+        long long fence = reply_int(ctx);
         if (fence <= 0) die("could not take the lock to extend", NULL);
         held_val_len = held(held_val, held_tok, fence);
     }
@@ -353,8 +346,8 @@ int main(int argc, char **argv) {
     u1 = cpu(1), s1 = cpu(0);
 
     if (op == one_extend) {
-        append(sha_release, held_key, held_len, held_tok, 0);
-        reply_int();
+        append(ctx, sha_release, held_key, held_len, held_tok, 0);
+        reply_int(ctx);
     }
     printf("{\"mode\": \"%s\", \"ops\": %ld, \"seconds\": %.6f, \"user\": %.6f, \"sys\": %.6f, \"batch\": %d}\n", mode,
            ops, t1 - t0, u1 - u0, s1 - s0, op == one_batch ? BATCH : 1);

@@ -164,10 +164,10 @@ def measure(
     return rows, cpu_per_cycle
 
 
-def _c_batch(exe: Path, ports: list[int], topology: str, seconds: float, tag: str, placement: str) -> list[Row]:
-    """The C loop's batch (bench/ceiling.c): on a cluster, routed to the primaries by slot."""
-    client = {"split": ["taskset", "-c", "1"], "one-core": ["taskset", "-c", "0"]}.get(placement, [])
-    done = run_c(exe, "127.0.0.1", ports[0], "batch", seconds, tag, client, ports[1:])
+def _c_batch(exe: Path, ports: list[int], topology: str, seconds: float, tag: str) -> list[Row]:
+    """The C loop's batch (bench/ceiling.c): on a cluster, routed to the primaries by slot.
+    It runs where the client is pinned: a child inherits the affinity."""
+    done = run_c(exe, "127.0.0.1", ports[0], "batch", seconds, tag, [], ports[1:])
     return [
         Row(BATCH, "C loop", topology, done["ops"] / done["seconds"], "batches/s"),
         Row(BATCH_CPU, "C loop", topology, done["cpu"] / done["ops"] * 1e6, "µs"),
@@ -260,7 +260,7 @@ def main() -> int:
                     cpus.setdefault((backend, topology), []).append(c)
             if exe is not None:
                 for ports, topology in (([single.port], "1 server"), (cluster.primary_ports(), "3-shard cluster")):
-                    for row in _c_batch(exe, ports, topology, args.seconds, f"c{n}", args.placement):
+                    for row in _c_batch(exe, ports, topology, args.seconds, f"c{n}"):
                         runs.setdefault((row.workload, row.backend, topology), []).append(row)
         rows = [
             Row(k[0], k[1], k[2], statistics.median(r.rate for r in v), v[0].unit)
