@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3, cdivision=True
 """hotlock._native: the Backend protocol over libhiredis, the GIL released in all I/O.
 
 C owns the bytes here (Python owns the policy): the extension speaks bytes keys, bytes tokens and
@@ -19,7 +19,7 @@ import weakref
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from libc.math cimport ldexp
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec, timeval
 from posix.types cimport suseconds_t, time_t
@@ -41,6 +41,11 @@ from hotlock.errors import CacheError, LinkLost, ReplyError, cache_error
 cdef extern from "compat.h" nogil:
     const char *HOTLOCK_HIREDIS_VERSION
     int hotlock_timed_out(const redisContext *c)
+    void hotlock_harden(redisContext *c)
+    int hotlock_suspect_stream(redisContext *c, const redisReply **replies, Py_ssize_t n)
+    int hotlock_odd_reply(const redisReply *r)
+    int hotlock_doubt(redisContext *c, const char *why)
+    int hotlock_leftover(redisContext *c)
 
 
 # The TLS layer (ext/tls.h): real in hotlock._native_tls, stubs in hotlock._native.

@@ -188,6 +188,8 @@ cdef class ClusterRouter:
 
     def set_link(self, Py_ssize_t number, link not None):
         """The link of node ``number``, once the backend has opened it."""
+        if not 0 <= number < _NO_NODE:
+            raise ValueError(f"a node number is 0 to {_NO_NODE - 1}, not {number}")
         links = list(self._links)
         while len(links) <= number:
             links.append(None)
@@ -278,27 +280,31 @@ cdef class ClusterRouter:
         # A resent call skips the staleness poll on a just-used connection, as on one
         # server (NativeBackend._ready); here Route does the resend.
         rule = link._rule(0.0, until >= 0.0)
+        _enter(conn)
         try:
-            link._ready(conn, what, key, &rule)
-        except CacheError as exc:  # not connected: nothing was sent
+            try:
+                link._ready(conn, what, key, &rule)
+            except CacheError as exc:  # not connected: nothing was sent
+                link._settle(conn, &rule)
+                return self._handed(kind, what, sha, key, arg, ms, until, (address, exc), plain)
+            if plain != _PLAIN_NONE:
+                rc = _append_plain(conn.ctx, plain, key, arg, ms)
+            elif kind == _EVAL or kind == _EVAL_SCRIPT:
+                rc = _append_evalsha(conn.ctx, sha, key, arg, ms)
+            else:
+                rc = _append_args(conn.ctx, self._command(kind, sha, key, arg, ms))
+            if rc != REDIS_OK:
+                _drop(conn)
+                raise MemoryError()
+            rc = _exchange(conn, &r, 1)
             link._settle(conn, &rule)
-            return self._handed(kind, what, sha, key, arg, ms, until, (address, exc), plain)
-        if plain != _PLAIN_NONE:
-            rc = _append_plain(conn.ctx, plain, key, arg, ms)
-        elif kind == _EVAL or kind == _EVAL_SCRIPT:
-            rc = _append_evalsha(conn.ctx, sha, key, arg, ms)
-        else:
-            rc = REDIS_OK
-            _append_args(conn.ctx, self._command(kind, sha, key, arg, ms))
-        if rc != REDIS_OK:
-            _drop(conn)
-            raise MemoryError()
-        rc = _exchange(conn, &r, 1)
-        link._settle(conn, &rule)
-        if rc != 0:
-            if r is not NULL:
-                freeReplyObject(r)
-            return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))), plain)
+            if rc != 0:
+                if r is not NULL:
+                    freeReplyObject(r)
+                return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))),
+                                    plain)
+        finally:
+            _leave(conn)
         try:
             if plain != _PLAIN_NONE and r.type != REDIS_REPLY_ERROR:
                 # SET IFEQ: OK or nil; DELIFEQ/DELEX: 1 or 0.
@@ -358,8 +364,13 @@ cdef class ClusterRouter:
         commands written before any reply is read (one round trip of wall time), each
         key's integer result in the keys' order. What is not a clean answer from every
         node goes to Route with the round as it went."""
-        cdef Py_ssize_t n = len(keys), i
+        cdef Py_ssize_t n, i
         cdef long long *values
+        # Copies: the batch reads them again after its round trip, which runs without the
+        # GIL, when another thread may empty or change the caller's lists.
+        keys = list(keys)
+        tokens = list(tokens)
+        n = len(keys)
         if len(tokens) != n:
             raise ValueError("keys and tokens differ in length")
         for i in range(n):
@@ -450,6 +461,7 @@ cdef class ClusterRouter:
             for k in range(m):
                 link = <NativeBackend>links[used[k]]
                 conn = link._conn()
+                _enter(conn)  # left in the finally below, once per entry of conns
                 conns.append(conn)
                 outcomes.append(None)
                 rules[k] = link._rule(0.0, until >= 0.0)
@@ -466,10 +478,13 @@ cdef class ClusterRouter:
                         rcs[k] = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
                     if rcs[k] != REDIS_OK:
                         raise MemoryError()
-                # In flight from here: a close() while a later node connects (the GIL
-                # released) marks it doomed rather than freeing the context under us.
+                # Every connection is in a call (_enter) from here: a close() while a
+                # later node connects (the GIL released) marks it doomed rather than
+                # freeing the context under us.
                 ctxs[k] = conn.ctx
-                conn.busy = True
+            for k in range(m):
+                if ctxs[k] is not NULL:
+                    (<_Conn>conns[k]).busy = True
             with nogil:
                 _many_round(ctxs, rcs, m, order, start, replies)
             # Every connection off busy before anything that may raise (_lost may).
@@ -480,8 +495,6 @@ cdef class ClusterRouter:
                     if rcs[k] == REDIS_OK:
                         conn.used = _monotonic()
                         conn.answered = True
-                        if conn.doomed:
-                            _drop(conn)
             sending = False
             for k in range(m):
                 if ctxs[k] is NULL:
@@ -530,6 +543,8 @@ cdef class ClusterRouter:
                         _drop(<_Conn>conns[k])
             raise
         finally:
+            for conn in conns:
+                _leave(conn)
             if replies is not NULL:
                 for i in range(n):
                     if replies[i] is not NULL:
@@ -573,7 +588,8 @@ cdef void _many_round(redisContext **ctxs, int *rcs, Py_ssize_t m, const Py_ssiz
     """One round trip of a batch over m nodes, without the GIL (their connections busy):
     write each context's pipeline, then read each one's replies (the keys order[start[k]]
     up to order[start[k + 1]]) into their keys' places. A NULL context is skipped; rcs[k]
-    ends REDIS_ERR when node k's write or read failed (an I/O error or timeout)."""
+    ends REDIS_ERR when node k's write or read failed (an I/O error or timeout) or its
+    reply stream is in doubt."""
     cdef Py_ssize_t k, j
     cdef int done
     for k in range(m):
@@ -592,3 +608,10 @@ cdef void _many_round(redisContext **ctxs, int *rcs, Py_ssize_t m, const Py_ssiz
                 replies[order[j]] = NULL
                 rcs[k] = REDIS_ERR
                 break
+            if hotlock_odd_reply(replies[order[j]]):
+                hotlock_doubt(ctxs[k], "the server sent a reply of a kind no command asked for")
+                rcs[k] = REDIS_ERR
+                break
+        # A stream in doubt is a lost reply (see _exchange).
+        if rcs[k] == REDIS_OK and hotlock_leftover(ctxs[k]):
+            rcs[k] = REDIS_ERR

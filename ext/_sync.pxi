@@ -65,7 +65,12 @@ cdef enum:
 
 cdef class _Conn:
     """One thread's connection. Its context is touched only by its thread, with the GIL
-    held, or without the GIL between `busy = True` and `busy = False`."""
+    held, or without the GIL between `busy = True` and `busy = False`.
+
+    While a call of its thread uses it (`calls` > 0), its context is freed only by that
+    thread: close() from another thread marks it `doomed`, and the call drops it when it
+    ends (_leave). A call may release the GIL at any point (a round trip, a connect, any
+    Python code it runs), so a context freed from under it would be used after free."""
 
     cdef redisContext *ctx
     cdef void *ssl  # over rediss://, ctx's SSL object (owned by ctx); else NULL
@@ -73,7 +78,8 @@ cdef class _Conn:
     cdef unsigned long gen  # _fork_gen when it connected: another value means inherited
     cdef unsigned long epoch  # under Sentinel, the PrimaryWatch epoch it connected in
     cdef bint busy  # a round trip is in flight on ctx without the GIL
-    cdef bint doomed  # close() ran during that round trip: drop ctx when it ends
+    cdef int calls  # calls of its thread using it now (nested: an undo inside an acquire)
+    cdef bint doomed  # close() ran while a call used it: the call drops ctx when it ends
     cdef double used  # monotonic time its last round trip ended (see _ready)
     cdef object __weakref__
 
@@ -82,31 +88,45 @@ cdef class _Conn:
 
 
 cdef void _drop(_Conn conn) noexcept:
-    """Forget conn's context without sending a byte (never QUIT: a child must stay silent)."""
+    """Forget conn's context now, without sending a byte (never QUIT: a child must stay
+    silent). Only for the thread that owns conn, or a conn no call is using (_close)."""
     cdef redisContext *ctx = conn.ctx
+    conn.doomed = False
     if ctx is NULL:
-        return
-    if conn.busy:
-        if conn.gen == _fork_gen:
-            # Another thread of this process is waiting on it without the GIL; freeing it
-            # now would pull the memory from under that thread. It drops it when done.
-            conn.doomed = True
-            return
-        # Inherited mid-call: the thread that was using it did not survive the fork and
-        # may have left the struct half-updated. Close our copy of the fd (the parent's
-        # socket stays open: close() only drops this process's reference) and leak the
-        # struct rather than walk it.
-        conn.ctx = NULL
-        conn.ssl = NULL
-        if ctx.fd >= 0:
-            close(ctx.fd)
         return
     conn.ctx = NULL
     conn.ssl = NULL
-    conn.doomed = False
+    if conn.busy and conn.gen != _fork_gen:
+        # Inherited mid-round-trip: the thread that was using it did not survive the fork
+        # and may have left the struct half-updated. Close our copy of the fd (the
+        # parent's socket stays open: close() only drops this process's reference) and
+        # leak the struct rather than walk it.
+        if ctx.fd >= 0:
+            close(ctx.fd)
+        return
     # redisFree closes the fd and frees memory; it writes nothing, so it is safe in a
     # forked child too (the parent's socket stays open).
     redisFree(ctx)
+
+
+cdef void _close(_Conn conn) noexcept:
+    """close() from any thread: a connection a call of this process is using is left to
+    that call, which drops it when it ends (_leave); any other is dropped now."""
+    if (conn.calls > 0 or conn.busy) and conn.gen == _fork_gen:
+        conn.doomed = True
+    else:
+        _drop(conn)
+
+
+cdef inline void _enter(_Conn conn) noexcept:
+    """A call starts using conn (see _Conn): pair with _leave in a finally."""
+    conn.calls += 1
+
+
+cdef inline void _leave(_Conn conn) noexcept:
+    conn.calls -= 1
+    if conn.calls == 0 and conn.doomed:
+        _drop(conn)
 
 
 cdef inline bint _stale(redisContext *ctx, void *ssl) noexcept nogil:
@@ -126,8 +146,12 @@ cdef inline bint _stale(redisContext *ctx, void *ssl) noexcept nogil:
 cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
     """Flush the appended commands and read n replies into out, without the GIL.
 
-    0 when all n arrived; -1 on an I/O error or timeout (ctx.err says which). out[i] is a
-    reply or NULL either way: the caller frees them."""
+    0 when all n arrived; -1 on an I/O error, a timeout (ctx.err says which) or a reply
+    stream in doubt (hotlock_suspect_stream: a reply of a kind no command here asks for,
+    or bytes left over once the n replies are read), which is handled as a lost reply:
+    the connection is dropped, so a stray reply can never be read as the next command's.
+    out[i] is a reply or NULL either way: the caller frees them. conn is in a call
+    (_enter), so close() cannot free ctx meanwhile."""
     cdef redisContext *ctx = conn.ctx
     cdef Py_ssize_t i
     cdef int rc = 0
@@ -140,12 +164,12 @@ cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
                 out[i] = NULL
                 rc = -1
                 break
+        if rc == 0 and hotlock_suspect_stream(ctx, <const redisReply **>out, n):
+            rc = -1
     conn.busy = False
     conn.used = _monotonic()
     if rc == 0:
         conn.answered = True
-    if rc == 0 and conn.doomed:
-        _drop(conn)
     return rc
 
 
@@ -283,6 +307,8 @@ cdef int _append_args(redisContext *ctx, tuple args) except -1:
             raise MemoryError()
         for i in range(n):
             arg = args[i]
+            if arg is None:
+                raise TypeError("a command's arguments are bytes")
             argv[i] = PyBytes_AS_STRING(arg)
             lens[i] = <size_t>PyBytes_GET_SIZE(arg)
         if redisAppendCommandArgv(ctx, <int>n, argv, lens) != REDIS_OK:
@@ -506,9 +532,6 @@ cdef class NativeBackend:
                         # A TLS port hangs up on plaintext at its first bytes, every time.
                         lost += " (if that port speaks TLS, the url must be rediss://)"
                     raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
-            if conn.ctx is NULL:
-                # close() ran (from another thread) while this one was connecting.
-                raise cache_error(f"{what} failed: the cache was closed meanwhile", self.server, key)
         elif rule.limit > 0.0:
             redisSetTimeout(conn.ctx, _timeval(rule.limit))
         return 0
@@ -552,6 +575,7 @@ cdef class NativeBackend:
                 # A reply timeout on every read and write (SO_RCVTIMEO/SO_SNDTIMEO), so no
                 # nogil section blocks forever on a blackholed server.
                 redisSetTimeout(ctx, rtv)
+                hotlock_harden(ctx)
                 if not unix:
                     # Notice a peer that vanished without a FIN (a dead host, a dropped
                     # NAT entry) on connections that sit idle between locks.
@@ -578,7 +602,6 @@ cdef class NativeBackend:
         conn.gen = _fork_gen
         if self._watch is not None:
             conn.epoch = self._watch.epoch
-        conn.doomed = False
         # AUTH, SELECT and every SCRIPT LOAD in one round trip, so the first EVALSHA after a
         # (re)connect or a failover never pays for a NOSCRIPT.
         commands = []
@@ -691,6 +714,7 @@ cdef class NativeBackend:
                 free(todo)
                 raise MemoryError()
         memset(todo, 1, n)
+        _enter(conn)
         try:
             while True:
                 self._ready(conn, what, err_key, &rule)
@@ -758,6 +782,7 @@ cdef class NativeBackend:
                     raise cache_error(f"{_tried(what, &rule)} failed: {lost}", self.server, err_key)
         finally:
             self._settle(conn, &rule)
+            _leave(conn)
             if not single:
                 free(replies)
                 free(todo)
@@ -784,8 +809,13 @@ cdef class NativeBackend:
 
     cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
                     int plain=-1):
-        cdef Py_ssize_t n = len(keys), i
+        cdef Py_ssize_t n, i
         cdef long long *values
+        # Copies of the caller's lists: _scripts reads them again after each round trip,
+        # which runs without the GIL, when another thread may empty or change the originals.
+        keys = list(keys)
+        tokens = list(tokens)
+        n = len(keys)
         if len(tokens) != n:
             raise ValueError("keys and tokens differ in length")
         for i in range(n):
@@ -809,27 +839,34 @@ cdef class NativeBackend:
         handshake reply is retried (see _Retry); the command itself is never sent twice:
         set_nx and incr are not safe to send twice."""
         cdef redisReply *r = NULL
-        cdef size_t i
         cdef _Conn conn = self._conn()
         cdef _Retry rule = self._rule(0.0, False)
-        self._ready(conn, what, key, &rule)
-        _append_args(conn.ctx, args)
-        if _exchange(conn, &r, 1) != 0:
-            raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
-        self._settle(conn, &rule)
+        _enter(conn)
         try:
-            if r.type == REDIS_REPLY_INTEGER:
-                return r.integer
-            if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
-                return r.str[:r.len]
-            if r.type == REDIS_REPLY_NIL:
-                return None
-            if r.type == REDIS_REPLY_ARRAY:
-                # COMMAND INFO: each element's presence is all hotlock asks of it.
-                return [r.element[i].type != REDIS_REPLY_NIL for i in range(r.elements)]
-            return _ReplyError(self._reply_error(conn, r), _is_error(r, b"NOPERM", 6))
+            self._ready(conn, what, key, &rule)
+            _append_args(conn.ctx, args)
+            if _exchange(conn, &r, 1) != 0:
+                raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
+            self._settle(conn, &rule)
+            return self._py_command_reply(conn, r)
         finally:
-            freeReplyObject(r)
+            if r is not NULL:
+                freeReplyObject(r)
+            _leave(conn)
+
+    cdef object _py_command_reply(self, _Conn conn, redisReply *r):
+        """_command's reply as Python."""
+        cdef size_t i
+        if r.type == REDIS_REPLY_INTEGER:
+            return r.integer
+        if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
+            return r.str[:r.len]
+        if r.type == REDIS_REPLY_NIL:
+            return None
+        if r.type == REDIS_REPLY_ARRAY:
+            # COMMAND INFO: each element's presence is all hotlock asks of it.
+            return [r.element[i].type != REDIS_REPLY_NIL for i in range(r.elements)]
+        return _ReplyError(self._reply_error(conn, r), _is_error(r, b"NOPERM", 6))
 
     # -- the Backend interface ------------------------------------------------------------
 
@@ -894,7 +931,9 @@ cdef class NativeBackend:
                             # being subscribed: the confirmation wakes the first waiter.
                             seq = current.seq - 1 if current.confirmed else current.seq
                 # Held: result is -(the holder's PTTL), or 0 when unknown; the sleep ends by then.
-                sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result, _CAP_MS)
+                # (A reply below -_MAX_TTL_MS is no PTTL: negating LLONG_MIN is undefined.)
+                sleep_ms = _delay(attempt, _uniform(&rng), remaining_ms, -result if result >= -_MAX_TTL_MS else 0,
+                                  _CAP_MS)
                 attempt += 1
                 if waiter is None:
                     with nogil:
@@ -1047,7 +1086,7 @@ cdef class NativeBackend:
         if self._wakeups is not None:
             self._wakeups.close()
         for conn in list(self._conns):
-            _drop(<_Conn>conn)
+            _close(<_Conn>conn)
 
     def __repr__(self):
         return f"<hotlock._native.NativeBackend server={self.server}>"
@@ -1066,21 +1105,32 @@ cdef class NativeBackend:
         # The connect handshake under the one lost-reply rule, as every call's (a lost
         # handshake reply is retried once within its budget).
         cdef _Retry rule = self._rule(0.0, False)
-        self._ready(conn, "connect", None, &rule)
-        self._settle(conn, &rule)
-        for args in commands:
-            _append_args(conn.ctx, args)
-        conn.busy = True
-        with nogil:
-            while not done and rc == REDIS_OK:
-                rc = redisBufferWrite(conn.ctx, &done)
-        conn.busy = False
-        if rc != REDIS_OK:
-            raise LinkLost(self._lost(conn))
-        if conn.doomed:
+        cdef redisContext *ctx
+        _enter(conn)
+        try:
+            self._ready(conn, "connect", None, &rule)
+            self._settle(conn, &rule)
+            for args in commands:
+                if _append_args(conn.ctx, args) != 0:
+                    raise MemoryError()
+            ctx = conn.ctx
+            conn.busy = True
+            with nogil:
+                while not done and rc == REDIS_OK:
+                    rc = redisBufferWrite(ctx, &done)
+            conn.busy = False
+            if rc != REDIS_OK:
+                raise LinkLost(self._lost(conn))
+            if conn.doomed:
+                # Written, but the replies will not be read: _leave drops the connection.
+                raise LinkLost("the cache was closed meanwhile")
+            return None
+        except BaseException:
+            # Commands appended or written whose replies will not be read: out of step.
             _drop(conn)
-            raise LinkLost("the cache was closed meanwhile")
-        return None
+            raise
+        finally:
+            _leave(conn)
 
     def link_recv(self, object handle, Py_ssize_t n, object timeout):
         """Read n replies on this thread's context (within ``timeout`` s when given): ints,
@@ -1088,20 +1138,24 @@ cdef class NativeBackend:
         cdef _Conn conn = self._conn()
         cdef redisReply **replies
         cdef Py_ssize_t i
+        if n < 0:
+            raise ValueError("n must not be negative")
         if conn.ctx is NULL:
             raise LinkLost("connection lost")
-        if timeout is not None:
-            redisSetTimeout(conn.ctx, _timeval(min(<double>timeout, self._timeout)))
-        replies = <redisReply **>malloc(n * sizeof(redisReply *) + 1)
+        replies = <redisReply **>calloc(n + 1, sizeof(redisReply *))
         if replies is NULL:
             raise MemoryError()
+        _enter(conn)
         try:
+            if timeout is not None:
+                redisSetTimeout(conn.ctx, _timeval(min(<double>timeout, self._timeout)))
             if _exchange(conn, replies, n) != 0:
                 raise LinkLost(self._lost(conn))
-            if timeout is not None and conn.ctx is not NULL:
+            if timeout is not None:
                 redisSetTimeout(conn.ctx, self._reply_tv)
             return [_py_reply(replies[i]) for i in range(n)]
         finally:
+            _leave(conn)
             for i in range(n):
                 if replies[i] is not NULL:
                     freeReplyObject(replies[i])
@@ -1164,7 +1218,12 @@ cdef class _ReplyError:
 
 
 cdef timeval _timeval(double seconds):
+    # Never below 1 ms: a zero timeval is "no timeout" to hiredis and to the socket, so a
+    # timeout rounded down to it would wait for ever (connect() refuses less than 1 ms;
+    # this covers what is left of a budget).
     cdef timeval tv
+    if not seconds >= 0.001:
+        seconds = 0.001
     tv.tv_sec = <time_t>seconds
     tv.tv_usec = <suseconds_t>((seconds - <double>tv.tv_sec) * 1e6)
     return tv

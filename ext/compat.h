@@ -49,4 +49,56 @@ static inline PyObject *hotlock_weakref_target(PyObject *ref) {
 #endif
 }
 
+/* The most elements an aggregate reply may declare. hiredis 1.x allows 2^32 - 1, so a
+ * hostile "*4294967295" makes it allocate 32 GB of pointers before a byte of them
+ * arrives; no reply hotlock asks for comes near this (CLUSTER SLOTS has one element per
+ * slot range, at most 16384). 0.14 has no such bound to set. */
+#define HOTLOCK_MAX_ELEMENTS (1LL << 20)
+
+/* A new context's reader bounded, and RESP3 pushes handed back as replies instead of
+ * freed in silence by 1.x's default push handler: hotlock speaks RESP2 and asks for no
+ * push, so one is a sign of a stream in doubt (hotlock_suspect_stream). */
+static inline void hotlock_harden(redisContext *c) {
+#ifdef REDIS_READER_MAX_ARRAY_ELEMENTS
+    c->reader->maxelements = HOTLOCK_MAX_ELEMENTS;
+    redisSetPushCallback(c, NULL);
+#else
+    (void)c;
+#endif
+}
+
+/* Whether a reply is of a kind none of hotlock's RESP2 commands gets: a RESP3 map, set,
+ * attribute, push, double, boolean, big number or verbatim string. */
+static inline int hotlock_odd_reply(const redisReply *r) {
+    int t = r->type;
+    return t != REDIS_REPLY_STRING && t != REDIS_REPLY_ARRAY && t != REDIS_REPLY_INTEGER &&
+           t != REDIS_REPLY_NIL && t != REDIS_REPLY_STATUS && t != REDIS_REPLY_ERROR;
+}
+
+/* Mark the context's reply stream as in doubt: a protocol error, which callers report as a
+ * lost reply, so that the connection is dropped rather than reused. Returns 1. */
+static inline int hotlock_doubt(redisContext *c, const char *why) {
+    c->err = REDIS_ERR_PROTOCOL;
+    snprintf(c->errstr, sizeof(c->errstr), "%s", why);
+    return 1;
+}
+
+/* Bytes left unread once a round trip's replies are read: an extra reply, which would
+ * otherwise be taken for the answer to the next command. */
+static inline int hotlock_leftover(redisContext *c) {
+    if (c->reader->pos >= c->reader->len)
+        return 0;
+    return hotlock_doubt(c, "the server sent more replies than commands");
+}
+
+/* After a round trip's n replies: whether the reply stream is in doubt (an odd reply, or
+ * bytes left over); if so the context's error says why. */
+static inline int hotlock_suspect_stream(redisContext *c, const redisReply **replies, Py_ssize_t n) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i++)
+        if (hotlock_odd_reply(replies[i]))
+            return hotlock_doubt(c, "the server sent a reply of a kind no command asked for");
+    return hotlock_leftover(c);
+}
+
 #endif

@@ -38,6 +38,8 @@ __all__ = [
 log = logging.getLogger("hotlock")
 
 BACKEND_NAMES = ("native", "redis-py")
+# The shortest timeout a connection takes, in seconds (see connect_config).
+MIN_TIMEOUT = 0.001
 
 # Policies under which Redis may delete a lock key before its TTL. The volatile-* ones
 # evict *only* keys with a TTL: exactly the locks.
@@ -141,8 +143,10 @@ def connect_config(
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be seconds (int or float), not {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        # Below a millisecond a socket timeout rounds to 0, which the OS and hiredis take
+        # as "no timeout": refused here rather than turned into a wait without end.
+        if not (math.isfinite(value) and value >= MIN_TIMEOUT):
+            raise ValueError(f"{name} must be at least {MIN_TIMEOUT} s (1 ms), not {value!r}")
     if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
         raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
     if wait_replicas < 0:
@@ -152,8 +156,12 @@ def connect_config(
     if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)):
         raise TypeError(f"wait_timeout must be seconds (int or float), not {type(wait_timeout).__name__}")
     # WAIT's reply comes after up to wait_timeout: it must fit in one reply timeout.
-    if not (math.isfinite(wait_timeout) and 0 < wait_timeout < timeout):
-        raise ValueError(f"wait_timeout must be positive and below timeout ({timeout!r} s), not {wait_timeout!r}")
+    # WAIT takes whole milliseconds and WAIT n 0 blocks for ever: at least 1 ms.
+    if not (math.isfinite(wait_timeout) and MIN_TIMEOUT <= wait_timeout < timeout):
+        raise ValueError(
+            f"wait_timeout must be at least {MIN_TIMEOUT} s (1 ms) and below timeout ({timeout!r} s), "
+            f"not {wait_timeout!r}"
+        )
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, not {backend!r}")
     if url is None:
