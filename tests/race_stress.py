@@ -4,7 +4,7 @@ flush the scripts and fork, with the interpreter switching threads as often as i
 Run as its own process (tests/test_races.py, `make stress`), so that a crash is a signal
 in its exit status rather than the end of the test run:
 
-    python -m tests.race_stress URL BACKEND SECONDS [--fork]
+    python -m tests.race_stress URL BACKEND SECONDS [--fork] [--flush URL ...]
 
 Every call must end in a result or one of hotlock's own errors (HotlockError); anything
 else that escapes (a TypeError from a socket closed under a call, say) is printed and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import gc
 import os
 import random
@@ -37,6 +38,9 @@ def main() -> int:
     parser.add_argument("backend")
     parser.add_argument("seconds", type=float)
     parser.add_argument("--fork", action="store_true", help="also fork from a thread now and then")
+    parser.add_argument(
+        "--flush", action="append", default=[], help="a server to SCRIPT FLUSH every 3 ms (default: URL)"
+    )
     args = parser.parse_args()
 
     # A thread switch after every few bytecodes, and collections all the time: the
@@ -45,7 +49,7 @@ def main() -> int:
     gc.set_threshold(50, 5, 5)
 
     cache = hotlock.connect(args.url, backend=args.backend, timeout=1.0, connect_timeout=1.0, prefix="race:")
-    admin = redis.Redis.from_url(args.url)
+    admins = [redis.Redis.from_url(url) for url in args.flush or [args.url]]
     stop = time.monotonic() + args.seconds
     counts: collections.Counter[str] = collections.Counter()
     escaped: list[str] = []
@@ -103,10 +107,11 @@ def main() -> int:
     def flusher() -> None:
         while time.monotonic() < stop:
             time.sleep(0.003)
-            try:
-                admin.script_flush()
-            except redis.RedisError:
-                pass
+            for admin in admins:
+                try:
+                    admin.script_flush()
+                except redis.RedisError:
+                    pass
 
     def forker() -> None:
         # A child forked while the other threads are mid-call: it must neither touch the
@@ -115,6 +120,8 @@ def main() -> int:
             time.sleep(0.2)
             pid = os.fork()
             if pid == 0:
+                # A child stuck past its call's timeouts prints where, and ends non-zero.
+                faulthandler.dump_traceback_later(10, exit=True)
                 try:
                     cache.lock("child", 1)
                 except hotlock.HotlockError:

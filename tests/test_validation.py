@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import math
+import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -16,7 +18,7 @@ import redis
 import hotlock
 from hotlock import Cache
 
-from .conftest import RedisServer
+from .conftest import RedisServer, native_for_module
 
 BAD_KEYS: list[tuple[Any, type[Exception], str]] = [
     (None, TypeError, "key must be str or bytes"),
@@ -144,6 +146,10 @@ def test_bad_key_lists(cache: Cache, backend: str, redis_server: RedisServer) ->
         ({"timeout": 0}, ValueError, "timeout must be"),
         ({"connect_timeout": math.inf}, ValueError, "connect_timeout must be"),
         ({"timeout": "1"}, TypeError, "timeout must be"),
+        # Below 1 ms a socket timeout rounds to 0, "no timeout": a call would never end.
+        ({"timeout": 4e-7}, ValueError, "timeout must be at least 0.001 s"),
+        ({"connect_timeout": 0.0009}, ValueError, "connect_timeout must be at least 0.001 s"),
+        ({"wait_replicas": 1, "wait_timeout": 0.0004}, ValueError, "wait_timeout must be at least 0.001 s"),
         ({"backend": "fast"}, ValueError, "backend must be"),
         ({"url": "redis+cluster://"}, ValueError, "at least one node"),
         ({"url": "redis+cluster://app:s3cret@"}, ValueError, "at least one node"),
@@ -205,3 +211,22 @@ def test_url_password_never_in_errors() -> None:
     with pytest.raises(hotlock.CacheError) as info2:
         hotlock.connect("redis://user:s3cret@127.0.0.1:1/0", connect_timeout=0.2, backend="redis-py")
     assert "s3cret" not in str(info2.value) and "127.0.0.1:1" in str(info2.value)
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_shortest_timeout_still_ends_the_call(backend: str) -> None:
+    """The smallest timeout connect() takes (1 ms) bounds a call to a server that accepts
+    and never answers: a CacheError in about a millisecond, never a wait without end."""
+    if backend == "native":
+        native_for_module()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nobody ever reads or replies
+    try:
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(hotlock.CacheError):
+            hotlock.connect(url, timeout=0.001, connect_timeout=0.001, backend=backend)
+        assert time.monotonic() - started < 5.0
+    finally:
+        silent.close()

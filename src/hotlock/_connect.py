@@ -151,13 +151,15 @@ def connect_config(
         raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
     if wait_replicas < 0:
         raise ValueError(f"wait_replicas must not be negative, not {wait_replicas!r}")
+    given = wait_timeout is not None
     if wait_timeout is None:
         wait_timeout = timeout / 2
     if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)):
         raise TypeError(f"wait_timeout must be seconds (int or float), not {type(wait_timeout).__name__}")
-    # WAIT's reply comes after up to wait_timeout: it must fit in one reply timeout.
-    # WAIT takes whole milliseconds and WAIT n 0 blocks for ever: at least 1 ms.
-    if not (math.isfinite(wait_timeout) and MIN_TIMEOUT <= wait_timeout < timeout):
+    # WAIT's reply comes after up to wait_timeout: it must fit in one reply timeout. WAIT
+    # takes whole milliseconds and WAIT n 0 blocks for ever: at least 1 ms. (The default,
+    # half the timeout, is checked only where WAIT is sent: a 1 ms timeout leaves 0.5 ms.)
+    if (given or wait_replicas) and not (math.isfinite(wait_timeout) and MIN_TIMEOUT <= wait_timeout < timeout):
         raise ValueError(
             f"wait_timeout must be at least {MIN_TIMEOUT} s (1 ms) and below timeout ({timeout!r} s), "
             f"not {wait_timeout!r}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import os
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -167,9 +169,7 @@ class RedisPyBackend:
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
-        kwargs = _connection_kwargs(config)
         self._watch: PrimaryWatch | None = None
-        self._redis: Any  # redis.Redis; Any, since the connection-level API it reaches is untyped
         if config.sentinels:
             # One resolver for every backend (ServerConfig.primary: SENTINEL
             # get-master-addr-by-name) asked at each connect, rather than redis.sentinel,
@@ -179,21 +179,40 @@ class RedisPyBackend:
             # accept writes until Sentinel demotes it.
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
+        self._pid = os.getpid()
+        self._client: Any = self._new_client()  # redis.Redis; Any: the connection-level API it reaches is untyped
+        # The wake-up subscriber (hotlock.backends.wakeup), made on the first contended lock_wait.
+        self._wakeups = slot(config)
+        # Bumped by _drop_all: a connection taken before that is disconnected when given back.
+        self._generations = itertools.count()
+        self._generation = next(self._generations)
+        self._load_scripts()
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _new_client(self) -> Any:
+        config = self._config
+        kwargs = _connection_kwargs(config)
+        if self._watch is not None:
             primary_kind = PrimaryTLSConnection if config.tls else _PrimaryConnection
             pool = redis.ConnectionPool(connection_class=primary_kind, primary=self._watch, **kwargs)
-            self._redis = redis.Redis(connection_pool=pool)
         elif config.unix_path is not None:
-            self._redis = redis.Redis(unix_socket_path=config.unix_path, **kwargs)
+            return redis.Redis(unix_socket_path=config.unix_path, **kwargs)
         else:
             # TLS through redis-py's SSLConnection defaults: certificate and hostname checked.
             kind = TLSConnection if config.tls else redis.Connection
             pool = redis.ConnectionPool(connection_class=kind, host=config.host, port=config.port, **kwargs)
-            self._redis = redis.Redis(connection_pool=pool)
-        # The wake-up subscriber (hotlock.backends.wakeup), made on the first contended lock_wait.
-        self._wakeups = slot(config)
-        self._load_scripts()
+        return redis.Redis(connection_pool=pool)
 
-    # -- plumbing ---------------------------------------------------------------------
+    @property
+    def _redis(self) -> Any:
+        """This process's client. A forked child makes its own and leaves the parent's pool
+        alone: its sockets are the parent's, and redis-py's own reset of it in the child
+        waits for ever on a pool lock that another thread of the parent held at the fork."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._client = self._new_client()
+        return self._client
 
     def _send(self, commands: list[tuple[Any, ...]], timeout: float | None = None) -> list[Any]:
         """Write ``commands`` at once on one pooled connection and read every reply.
@@ -206,7 +225,8 @@ class RedisPyBackend:
         if self._watch is not None and self._watch.refresh() != self._epoch:
             # A failover: connections to the replaced primary must not take another write.
             self._epoch = self._watch.epoch
-            pool.disconnect()
+            self._drop_all()
+        generation = self._generation
         conn = pool.get_connection()
         complete = False
         try:
@@ -222,11 +242,20 @@ class RedisPyBackend:
             complete = True
             return replies
         finally:
-            if not complete:
+            if not complete or generation != self._generation:
                 # Interrupted between replies (KeyboardInterrupt, say): replies may still be
-                # on their way, and the next user of this connection would read them.
+                # on their way, and the next user of this connection would read them. Or
+                # dropped (close(), a failover) while this call used it.
                 conn.disconnect()
             pool.release(conn)
+
+    def _drop_all(self) -> None:
+        """Disconnect every pooled connection: the idle ones now, the ones calls are using
+        when each call gives its own back (_send). Disconnecting a connection under a call
+        of another thread would close its socket mid-read: redis-py then raises TypeError
+        or ValueError from deep inside, not an error of the connection."""
+        self._generation = next(self._generations)
+        self._redis.connection_pool.disconnect(inuse_connections=False)
 
     def _scripts(self, script: Script, calls: Sequence[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
         """EVALSHA ``script`` once per (key, *args) in ``calls``, in one round trip."""
@@ -320,7 +349,7 @@ class RedisPyBackend:
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         if isinstance(exc, ReadOnlyError):
             # A demoted primary: drop every connection so the next call finds the new one.
-            self._redis.connection_pool.disconnect()
+            self._drop_all()
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
@@ -454,9 +483,7 @@ class RedisPyBackend:
     def close(self) -> None:
         if self._wakeups is not None:
             self._wakeups.close()
-        self._redis.close()
-        # Redis.close() leaves a pool it was given open: its sockets would wait for the gc.
-        self._redis.connection_pool.disconnect()
+        self._drop_all()
 
 
 # ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.
@@ -480,6 +507,9 @@ class RedisPyLink:
         self._pool: Any = redis.ConnectionPool(
             connection_class=kind, host=config.host, port=config.port, **_connection_kwargs(config)
         )
+        # As RedisPyBackend's: link_close() leaves the connections in use to their callers.
+        self._generations = itertools.count()
+        self._generation = next(self._generations)
         # Connect now and load the scripts: a primary's first EVALSHA seldom pays a NOSCRIPT.
         for reply in self.link_recv(
             self.link_send([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]), len(SCRIPTS), None
@@ -488,6 +518,7 @@ class RedisPyLink:
                 raise cache_error(f"connect failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
     def link_send(self, commands: list[tuple[bytes, ...]]) -> Any:
+        generation = self._generation
         try:
             conn: Any = self._pool.get_connection()
         except (RedisError, OSError) as exc:  # could not connect: nothing was sent
@@ -502,10 +533,10 @@ class RedisPyLink:
             conn.disconnect()
             self._pool.release(conn)
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
-        return conn
+        return conn, generation
 
     def link_recv(self, handle: Any, n: int, timeout: float | None) -> list[Any]:
-        conn = handle
+        conn, generation = handle
         complete = False
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -522,12 +553,13 @@ class RedisPyLink:
         except _AMBIGUOUS as exc:
             raise LinkLost(describe(exc)) from exc
         finally:
-            if not complete:
+            if not complete or generation != self._generation:
                 conn.disconnect()
             self._pool.release(conn)
 
     def link_close(self) -> None:
-        self._pool.disconnect()
+        self._generation = next(self._generations)
+        self._pool.disconnect(inuse_connections=False)
 
 
 ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}

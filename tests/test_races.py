@@ -1,0 +1,51 @@
+"""The thread-race stress (tests/race_stress.py) in short runs: calls from eight threads
+while another closes the cache every 0-2 ms, another flushes the scripts every 3 ms (so
+NOSCRIPT replies and script reloads are in flight when the cache closes), and another
+forks; the interpreter switching threads every 10 us. Each run is its own process: a
+crash is a signal in its exit status. The long form is `make stress`.
+
+Before the connection rules of ext/_sync.pxi (close() leaves a connection a call is using
+to that call), the native run died with SIGSEGV within a second; on redis-py, close()
+disconnected sockets under other threads' reads, and TypeError/ValueError escaped to the
+callers, and a forked child hung resetting the parent's pool.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .cluster import Cluster
+from .conftest import RedisServer, native_for_module
+
+ROOT = Path(__file__).resolve().parent.parent
+SECONDS = float(os.environ.get("HOTLOCK_STRESS_SECONDS", "2"))
+
+
+def stress(url: str, backend: str, *extra: str) -> str:
+    """Run the stress; its summary line. Fails on a signal, an escaped exception or a hang."""
+    argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "tests.race_stress", url, backend]
+    # Bounded loosely: the run itself takes SECONDS, every call has a 1 s timeout.
+    proc = subprocess.run(
+        [*argv, str(SECONDS), *extra], cwd=ROOT, capture_output=True, text=True, timeout=SECONDS * 10 + 60
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "'ok'" in summary, summary  # the calls did run
+    return summary
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_race_stress_one_server(backend: str, redis_server: RedisServer) -> None:
+    if backend == "native":
+        native_for_module()
+    stress(redis_server.url, backend, "--fork")
+
+
+def test_race_stress_cluster_native(redis_cluster: Cluster) -> None:
+    native_for_module()
+    stress(redis_cluster.url, "native", *[a for n in redis_cluster.nodes for a in ("--flush", n.url)])
