@@ -95,7 +95,18 @@ class TwoServers(LiveServerTestCase):
                 self.assertIn(int(r.headers["Retry-After"]), range(1, 6))
         sections, overlaps, most = checker.of("work:a")
         self.assertEqual((sections, overlaps, most), (found[200], 0, 1))
-        self.assertEqual(len({r.json()["pid"] for r in responses if r.status_code == 200}), 2)
+
+        # Across the processes, deterministically: held through one, refused by the other.
+        async def across() -> tuple[int, int, int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                slow = asyncio.ensure_future(client.get(f"{self.live_server_url}/work/x/?hold=0.6"))
+                await asyncio.sleep(0.3)
+                busy = await client.get(f"{self.other_url}/work/x/?hold=0")
+                first = await slow
+                after = await client.get(f"{self.other_url}/work/x/?hold=0")
+                return first.status_code, busy.status_code, after.status_code
+
+        self.assertEqual(asyncio.run(across()), (200, 409, 200))
         print(f"\ndjango one holder: {found} over 2 processes, {overlaps} overlaps", file=sys.stderr)
 
     def test_the_checker_catches_overlaps_without_the_lock(self) -> None:
