@@ -128,6 +128,7 @@ def test_fastapi_one_holder_across_two_workers(uvicorn_app: tuple[str, FileCheck
     while len(set(checker.read()["pids"])) < 2 and time.monotonic() < deadline:
         burst(f"{base}/work/b?hold=0.01", 8)
     assert len(set(checker.read()["pids"])) == 2, pids
+    print(f"\nfastapi one holder: {counts} from 2 workers, {overlaps} overlaps")
 
 
 def test_the_checker_catches_overlaps_without_the_lock(uvicorn_app: tuple[str, FileChecker]) -> None:
@@ -136,6 +137,7 @@ def test_the_checker_catches_overlaps_without_the_lock(uvicorn_app: tuple[str, F
     assert counts == {200: 8}
     _, overlaps, most = checker.of("unlocked:a")
     assert overlaps > 0 and most > 1
+    print(f"\nfastapi without the lock: {overlaps} overlaps, {most} inside at once")
 
 
 def test_fastapi_limit_lets_two_in(uvicorn_app: tuple[str, FileChecker]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.core import checks
 
-from .._cli._doctor import FAIL, WARN, Check, check_eviction, check_persistence
+from .._cli._doctor import FAIL, OK, Check, check_eviction, check_persistence
 from .._cli._target import CliError, open_target
 from ._settings import SettingsError, read_settings
 
@@ -57,12 +57,12 @@ def check_server(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMes
         return [checks.Warning(f"cannot check the lock server: {error}", id="hotlock.W002")]
     try:
         found: list[checks.CheckMessage] = []
-        for check, ident in ((check_eviction, "hotlock.E002"), (check_persistence, "hotlock.W003")):
-            found += [
-                _message(c, ident if c.status == FAIL else ident.replace(".E", ".W"))
-                for c in check(target)
-                if c.status in (FAIL, WARN)
-            ]
+        # (the check, its id when it fails, its id when it warns)
+        for check, failed, warned in (
+            (check_eviction, "hotlock.E002", "hotlock.W004"),
+            (check_persistence, "hotlock.E003", "hotlock.W003"),
+        ):
+            found += [_message(c, failed if c.status == FAIL else warned) for c in check(target) if c.status != OK]
         return found
     finally:
         target.close()
