@@ -19,5 +19,11 @@ MIDDLEWARE: list[str] = []
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
 USE_TZ = True
 STATIC_URL = "/static/"  # LiveServerTestCase serves static files from it
+# cache.lock(...) as django-redis spells it, on hotlock (hotlock.django.cache).
+CACHES = {
+    "default": {"BACKEND": "hotlock.django.cache.RedisCache", "LOCATION": os.environ["CACHE_URL"]}
+    if os.environ.get("CACHE_URL")
+    else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+}
 HOTLOCK = json.loads(os.environ["HOTLOCK_JSON"]) if os.environ.get("HOTLOCK_JSON") else {"TIMEOUT": 2.0}
 LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "ERROR"}}

@@ -194,6 +194,16 @@ class DropIn(SimpleTestCase):
         self.assertLess(held._lock.valid_for(), 3.01)  # type: ignore[union-attr]
         held.release()
 
+    def test_cache_lock_of_the_cache_backend(self) -> None:
+        from django.core.cache import cache
+
+        cache.set("plain", "value")  # the rest is Django's own Redis cache
+        self.assertEqual(cache.get("plain"), "value")
+        with cache.lock("drop:f", timeout=5, blocking_timeout=0.1) as held:
+            self.assertIsInstance(held, DjangoLock)
+            self.assertFalse(cache.lock("drop:f", timeout=5).acquire(blocking=False))
+        self.assertTrue(cache.lock("drop:f").acquire(blocking=False))
+
     def test_bad_arguments_before_any_io(self) -> None:
         with self.assertRaises(ValueError):
             lock("drop:e", timeout=0)
