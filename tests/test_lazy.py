@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis
+import uvloop
 
 import hotlock
 import hotlock.aio
@@ -77,8 +78,9 @@ def test_lazy_rejects_bad_arguments_before_any_io() -> None:
         hotlock.connect("redis://127.0.0.1:1/0", lazy=True, timeout=-1)
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("backend", ["native", "redis-py"])
-def test_async_lazy_connect(redis_url: str, backend: str) -> None:
+def test_async_lazy_connect(redis_url: str, backend: str, loop: str) -> None:
     before = _clients(redis_url)
 
     async def main() -> None:
@@ -96,7 +98,7 @@ def test_async_lazy_connect(redis_url: str, backend: str) -> None:
         finally:
             await cache.close()
 
-    asyncio.run(main())
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
 
 
 def test_async_lazy_connect_down_is_a_cache_error() -> None:
