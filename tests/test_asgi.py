@@ -63,7 +63,7 @@ def _env(server: RedisServer, checker: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def uvicorn_app(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FileChecker]]:
     tmp = tmp_path_factory.mktemp("asgi")
     port = free_port()
@@ -112,90 +112,90 @@ def check_conflicts(responses: list[httpx.Response], ttl: int = 5) -> None:
             assert 1 <= int(r.headers["Retry-After"]) <= ttl, r.headers
 
 
-def test_fastapi_one_holder_across_two_workers(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
-    responses = burst(f"{base}/work/a?hold=0.15", 12, rounds=6)
-    counts = statuses(responses)
-    assert set(counts) <= {200, 409}, counts
-    assert counts.get(200, 0) >= 6  # at least one per round
-    assert counts.get(409, 0) >= 6 * 6
-    check_conflicts(responses)
-    sections, overlaps, most = checker.of("work:a")
-    assert (sections, overlaps, most) == (counts[200], 0, 1)
-    # Both workers served the burst: the exclusion held across processes.
-    pids = {r.json()["pid"] for r in responses if r.status_code == 200}
-    deadline = time.monotonic() + 20
-    while len(set(checker.read()["pids"])) < 2 and time.monotonic() < deadline:
-        burst(f"{base}/work/b?hold=0.01", 8)
-    assert len(set(checker.read()["pids"])) == 2, pids
-    print(f"\nfastapi one holder: {counts} from 2 workers, {overlaps} overlaps")
+class TestUvicorn:
+    """The FastAPI app (and its Starlette route) on uvicorn --workers 2: the server is up for
+    this class only, so no more than four processes run at once (uvicorn's three, pytest)."""
 
+    def test_fastapi_one_holder_across_two_workers(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, checker = uvicorn_app
+        responses = burst(f"{base}/work/a?hold=0.15", 12, rounds=6)
+        counts = statuses(responses)
+        assert set(counts) <= {200, 409}, counts
+        assert counts.get(200, 0) >= 6  # at least one per round
+        assert counts.get(409, 0) >= 6 * 6
+        check_conflicts(responses)
+        sections, overlaps, most = checker.of("work:a")
+        assert (sections, overlaps, most) == (counts[200], 0, 1)
+        # Both workers served the burst: the exclusion held across processes.
+        pids = {r.json()["pid"] for r in responses if r.status_code == 200}
+        deadline = time.monotonic() + 20
+        while len(set(checker.read()["pids"])) < 2 and time.monotonic() < deadline:
+            burst(f"{base}/work/b?hold=0.01", 8)
+        assert len(set(checker.read()["pids"])) == 2, pids
+        print(f"\nfastapi one holder: {counts} from 2 workers, {overlaps} overlaps")
 
-def test_the_checker_catches_overlaps_without_the_lock(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
-    counts = statuses(burst(f"{base}/unlocked/a?hold=0.15", 8))
-    assert counts == {200: 8}
-    _, overlaps, most = checker.of("unlocked:a")
-    assert overlaps > 0 and most > 1
-    print(f"\nfastapi without the lock: {overlaps} overlaps, {most} inside at once")
+    def test_the_checker_catches_overlaps_without_the_lock(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, checker = uvicorn_app
+        counts = statuses(burst(f"{base}/unlocked/a?hold=0.15", 8))
+        assert counts == {200: 8}
+        _, overlaps, most = checker.of("unlocked:a")
+        assert overlaps > 0 and most > 1
+        print(f"\nfastapi without the lock: {overlaps} overlaps, {most} inside at once")
 
+    def test_fastapi_limit_lets_two_in(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, checker = uvicorn_app
+        responses = burst(f"{base}/limited/a?hold=0.2", 8, rounds=4)
+        counts = statuses(responses)
+        assert counts.get(200, 0) >= 4 * 2 - 2 and counts.get(409, 0) > 0, counts
+        check_conflicts(responses)
+        _, overlaps, most = checker.of("limited:a")
+        assert overlaps == 0 and most == 2
 
-def test_fastapi_limit_lets_two_in(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
-    responses = burst(f"{base}/limited/a?hold=0.2", 8, rounds=4)
-    counts = statuses(responses)
-    assert counts.get(200, 0) >= 4 * 2 - 2 and counts.get(409, 0) > 0, counts
-    check_conflicts(responses)
-    _, overlaps, most = checker.of("limited:a")
-    assert overlaps == 0 and most == 2
+    def test_fastapi_wait_serializes_instead_of_refusing(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, checker = uvicorn_app
+        counts = statuses(burst(f"{base}/waits/a?hold=0.05", 8))
+        assert counts == {200: 8}
+        assert checker.of("waits:a") == (8, 0, 1)
 
+    def test_fastapi_lock_covers_the_streamed_body_and_is_released_after_it(
+        self, uvicorn_app: tuple[str, FileChecker]
+    ) -> None:
+        base, checker = uvicorn_app
 
-def test_fastapi_wait_serializes_instead_of_refusing(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
-    counts = statuses(burst(f"{base}/waits/a?hold=0.05", 8))
-    assert counts == {200: 8}
-    assert checker.of("waits:a") == (8, 0, 1)
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                async with client.stream("GET", f"{base}/stream/a?chunks=6&gap=0.1") as streaming:
+                    assert streaming.status_code == 200
+                    chunks = streaming.aiter_lines()
+                    assert await anext(chunks) == "0"
+                    # Mid-body: the response is not sent yet, so the lock is held.
+                    busy = await client.get(f"{base}/stream/a?chunks=1&gap=0")
+                    assert busy.status_code == 409
+                    assert [line async for line in chunks] == ["1", "2", "3", "4", "5"]
+                # Sent: released right after (by the dependency's exit, FastAPI >= 0.118).
+                deadline = time.monotonic() + 2
+                while (again := await client.get(f"{base}/stream/a?chunks=1&gap=0")).status_code == 409:
+                    assert time.monotonic() < deadline, "the lock was not released after the response"
+                    await asyncio.sleep(0.02)
+                assert again.status_code == 200
 
+        asyncio.run(main())
+        sections, overlaps, _ = checker.of("stream:a")
+        assert sections >= 2 and overlaps == 0
 
-def test_fastapi_lock_covers_the_streamed_body_and_is_released_after_it(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
+    def test_fastapi_outage_is_503_not_409(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, _ = uvicorn_app
+        r = httpx.get(f"{base}/down/a", timeout=10)
+        assert r.status_code == 503
+        assert r.headers["Retry-After"] == "1"
 
-    async def main() -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            async with client.stream("GET", f"{base}/stream/a?chunks=6&gap=0.1") as streaming:
-                assert streaming.status_code == 200
-                chunks = streaming.aiter_lines()
-                assert await anext(chunks) == "0"
-                # Mid-body: the response is not sent yet, so the lock is held.
-                busy = await client.get(f"{base}/stream/a?chunks=1&gap=0")
-                assert busy.status_code == 409
-                assert [line async for line in chunks] == ["1", "2", "3", "4", "5"]
-            # Sent: released right after (by the dependency's exit, FastAPI >= 0.118).
-            deadline = time.monotonic() + 2
-            while (again := await client.get(f"{base}/stream/a?chunks=1&gap=0")).status_code == 409:
-                assert time.monotonic() < deadline, "the lock was not released after the response"
-                await asyncio.sleep(0.02)
-            assert again.status_code == 200
-
-    asyncio.run(main())
-    sections, overlaps, _ = checker.of("stream:a")
-    assert sections >= 2 and overlaps == 0
-
-
-def test_fastapi_outage_is_503_not_409(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, _ = uvicorn_app
-    r = httpx.get(f"{base}/down/a", timeout=10)
-    assert r.status_code == 503
-    assert r.headers["Retry-After"] == "1"
-
-
-def test_starlette_endpoint_decorator(uvicorn_app: tuple[str, FileChecker]) -> None:
-    base, checker = uvicorn_app
-    responses = burst(f"{base}/plain/a?hold=0.15", 8, rounds=3)
-    counts = statuses(responses)
-    assert counts.get(200, 0) >= 3 and counts.get(409, 0) > 0, counts
-    check_conflicts(responses)
-    assert checker.of("plain:a")[1:] == (0, 1)
+    def test_starlette_endpoint_decorator(self, uvicorn_app: tuple[str, FileChecker]) -> None:
+        base, checker = uvicorn_app
+        responses = burst(f"{base}/plain/a?hold=0.15", 8, rounds=3)
+        counts = statuses(responses)
+        assert counts.get(200, 0) >= 3 and counts.get(409, 0) > 0, counts
+        check_conflicts(responses)
+        assert checker.of("plain:a")[1:] == (0, 1)
 
 
 def test_aiohttp_handler_decorator(aiohttp_app: tuple[str, FileChecker]) -> None:
