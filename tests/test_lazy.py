@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import subprocess
 import time
 
@@ -191,3 +192,29 @@ def test_listeners_are_checked_before_any_io() -> None:
         hotlock.connect("redis://127.0.0.1:1/0", metrics=[Recorder(), object()])  # type: ignore[list-item]
     both = Listeners(Recorder(), Recorder())
     assert len(both.listeners) == 2
+
+
+def test_async_lazy_connect_survives_a_cancelled_caller() -> None:
+    # A server that accepts and never answers: the connect's INFO waits out its timeout.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        url = f"redis://127.0.0.1:{mute.getsockname()[1]}/0"
+
+        async def main() -> None:
+            cache = await hotlock.aio.connect(url, lazy=True, timeout=0.3, connect_timeout=0.3)
+            try:
+                first = asyncio.ensure_future(cache.lock("lazy:mute"))
+                await asyncio.sleep(0.05)
+                first.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                # The connect the cancelled caller started goes on; this call awaits it.
+                started = time.monotonic()
+                with pytest.raises(hotlock.CacheError):
+                    await cache.lock("lazy:mute")
+                assert time.monotonic() - started < 3.0
+            finally:
+                await cache.close()
+
+        asyncio.run(main())

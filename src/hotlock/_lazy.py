@@ -40,6 +40,11 @@ _SYNC_OPS = (
 )
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class LazyBackend:
     """A Backend that is opened by its first call (see the module's docstring)."""
 
@@ -147,6 +152,9 @@ class AsyncLazyBackend:
             return self._opened
         if self._opening is None:
             self._opening = asyncio.ensure_future(open_async_detected(self._config, self._requested, self._scripts))
+            # Its failure is read by whoever awaits it; if all of them were cancelled, here,
+            # so asyncio never logs it as "never retrieved".
+            self._opening.add_done_callback(_retrieved)
         opening = self._opening
         try:
             # shield: a caller cancelled while the connect runs must not cancel it for the
