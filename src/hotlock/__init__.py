@@ -8,13 +8,14 @@ with cache.lock("settle:invoice-1", ttl=60):   # try once; LockNotAcquired if he
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
-from ._connect import connect_config, log_server, open_backend, with_wakeups
-from ._dialect import check_scripts, commands_from, detect, probe_needed
+from ._connect import connect_config, open_detected, with_wakeups
+from ._dialect import check_scripts
 from ._fastpath import MeteredNativeCache, NativeCache
+from ._lazy import LazyBackend
 from ._lock import Lock
 from ._metered import MeteredCache, check_listener
 from ._validate import DEFAULT_TTL, Seconds
@@ -75,8 +76,9 @@ def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
-    metrics: Listener | None = None,
+    metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
+    lazy: bool = False,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -98,31 +100,36 @@ def connect(
     ``cache.server_info`` tells which server was found and which path is in use.
 
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
-    told of every acquisition, release, extension, loss and error; without one, nothing is paid.
+    told of every acquisition, release, extension, loss and error, or a list of listeners
+    (each told of every event, e.g. Prometheus and hotlock.otel); without one, nothing is paid.
 
     ``wakeups=True`` lets a release wake the lock_wait callers waiting for its key (a
     PUBLISH on ``<prefix>wake:{key}``, sent only when someone waits; one subscriber
     connection per cache); ``wakeups=False`` keeps lock_wait on its backoff polling alone.
+
+    ``lazy=True`` checks the arguments and the URL but sends nothing: the first call that
+    needs the server connects (and a failure then is a CacheError, as any later one is;
+    the next call tries again). For a framework that imports its settings before the
+    network is up, or a process that forks workers after import. A lazy cache uses the
+    plain Python lock path (not the native one-call fast path) and logs its connect line
+    at the first call; ``cache.server_info`` reads "not detected" until then.
     """
     check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:
         return _cache(MemoryBackend(), raw_prefix, listener, timeout)
-    opened, why = open_backend(config, backend)
-    try:
-        info = opened.info()
-        # The server's dialect, once: what extend and release send from now on (_dialect).
-        commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
-        dialect = detect(info, commands, scripts)
-        opened.use_dialect(dialect)
-        # What the backend made of it (a cluster: each primary's own).
-        log_server(info, opened.dialect, opened.name, opened.server, why)
-    except BaseException:
-        opened.close()
-        raise
-    return _cache(opened, raw_prefix, listener, config.timeout)
+    if lazy:
+        # No I/O now: the first call opens the backend (LazyBackend). The plain classes, not
+        # the native one-call fast paths, which need the opened backend at construction.
+        lazy_backend = LazyBackend(config, backend, scripts)
+        if listener is None:
+            return Cache(lazy_backend, raw_prefix, config.timeout)
+        return MeteredCache(lazy_backend, raw_prefix, listener, config.timeout)
+    return _cache(open_detected(config, backend, scripts), raw_prefix, listener, config.timeout)
 
 
 def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: float) -> Cache:

@@ -96,8 +96,13 @@ class CacheBase(Generic[L]):
         else:
             held = f"held elsewhere for up to {-result / 1000:.3f} s more"
         after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
+        # The acquire's own reply carries the holder's PTTL: no extra round trip for it.
+        retry_after = -result / 1000 if result < 0 and result != KIND_CONFLICT else None
         return LockNotAcquired(
-            f"lock {shown(key)!r} is {held}{after} (server {self.server})", key=shown(key), server=self.server
+            f"lock {shown(key)!r} is {held}{after} (server {self.server})",
+            key=shown(key),
+            server=self.server,
+            retry_after=retry_after,
         )
 
     def _live(self, locks: Iterable[L | None]) -> tuple[list[L | None], list[tuple[int, L]]]:

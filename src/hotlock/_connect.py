@@ -31,7 +31,9 @@ __all__ = [
     "connect_config",
     "log_server",
     "open_async_backend",
+    "open_async_detected",
     "open_backend",
+    "open_detected",
     "with_wakeups",
 ]
 
@@ -126,6 +128,41 @@ async def open_async_backend(config: ServerConfig, requested: str | None) -> tup
 
         backend = await RedisAsyncBackend.open(config)
     return backend, why
+
+
+def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> Backend:
+    """The sync backend opened, its server's dialect detected (INFO and COMMAND, once), and
+    the connect log lines written: what connect() does once the arguments are checked."""
+    from ._dialect import commands_from, detect, probe_needed
+
+    opened, why = open_backend(config, requested)
+    try:
+        info = opened.info()
+        # The server's dialect, once: what extend and release send from now on (_dialect).
+        commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
+        opened.use_dialect(detect(info, commands, scripts))
+        # What the backend made of it (a cluster: each primary's own).
+        log_server(info, opened.dialect, opened.name, opened.server, why)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+async def open_async_detected(config: ServerConfig, requested: str | None, scripts: str) -> AsyncBackend:
+    """open_detected()'s async twin."""
+    from ._dialect import commands_from, detect, probe_needed
+
+    opened, why = await open_async_backend(config, requested)
+    try:
+        info = await opened.info()
+        commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
+        opened.use_dialect(detect(info, commands, scripts))
+        log_server(info, opened.dialect, opened.name, opened.server, why)
+    except BaseException:
+        await opened.close()
+        raise
+    return opened
 
 
 def connect_config(

@@ -18,7 +18,7 @@ from ._cache import Cache
 from ._lock import Lease, Lock
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, LockNotAcquired
-from .metrics import LISTENER_METHODS, Listener, NotAcquired, Op
+from .metrics import LISTENER_METHODS, Listener, Listeners, NotAcquired, Op
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -31,15 +31,24 @@ _monotonic = time.monotonic  # the clock of Lease._now, bound once for the hot p
 
 
 def check_listener(metrics: object) -> Listener | None:
-    """connect()'s check of ``metrics``, before any I/O: None, or an object with every
+    """connect()'s check of ``metrics``, before any I/O: None, an object with every
     Listener method (a missing one would otherwise surface as an AttributeError, logged
-    and swallowed, on the first event)."""
+    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
     if metrics is None:
         return None
+    if isinstance(metrics, (list, tuple)):
+        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
+        if not listeners:
+            return None
+        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
+    return _one_listener(metrics, "metrics")
+
+
+def _one_listener(metrics: object, name: str) -> Listener:
     missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
     if missing:
         raise TypeError(
-            f"metrics must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
+            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
         )
     return metrics  # type: ignore[return-value]
 

@@ -24,7 +24,24 @@ class HotlockError(Exception):
 
 
 class LockNotAcquired(HotlockError):
-    """Another holder has the key (a try-once conflict, or a wait deadline passed): a 409."""
+    """Another holder has the key (a try-once conflict, or a wait deadline passed): a 409.
+
+    ``retry_after`` is the holder's remaining TTL in seconds as the failed acquire found it
+    (with ``limit=N``: until the first permit frees), an upper bound on how long the key
+    stays held unless its holder extends it; None when the server could not say (a key
+    without a TTL, a key held as the other kind of lock).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        server: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, key=key, server=server)
+        self.retry_after = retry_after
 
 
 class LockLost(HotlockError):

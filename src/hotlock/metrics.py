@@ -18,6 +18,7 @@ A cache made without ``metrics`` pays nothing: its locks carry no listener and t
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -38,6 +39,7 @@ __all__ = [
     "WAIT_BUCKETS",
     "BaseListener",
     "Listener",
+    "Listeners",
     "NotAcquired",
     "Op",
     "PrometheusMetrics",
@@ -110,6 +112,54 @@ class BaseListener:
 
 
 LISTENER_METHODS = ("acquired", "not_acquired", "released", "extended", "lost", "error")
+
+
+class Listeners:
+    """Several listeners as one: each event goes to each, in order. ``connect(metrics=[a, b])``
+    makes one; so does ``Listeners(a, b)``.
+
+    One that raises is logged once (a WARNING naming it) and skipped for that event; the
+    others still hear it, so a broken exporter does not silence the Prometheus counters.
+    """
+
+    __slots__ = ("_warned", "listeners")
+
+    def __init__(self, *listeners: Listener) -> None:
+        self.listeners: tuple[Listener, ...] = listeners
+        self._warned: set[int] = set()
+
+    def _each(self, method: str, *args: Any) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, method)(*args)
+            except Exception:
+                if id(listener) not in self._warned:
+                    self._warned.add(id(listener))
+                    logging.getLogger("hotlock").warning(
+                        "metrics listener %r raised; its events are dropped", listener, exc_info=True
+                    )
+
+    def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
+        self._each("acquired", key, wait_s, attempts)
+
+    def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
+        self._each("not_acquired", key, outcome, wait_s)
+
+    def released(self, key: str | bytes, held_s: float) -> None:
+        self._each("released", key, held_s)
+
+    def extended(self, key: str | bytes, ok: bool) -> None:
+        self._each("extended", key, ok)
+
+    def lost(self, key: str | bytes, held_s: float) -> None:
+        self._each("lost", key, held_s)
+
+    def error(self, key: str | bytes, op: Op, error: CacheError) -> None:
+        self._each("error", key, op, error)
+
+    def __repr__(self) -> str:
+        return f"<hotlock.metrics.Listeners {list(self.listeners)!r}>"
+
 
 # The error codes a server puts first in an error reply that an operator acts on
 # differently; anything else is "reply".

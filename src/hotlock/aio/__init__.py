@@ -11,11 +11,12 @@ Runs on asyncio and on uvloop alike. A cache belongs to the event loop it was co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .._connect import connect_config, log_server, open_async_backend, with_wakeups
-from .._dialect import check_scripts, commands_from, detect, probe_needed
+from .._connect import connect_config, open_async_detected, with_wakeups
+from .._dialect import check_scripts
+from .._lazy import AsyncLazyBackend
 from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
 from ..backends.memory_async import AsyncMemoryBackend
@@ -44,8 +45,9 @@ async def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
-    metrics: Listener | None = None,
+    metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
+    lazy: bool = False,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -53,25 +55,23 @@ async def connect(
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
     chooses between the Lua-free extend/release, where the server has them, and the scripts.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
+
+    ``lazy=True`` sends nothing here: the first awaited call connects, in the event loop it
+    runs in (the cache then belongs to that loop), so a module can make its cache at import,
+    before any loop runs (``await`` it there anyway; it returns at once). A failure to connect
+    is that call's CacheError; the next call tries again.
     """
     check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:
         return _cache(AsyncMemoryBackend(), raw_prefix, listener, timeout)
-    opened, why = await open_async_backend(config, backend)
-    try:
-        info = await opened.info()
-        commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
-        dialect = detect(info, commands, scripts)
-        opened.use_dialect(dialect)
-        # What the backend made of it (a cluster: each primary's own).
-        log_server(info, opened.dialect, opened.name, opened.server, why)
-    except BaseException:
-        await opened.close()
-        raise
-    return _cache(opened, raw_prefix, listener, config.timeout)
+    if lazy:
+        return _cache(AsyncLazyBackend(config, backend, scripts), raw_prefix, listener, config.timeout)
+    return _cache(await open_async_detected(config, backend, scripts), raw_prefix, listener, config.timeout)
 
 
 def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None, timeout: float) -> AsyncCache:
