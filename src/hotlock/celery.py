@@ -15,6 +15,7 @@ body runs. ``pip install hotlock[celery]``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -87,10 +88,11 @@ class LockedTask(Task):  # type: ignore[misc]
       retry), "retry" (``self.retry`` after ``conflict_countdown`` seconds, jittered; it
       counts against ``max_retries``) or "raise" (LockNotAcquired fails the task).
     - ``done_ttl`` (None): when set, a marker ``celery-done:<name>:<id>:<retries>`` is
-      claimed with set_nx as the body starts, held this long; a redelivered copy of the
-      same attempt then returns None without running. The body runs at most once per
-      attempt: a run cut short is not run again, so use it where twice is worse than
-      once, as for a charge.
+      claimed with set_nx as the attempt starts, kept this long (make it longer than
+      the broker's visibility timeout); a redelivered copy of the same attempt then
+      returns None without running. The body runs at most once per attempt: a run cut
+      short by a kill is not run again, so use it where twice is worse than never, as
+      for a charge. A retry (``self.retry``, or ``on_conflict="retry"``) is a new attempt.
     """
 
     hotlock_cache: CacheSource | None = None
@@ -109,8 +111,12 @@ class LockedTask(Task):  # type: ignore[misc]
     def _hotlock(self) -> tuple[Cache, Callable[[tuple[Any, ...], dict[str, Any]], str]]:
         pid = os.getpid()
         if self._hotlock_pid != pid or self._hotlock_made is None or self._hotlock_key is None:
+            # A function stored as a class attribute would come back bound to the task.
+            source: Any = inspect.getattr_static(self, "hotlock_cache")
+            if isinstance(source, staticmethod):
+                source = source.__func__
             _check(
-                self.hotlock_cache,
+                source,
                 self.lock_key,
                 self.lock_ttl,
                 self.lock_wait,
@@ -123,10 +129,9 @@ class LockedTask(Task):  # type: ignore[misc]
             template = self.lock_key if self.lock_key is not None else name
             locking = Locking(template, self.lock_ttl, self.lock_wait, 1, True, None)
             key_of = locking.keys(self.run, coroutine=False)
-            source = self.hotlock_cache
             # A cache made before a prefork fork belongs to the parent: a factory makes one
             # per child.
-            made = source if isinstance(source, Cache) else source()  # type: ignore[misc]
+            made = source if isinstance(source, Cache) else source()
             if not isinstance(made, Cache):
                 raise TypeError(f"hotlock_cache() must return a hotlock.Cache, not {type(made).__name__}")
             self._hotlock_made, self._hotlock_key, self._hotlock_pid = made, key_of, pid
@@ -136,6 +141,15 @@ class LockedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache, key_of = self._hotlock()
         key = key_of(args, kwargs)
+        if self.done_ttl is not None:
+            # Claimed before the lock: a redelivered copy that meets its still-running
+            # original must end here, not retry into an attempt of its own. A retry is a
+            # new attempt (request.retries + 1), with a marker of its own.
+            request = self.request
+            marker = f"celery-done:{self.name}:{request.id}:{request.retries or 0}"
+            if not cache.set_nx(marker, str(os.getpid()), self.done_ttl):
+                log.info("task %s[%s]: this attempt ran already (a redelivery); not run again", self.name, request.id)
+                return None
         try:
             if self.lock_wait is None:
                 lock = cache.lock(key, self.lock_ttl, auto_extend=True)
@@ -144,12 +158,6 @@ class LockedTask(Task):  # type: ignore[misc]
         except LockNotAcquired as error:
             return self._conflict(key, error)
         with lock:
-            if self.done_ttl is not None:
-                request = self.request
-                marker = f"celery-done:{self.name}:{request.id}:{request.retries or 0}"
-                if not cache.set_nx(marker, str(lock.fence), self.done_ttl):
-                    log.info("task %s[%s]: already run (a redelivery); not run again", self.name, request.id)
-                    return None
             return super().__call__(*args, **kwargs)
 
     def _conflict(self, key: str, error: LockNotAcquired) -> Any:
