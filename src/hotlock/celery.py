@@ -236,8 +236,9 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
     wait as standbys and take over within one lease TTL of the leader's end (at once when
     it stops cleanly).
 
-    Settings (``app.conf``): ``hotlock_url`` (else CACHE_URL), ``hotlock_beat_name``
-    ("celery-beat": beats of one name elect one leader), ``hotlock_beat_ttl`` (10 s).
+    Settings (``app.conf``): ``hotlock_url`` (else CACHE_URL), ``hotlock_prefix``
+    ("hotlock:"), ``hotlock_beat_name`` ("celery-beat": the beats of one name and prefix
+    elect one leader), ``hotlock_beat_ttl`` (10 s).
 
     Each due entry is also claimed once per period (``set_nx`` on
     ``beat:<entry>:<period number>``) before it is sent, so a deposed leader that has not
@@ -251,9 +252,10 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         url = conf.get("hotlock_url")
         name = conf.get("hotlock_beat_name") or "celery-beat"
         ttl = conf.get("hotlock_beat_ttl") or 10.0
+        prefix = conf.get("hotlock_prefix") or "hotlock:"
         from . import connect
 
-        self.leader = Leader(connect(url), name, ttl)
+        self.leader = Leader(connect(url, prefix=prefix), name, ttl)
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
