@@ -225,3 +225,62 @@ def test_bad_options_fail_at_decoration() -> None:
         hotlock.celery.locked_task(app, "k", cache="redis://x")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         hotlock.celery.locked_task(app, "k", cache=cache, ttl=0)
+
+
+# -- in-process (Task.apply), against the shared server: the options' logic, fast --------
+
+
+def eager_app(url: str, ran: list[object]) -> tuple[Celery, dict[str, object]]:
+    eager = Celery("eager", set_as_current=False)
+
+    def cache() -> hotlock.Cache:
+        return hotlock.connect(url)
+
+    @hotlock.celery.locked_task(eager, "k:{n}", cache=cache, ttl=5, on_conflict="skip", max_retries=0)
+    def skip(n: int) -> str:
+        ran.append(("skip", n))
+        return "ran"
+
+    @hotlock.celery.locked_task(
+        eager, "k:{n}", cache=cache, ttl=5, on_conflict="retry", max_retries=2, conflict_countdown=0.01
+    )
+    def retry(n: int) -> str:
+        ran.append(("retry", n))
+        return "ran"
+
+    @hotlock.celery.locked_task(eager, "once:{n}", cache=cache, ttl=5, done_ttl=60)
+    def once(n: int) -> str:
+        ran.append(("once", n))
+        return "ran"
+
+    @hotlock.celery.locked_task(eager, "b:{n}", cache=cache, bind=True)
+    def bound(self: object, n: int) -> str:
+        ran.append(("bound", type(self).__name__))
+        return "ran"
+
+    return eager, {"skip": skip, "retry": retry, "once": once, "bound": bound}
+
+
+def test_skip_retry_and_done_marker_in_process(redis_url: str) -> None:
+    ran: list[object] = []
+    _, tasks = eager_app(redis_url, ran)
+    skip, retry, once, bound = (tasks[n] for n in ("skip", "retry", "once", "bound"))
+    with hotlock.connect(redis_url) as cache:
+        with cache.lock("k:1", ttl=5):
+            result = skip.apply((1,))  # type: ignore[attr-defined]
+            assert (result.state, result.result, ran) == ("SUCCESS", None, [])
+            result = retry.apply((1,))  # type: ignore[attr-defined]
+            assert result.state == "FAILURE" and isinstance(result.result, hotlock.LockNotAcquired)
+            assert ran == []
+        assert skip.apply((1,)).result == "ran"  # type: ignore[attr-defined]
+        # The same delivery (task id and retries) twice: the body runs once.
+        assert once.apply((7,), task_id="t-1").result == "ran"  # type: ignore[attr-defined]
+        assert once.apply((7,), task_id="t-1").result is None  # type: ignore[attr-defined]
+        assert once.apply((7,), task_id="t-2").result == "ran"  # type: ignore[attr-defined]
+        # Called as a function: locked, and no marker (there is no delivery to repeat).
+        assert once(7) == "ran" and once(7) == "ran"  # type: ignore[operator]
+        assert ran == [("skip", 1), ("once", 7), ("once", 7), ("once", 7), ("once", 7)]
+        ran.clear()
+        with cache.lock("b:3", ttl=5):
+            assert bound.apply((3,)).result is None  # type: ignore[attr-defined]
+        assert bound.apply((3,)).result == "ran" and len(ran) == 1  # type: ignore[attr-defined]

@@ -285,11 +285,21 @@ def test_beats_elect_one_leader_through_kill_stop_and_outage(
         when, epoch4 = ticks.wait_new_epoch(back, {epoch, epoch2, epoch3}, timeout=15)
         report.append(f"Redis down {3 * TTL:.0f} s: first tick {when - back:.2f} s after it came back")
         time.sleep(1.5)
-        report.append(f"ticks {len(ticks.seen)}, duplicates {ticks.duplicates()}, epochs {epoch}..{epoch4}")
+
+        # 5. The leader stops cleanly (SIGTERM): it steps down, and a standby leads at once.
+        leaving = leader_of(beats, epoch4)
+        leaving.proc.terminate()
+        stopped = time.monotonic()
+        when, _ = ticks.wait_new_epoch(stopped, {epoch, epoch2, epoch3, epoch4}, timeout=10)
+        report.append(f"SIGTERM: first tick of the new leader {when - stopped:.2f} s after it")
+        assert when - stopped <= 1.0 + TICK
+        assert leaving.proc.wait(10) == 0
+        time.sleep(1)
+        report.append(f"ticks {len(ticks.seen)}, duplicates {ticks.duplicates()}, epochs {epoch}..{epoch4}+1")
         print("\n" + "\n".join(report))
 
         assert ticks.duplicates() == 0
-        assert all(b.alive() for b in beats if b is not killed_beat), "a beat exited"
+        assert all(b.alive() for b in beats if b not in (killed_beat, leaving)), "a beat exited"
     finally:
         ticks.stop()
         for b in beats:

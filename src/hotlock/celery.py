@@ -141,11 +141,12 @@ class LockedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache, key_of = self._hotlock()
         key = key_of(args, kwargs)
-        if self.done_ttl is not None:
+        request = self.request
+        # Not when the task is called as a plain function: there is no delivery to repeat.
+        if self.done_ttl is not None and request.id is not None and not request.called_directly:
             # Claimed before the lock: a redelivered copy that meets its still-running
             # original must end here, not retry into an attempt of its own. A retry is a
             # new attempt (request.retries + 1), with a marker of its own.
-            request = self.request
             marker = f"celery-done:{self.name}:{request.id}:{request.retries or 0}"
             if not cache.set_nx(marker, str(os.getpid()), self.done_ttl):
                 log.info("task %s[%s]: this attempt ran already (a redelivery); not run again", self.name, request.id)
