@@ -15,6 +15,7 @@ body runs. ``pip install hotlock[celery]``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -134,6 +135,10 @@ class LockedTask(Task):  # type: ignore[misc]
             made = source if isinstance(source, Cache) else source()
             if not isinstance(made, Cache):
                 raise TypeError(f"hotlock_cache() must return a hotlock.Cache, not {type(made).__name__}")
+            if not made.enabled:
+                log.warning(
+                    "task %s: its cache is the in-process fallback; it excludes nothing across processes", self.name
+                )
             self._hotlock_made, self._hotlock_key, self._hotlock_pid = made, key_of, pid
         assert self._hotlock_made is not None and self._hotlock_key is not None
         return self._hotlock_made, self._hotlock_key
@@ -217,9 +222,7 @@ def locked_task(
 
 
 def _without_self(fn: Callable[..., Any]) -> Callable[..., Any]:
-    import functools
-    import inspect
-
+    """A stand-in with ``fn``'s signature less its first parameter (the task, under bind=True)."""
     signature = inspect.signature(fn)
     params = list(signature.parameters.values())[1:]
 
@@ -256,7 +259,11 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         prefix = conf.get("hotlock_prefix") or "hotlock:"
         from . import connect
 
-        self.leader = Leader(connect(url, prefix=prefix), name, ttl)
+        cache = connect(url, prefix=prefix)
+        if not cache.enabled:
+            # The in-process fallback would make every beat its own leader.
+            raise ValueError("LeaderScheduler needs a Redis: set app.conf.hotlock_url or CACHE_URL")
+        self.leader = Leader(cache, name, ttl)
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
