@@ -108,75 +108,91 @@ def free_after(cache: hotlock.Cache, key: str, timeout: float) -> float:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="class")
-def worker(broker: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """One worker for the tests of TestWorker, stopped before the tests after it start theirs."""
-    w = Worker(broker.url, tmp_path_factory.mktemp("celery"))
+@pytest.fixture
+def worker(broker: RedisServer, tmp_path: Path) -> Iterator[Worker]:
+    """A worker per test, so xdist never runs two at once for this module's checks."""
+    w = Worker(broker.url, tmp_path)
     yield w
     w.stop()
 
 
-class TestWorker:
-    def test_no_overlap_per_key_in_two_pool_processes(self, worker: Worker) -> None:
-        # 16 tasks on 2 keys, each 0.15 s inside; a conflict retries after ~50 ms.
-        results = [app.signature("tests.celery_app.hold", (n % 2, 0.15)).delay() for n in range(16)]
-        pids = {r.get(timeout=60) for r in results}
-        overlaps, most, sections = FileOverlapLog(str(worker.out / "sections")).count()
-        assert (overlaps, most, sections) == (0, 1, 16)
-        assert len(pids) == 2, "both pool processes ran tasks"
+def no_overlap_per_key_in_two_pool_processes(worker: Worker) -> None:
+    # 16 tasks on 2 keys, each 0.15 s inside; a conflict retries after ~50 ms.
+    results = [app.signature("tests.celery_app.hold", (n % 2, 0.15)).delay() for n in range(16)]
+    pids = {r.get(timeout=60) for r in results}
+    overlaps, most, sections = FileOverlapLog(str(worker.out / "sections")).count()
+    assert (overlaps, most, sections) == (0, 1, 16)
+    assert len(pids) == 2, "both pool processes ran tasks"
 
-    def test_the_checker_catches_a_broken_lock(self, worker: Worker) -> None:
-        # The same sections with no lock: the two pool processes are inside one key at once.
-        results = [app.signature("tests.celery_app.unlocked_hold", (0, 0.5)).delay() for _ in range(4)]
-        for r in results:
-            r.get(timeout=30)
-        overlaps, most, sections = FileOverlapLog(str(worker.out / "unlocked")).count()
-        assert sections == 4
-        assert overlaps >= 1 and most == 2
 
-    def test_a_conflict_skips_without_failing(self, worker: Worker) -> None:
-        first = app.signature("tests.celery_app.skip_hold", (1, 1.5)).delay()
-        time.sleep(0.5)
-        second = app.signature("tests.celery_app.skip_hold", (1, 0)).delay()
-        assert second.get(timeout=30) is None
-        assert second.state == "SUCCESS"
-        assert first.get(timeout=30) == "ran"
-        # Once free, the key runs again.
-        assert app.signature("tests.celery_app.skip_hold", (1, 0)).delay().get(timeout=30) == "ran"
+def the_checker_catches_a_broken_lock(worker: Worker) -> None:
+    # The same sections with no lock: the two pool processes are inside one key at once.
+    results = [app.signature("tests.celery_app.unlocked_hold", (0, 0.5)).delay() for _ in range(4)]
+    for r in results:
+        r.get(timeout=30)
+    overlaps, most, sections = FileOverlapLog(str(worker.out / "unlocked")).count()
+    assert sections == 4
+    assert overlaps >= 1 and most == 2
 
-    def test_a_conflict_raises_when_asked(self, worker: Worker) -> None:
-        first = app.signature("tests.celery_app.raise_hold", (1, 1.5)).delay()
-        time.sleep(0.5)
-        second = app.signature("tests.celery_app.raise_hold", (1, 0)).delay()
-        second.get(timeout=30, propagate=False)
-        assert second.state == "FAILURE"
-        assert "LockNotAcquired" in (second.traceback or "")
-        assert first.get(timeout=30) == "ran"
 
-    def test_sigkilled_task_frees_its_key_within_the_ttl(self, worker: Worker, broker: RedisServer) -> None:
-        app.signature("tests.celery_app.long_hold", (3,)).delay()
-        pid = int(wait_for(worker.out / "pid-3"))
-        with hotlock.connect(broker.url) as cache:
-            time.sleep(2.5)  # past one TTL: held because it is extended, not by its first TTL
-            with pytest.raises(hotlock.LockNotAcquired):
-                cache.lock("long:3", ttl=1)
-            os.kill(pid, signal.SIGKILL)
-            took = free_after(cache, "long:3", timeout=10)
-        print(f"\nSIGKILLed pool process: key free after {took:.2f} s (ttl 2 s)")
-        assert took <= 2.0 + 0.5
+def a_conflict_skips_without_failing(worker: Worker) -> None:
+    first = app.signature("tests.celery_app.skip_hold", (1, 1.5)).delay()
+    time.sleep(0.5)
+    second = app.signature("tests.celery_app.skip_hold", (1, 0)).delay()
+    assert second.get(timeout=30) is None
+    assert second.state == "SUCCESS"
+    assert first.get(timeout=30) == "ran"
+    # Once free, the key runs again.
+    assert app.signature("tests.celery_app.skip_hold", (1, 0)).delay().get(timeout=30) == "ran"
 
-    def test_time_limited_task_frees_its_key_within_the_ttl(self, worker: Worker, broker: RedisServer) -> None:
-        result = app.signature("tests.celery_app.limited_hold", (4,)).delay()
-        started = float(wait_for(worker.out / "started-4"))
-        with hotlock.connect(broker.url) as cache:
-            with pytest.raises(hotlock.LockNotAcquired):
-                cache.lock("limited:4", ttl=1)
-            free_after(cache, "limited:4", timeout=15)
-        took = time.time() - started
-        result.get(timeout=30, propagate=False)
-        assert result.state == "FAILURE"  # TimeLimitExceeded: the pool killed the process
-        print(f"\ntime-limited task (limit 1 s): key free {took:.2f} s after it started (ttl 2 s)")
-        assert took <= 1.0 + 2.0 + 1.0
+
+def a_conflict_raises_when_asked(worker: Worker) -> None:
+    first = app.signature("tests.celery_app.raise_hold", (1, 1.5)).delay()
+    time.sleep(0.5)
+    second = app.signature("tests.celery_app.raise_hold", (1, 0)).delay()
+    second.get(timeout=30, propagate=False)
+    assert second.state == "FAILURE"
+    assert "LockNotAcquired" in (second.traceback or "")
+    assert first.get(timeout=30) == "ran"
+
+
+def a_sigkilled_task_frees_its_key_within_the_ttl(worker: Worker, broker: RedisServer) -> None:
+    app.signature("tests.celery_app.long_hold", (3,)).delay()
+    pid = int(wait_for(worker.out / "pid-3"))
+    with hotlock.connect(broker.url) as cache:
+        time.sleep(2.5)  # past one TTL: held because it is extended, not by its first TTL
+        with pytest.raises(hotlock.LockNotAcquired):
+            cache.lock("long:3", ttl=1)
+        os.kill(pid, signal.SIGKILL)
+        took = free_after(cache, "long:3", timeout=10)
+    print(f"\nSIGKILLed pool process: key free after {took:.2f} s (ttl 2 s)")
+    assert took <= 2.0 + 0.5
+
+
+def a_time_limited_task_frees_its_key_within_the_ttl(worker: Worker, broker: RedisServer) -> None:
+    result = app.signature("tests.celery_app.limited_hold", (4,)).delay()
+    started = float(wait_for(worker.out / "started-4"))
+    with hotlock.connect(broker.url) as cache:
+        with pytest.raises(hotlock.LockNotAcquired):
+            cache.lock("limited:4", ttl=1)
+        free_after(cache, "limited:4", timeout=15)
+    took = time.time() - started
+    result.get(timeout=30, propagate=False)
+    assert result.state == "FAILURE"  # TimeLimitExceeded: the pool killed the process
+    print(f"\ntime-limited task (limit 1 s): key free {took:.2f} s after it started (ttl 2 s)")
+    assert took <= 1.0 + 2.0 + 1.0
+
+
+def test_exclusion_and_conflicts_in_a_prefork_worker(worker: Worker) -> None:
+    no_overlap_per_key_in_two_pool_processes(worker)
+    the_checker_catches_a_broken_lock(worker)
+    a_conflict_skips_without_failing(worker)
+    a_conflict_raises_when_asked(worker)
+
+
+def test_killed_holders_free_their_key_within_the_ttl(worker: Worker, broker: RedisServer) -> None:
+    a_sigkilled_task_frees_its_key_within_the_ttl(worker, broker)
+    a_time_limited_task_frees_its_key_within_the_ttl(worker, broker)
 
 
 def test_a_redelivered_task_charges_once(broker: RedisServer, tmp_path: Path) -> None:
