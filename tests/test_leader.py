@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def test_bad_arguments_fail_before_any_io(monkeypatch: pytest.MonkeyPatch) -> No
 class Beat:
     """``celery beat -S hotlock.celery:LeaderScheduler`` in a process of its own."""
 
-    def __init__(self, broker: str, locks: str, out: Path, n: int, prefix: str = "hotlock:") -> None:
+    def __init__(self, broker: str, locks: str, out: Path, n: int, prefix: str = "hotlock:", ttl: float = 2) -> None:
         self.logpath = out / f"beat-{n}-{time.monotonic_ns()}.log"
         self.log = open(self.logpath, "wb")  # noqa: SIM115 (closed in stop)
         env = {
@@ -135,6 +136,7 @@ class Beat:
             "HOTLOCK_TEST_BROKER": broker,
             "HOTLOCK_TEST_LOCKS": locks,
             "HOTLOCK_TEST_PREFIX": prefix,
+            "HOTLOCK_TEST_TTL": str(ttl),
             "PYTHONPATH": str(ROOT),
         }
         cmd = [
@@ -320,3 +322,42 @@ def test_the_tick_checker_catches_two_leaders(servers: tuple[RedisServer, RedisS
         ticks.stop()
         for b in beats:
             b.stop()
+
+
+@pytest.mark.slow
+def test_beats_take_over_within_the_default_ttl(servers: tuple[RedisServer, RedisServer], tmp_path: Path) -> None:
+    # The long form: the default 10 s lease, the leader SIGKILLed, then the next SIGSTOPped.
+    broker, locks = servers
+    ttl = 10.0
+    ticks = Ticks(broker.url)
+    beats = [Beat(broker.url, locks.url, tmp_path, n, ttl=ttl) for n in range(3)]
+    report = []
+    try:
+        _, epoch = ticks.wait_new_epoch(0, set(), timeout=30)
+        seen = {epoch}
+        for how in (signal.SIGKILL, signal.SIGSTOP):
+            time.sleep(3)
+            leader_of(beats, epoch).proc.send_signal(how)
+            at = time.monotonic()
+            when, epoch = ticks.wait_new_epoch(at, seen, timeout=2 * ttl)
+            seen.add(epoch)
+            report.append(f"{how.name}: first tick of the new leader {when - at:.2f} s after it (ttl {ttl:g} s)")
+            assert when - at <= ttl + TICK + 0.5
+        time.sleep(2)
+        print("\n" + "\n".join(report) + f"\nticks {len(ticks.seen)}, duplicates {ticks.duplicates()}")
+        assert ticks.duplicates() == 0
+    finally:
+        ticks.stop()
+        for b in beats:
+            b.stop()
+
+
+@pytest.mark.parametrize("page", ["leader.md", "celery.md"])
+def test_the_recipes_compile(page: str) -> None:
+    # The APScheduler and FastAPI recipes are not run (neither framework is a dependency):
+    # at least each Python block of the page is valid Python.
+    text = (ROOT / "docs" / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert blocks
+    for block in blocks:
+        compile(block, f"docs/{page}", "exec")
