@@ -216,7 +216,35 @@ def median(runs: list[Figures]) -> Figures:
     )
 
 
-def measure(make: Callable[[], Contestant | None], side: redis.Redis, cycles: int, runs: int) -> dict[str, Any] | None:
+def runners(c: Contestant, keys: list[str]) -> dict[str, Callable[[], None]]:
+    """Each phase of a contestant over ``keys``: len(keys) cycles, extends, or keys batched."""
+
+    def cycle() -> None:
+        for key in keys:
+            c.cycle(key)
+
+    out = {"cycle": cycle}
+    extend, batch = c.extend, c.batch
+    if extend is not None:
+
+        def extends() -> None:
+            for _ in keys:
+                extend()
+
+        out["extend"] = extends
+    if batch is not None:
+
+        def batches() -> None:
+            for i in range(0, len(keys), BATCH):
+                batch(keys[i : i + BATCH])
+
+        out["batch"] = batches
+    return out
+
+
+def measure(
+    make: Callable[[], Contestant | None], side: redis.Redis, cycles: int, runs: int, only: str = ""
+) -> dict[str, Any] | None:
     out: dict[str, list[Figures]] = {"cycle": [], "extend": [], "batch": []}
     name, notes = "", []
     for r in range(runs):
@@ -224,20 +252,85 @@ def measure(make: Callable[[], Contestant | None], side: redis.Redis, cycles: in
         contestant = make()
         if contestant is None:
             return None
+        if only not in contestant.name:
+            contestant.close()
+            return None
         name, notes = contestant.name, contestant.notes
         keys = [f"sc:{r}:{i}" for i in range(cycles)]
         try:
-            c = contestant
-            out["cycle"].append(phase(side, c.top, cycles, lambda: [c.cycle(k) for k in keys] and None))
-            if c.extend is not None:
-                ext = c.extend
-                out["extend"].append(phase(side, c.top, cycles, lambda: [ext() for _ in range(cycles)] and None))
-            if c.batch is not None:
-                many, groups = c.batch, [keys[i : i + BATCH] for i in range(0, cycles, BATCH)]
-                out["batch"].append(phase(side, c.top, cycles, lambda: [many(g) for g in groups] and None))
+            # Once each, unmeasured: the scripts are loaded (NOSCRIPT, SCRIPT LOAD) here.
+            for run in runners(contestant, [f"warm:{r}"]).values():
+                run()
+            for op, run in runners(contestant, keys).items():
+                out[op].append(phase(side, contestant.top, cycles, run))
         finally:
             contestant.close()
     return {"name": name, "notes": notes, **{k: median(v) for k, v in out.items() if v}}
+
+
+# --anatomy: where a script's server time goes. Each probe is sent one call per round trip
+# (as a lock's cycle sends them: the server idles between calls, so each call runs with
+# cold caches and costs more than in a pipeline) on fresh keys, the probes interleaved
+# round by round so that a busy moment of a shared machine falls on all of them.
+def _anatomy_probes(kind: str) -> list[tuple[str, str | None, Callable[[int], tuple[bytes, ...]]]]:
+    from hotlock._ident import TOKEN_BYTES
+    from hotlock._scripts import _ACQUIRE_FREE, ACQUIRE, RELEASE
+
+    token = b"t" * TOKEN_BYTES
+    held = token + b"1700000000000000"
+    plain = _ACQUIRE_FREE.replace("@PERMITS@", "return 0\n").replace("@PERMITS_GONE@", "")
+    for mark in ("@OWN_MARK@", "@MARK@"):
+        plain = plain.replace(mark, "")
+    plain = plain.replace("@TOKEN_BYTES@", str(TOKEN_BYTES)).replace("@KIND_CONFLICT@", "0")
+
+    def acq(i: int) -> tuple[bytes, ...]:
+        return (b"1", b"an:%d" % i, token, b"30000")
+
+    probes: list[tuple[str, str | None, Callable[[int], tuple[bytes, ...]]]] = [
+        ("SET NX PX (no script)", None, lambda i: (b"SET", b"an:%d" % i, token, b"NX", b"PX", b"30000")),
+        ("DEL of an absent key (no script)", None, lambda i: (b"DEL", b"an:%d" % i)),
+        ("script: return 1", "return 1", acq),
+        ("script: GET (absent key)", "return redis.call('GET', KEYS[1])", acq),
+        ("script: TIME", "redis.call('TIME') return 1", acq),
+        ("script: SET PX", "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])", acq),
+        (
+            "script: GET, TIME, SET (bare acquire)",
+            "redis.call('GET', KEYS[1]) local t = redis.call('TIME')\n"
+            "local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]\n"
+            "redis.call('SET', KEYS[1], ARGV[1] .. f, 'PX', ARGV[2]) return tonumber(f)",
+            acq,
+        ),
+        ("ACQUIRE without the permit branches", plain, acq),
+        ("ACQUIRE (free key)", ACQUIRE.source.decode(), acq),
+        ("RELEASE (absent key: GET only)", RELEASE.source.decode(), lambda i: (b"1", b"an:%d" % i, held)),
+        (
+            "redis-py's release (absent key)",
+            "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end redis.call('del', KEYS[1]) return 1",
+            lambda i: (b"1", b"an:%d" % i, held),
+        ),
+    ]
+    if kind == "valkey":
+        probes.append(("DELIFEQ of an absent key (no script)", None, lambda i: (b"DELIFEQ", b"an:%d" % i, held)))
+    return probes
+
+
+def anatomy(side: redis.Redis, kind: str, calls: int, runs: int) -> None:
+    probes = _anatomy_probes(kind)
+    shas = [side.script_load(src) if src is not None else None for _, src, _ in probes]
+    spent: dict[str, list[float]] = {name: [] for name, _, _ in probes}
+    for _ in range(runs):
+        for (name, _, args), sha in zip(probes, shas, strict=True):
+            side.flushall()
+            side.config_resetstat()
+            for i in range(calls):
+                command = (b"EVALSHA", sha, *args(i)) if sha is not None else args(i)
+                side.execute_command(*command)  # type: ignore[no-untyped-call]
+            stats = {k.removeprefix("cmdstat_"): v for k, v in side.info("commandstats").items()}
+            top = "evalsha" if sha is not None else args(0)[0].decode().lower()
+            spent[name].append(float(stats[top]["usec"]) / calls)
+    print(f"  anatomy: commandstats usec per call, one call per round trip, median of {runs} x {calls}")
+    for name, xs in spent.items():
+        print(f"    {name:40} {statistics.median(xs):6.2f}   (runs {min(xs):.2f} to {max(xs):.2f})")
 
 
 def show(op: str, f: Figures | None) -> str:
@@ -253,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", choices=("redis", "valkey", "both"), default="both")
     parser.add_argument("--only", default="", help="run only the contestants whose name contains this")
     parser.add_argument("--calls", action="store_true", help="also print each contestant's commands per cycle")
+    parser.add_argument("--anatomy", action="store_true", help="instead: what each part of a script costs the server")
     args = parser.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     server_core, client_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
@@ -275,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             info = side.info("server")
             version = info.get("valkey_version") or info["redis_version"]
             print(f"\n{kind} {version} (127.0.0.1:{port})")
+            if args.anatomy:
+                anatomy(side, kind, min(args.cycles, 3000), max(args.runs, 5))
+                continue
             print(
                 "  server us = commandstats usec per op (top-level commands), cpu us = the server process's CPU per op,"
                 "\n  cmds = commands per op with scripts' inner ones, then client ops/s and client CPU us per op"
@@ -283,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'':34} | {'acquire + release':^36} | {'extend':^36} | {'lock_many(100), per key':^36}")
             print(f"  {'':34} | {head} | {head} | {head}")
             for make in contestants(f"redis://127.0.0.1:{port}/0"):
-                res = measure(make, side, args.cycles, args.runs)
+                res = measure(make, side, args.cycles, args.runs, args.only)
                 if res is None:
                     continue
                 row = " | ".join(show(op, res.get(op)) for op in ("cycle", "extend", "batch"))
