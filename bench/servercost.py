@@ -333,6 +333,80 @@ def anatomy(side: redis.Redis, kind: str, calls: int, runs: int) -> None:
         print(f"    {name:40} {statistics.median(xs):6.2f}   (runs {min(xs):.2f} to {max(xs):.2f})")
 
 
+# --designs: whole cycles of acquire shapes hotlock does not send (yet), beside today's, sent
+# with redis-py one round trip per call, so the only difference is what the server runs.
+_REDISPY_RELEASE = "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end redis.call('del', KEYS[1]) return 1"
+
+
+def designs(side: redis.Redis, kind: str, calls: int, runs: int) -> None:
+    from hotlock._ident import TOKEN_BYTES
+    from hotlock._scripts import ACQUIRE, RELEASE
+
+    token = b"t" * TOKEN_BYTES
+    release = side.script_load(_REDISPY_RELEASE)
+    side.script_load(ACQUIRE.source)
+    side.script_load(RELEASE.source)
+    lua_free = kind == "valkey"  # DELIFEQ (Valkey 9); the Redis here has no DELEX
+
+    def give_back(key: str, value: bytes) -> None:
+        if lua_free:
+            side.execute_command("DELIFEQ", key, value)  # type: ignore[no-untyped-call]
+        else:
+            side.evalsha(RELEASE.sha.decode() if value != token else release, 1, key, value)
+
+    def today(key: str) -> None:
+        fence = side.evalsha(ACQUIRE.sha.decode(), 1, key, token, "30000")
+        give_back(key, token + b"%d" % int(fence))
+
+    def transaction(key: str) -> None:
+        # The fence from TIME in the same transaction as the SET NX; the value holds the
+        # token alone (GET: a retry after a lost reply finds its own token).
+        pipe = side.pipeline(transaction=True)
+        pipe.execute_command("TIME")  # type: ignore[no-untyped-call]
+        pipe.execute_command("SET", key, token, "NX", "GET", "PX", "30000")  # type: ignore[no-untyped-call]
+        pipe.execute()
+        give_back(key, token)
+
+    def unfenced(key: str) -> None:
+        side.set(key, token, nx=True, px=30000)
+        give_back(key, token)
+
+    def redispy_lock(key: str) -> None:
+        side.set(key, token, nx=True, px=30000)
+        side.evalsha(release, 1, key, token)
+
+    def unsafe(key: str) -> None:
+        side.set(key, token, nx=True, px=30000)
+        side.delete(key)
+
+    # Without Lua the release is DELIFEQ; on Redis 7 it is a script: RELEASE for today's
+    # values, a GET + DEL one (redis-py's) for a value that is the token alone.
+    today_release, token_release = ("DELIFEQ", "DELIFEQ") if lua_free else ("RELEASE", "GET/DEL script")
+    shapes: dict[str, Callable[[str], None]] = {
+        f"today: ACQUIRE script + {today_release}": today,
+        f"MULTI TIME, SET NX GET PX, EXEC + {token_release}": transaction,
+        f"no fence: SET NX PX + {token_release}": unfenced,
+        "redis-py Lock: SET NX PX + its release script": redispy_lock,
+        "SET NX PX + DEL (unsafe)": unsafe,
+    }
+    spent: dict[str, list[float]] = {name: [] for name in shapes}
+    for r in range(runs):
+        for name, cycle in shapes.items():
+            side.flushall()
+            side.config_resetstat()
+            for i in range(calls):
+                cycle(f"d:{r}:{i}")
+            stats = {k.removeprefix("cmdstat_"): v for k, v in side.info("commandstats").items()}
+            # Top-level only: EXEC's usec holds its queued commands', EVALSHA's its inner ones.
+            top = {"evalsha", "exec", "multi", "delifeq"}
+            if "exec" not in stats:
+                top |= {"set"} | ({"del"} if "evalsha" not in stats else set())
+            spent[name].append(sum(float(v["usec"]) for k, v in stats.items() if k in top) / calls)
+    print(f"  designs: commandstats usec per acquire + release, median of {runs} x {calls}")
+    for name, xs in spent.items():
+        print(f"    {name:52} {statistics.median(xs):6.2f}   (runs {min(xs):.2f} to {max(xs):.2f})")
+
+
 def show(op: str, f: Figures | None) -> str:
     if f is None:
         return f"{'':>38}"
@@ -347,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run only the contestants whose name contains this")
     parser.add_argument("--calls", action="store_true", help="also print each contestant's commands per cycle")
     parser.add_argument("--anatomy", action="store_true", help="instead: what each part of a script costs the server")
+    parser.add_argument("--designs", action="store_true", help="instead: acquire shapes not sent yet, beside today's")
     args = parser.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     server_core, client_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
@@ -371,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{kind} {version} (127.0.0.1:{port})")
             if args.anatomy:
                 anatomy(side, kind, min(args.cycles, 3000), max(args.runs, 5))
+                continue
+            if args.designs:
+                designs(side, kind, min(args.cycles, 2000), max(args.runs, 5))
                 continue
             print(
                 "  server us = commandstats usec per op (top-level commands), cpu us = the server process's CPU per op,"
