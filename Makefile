@@ -184,6 +184,11 @@ bench: compile vendor
 	$(PY) -m bench
 	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
 	$(PY) -m bench.dialect
+	# The server's CPU per lock cycle, extend and lock_many per key, against the peers
+	# (commandstats, scripts' inner commands counted), on Redis and on Valkey; then where a
+	# script's server time goes.
+	$(PY) -m bench.servercost
+	$(PY) -m bench.servercost --anatomy
 	$(PY) -m bench.cluster
 	# Resharding and failover under load (redis-cli reshard, add/rebalance/drain/del-node, a
 	# failover mid-reshard, Valkey's CLUSTER MIGRATESLOTS): errors by kind and overlaps.

@@ -20,6 +20,7 @@ BENCH = [
     "bench/one-core/results.png",
     "bench/results-cluster.md",
     "bench/results-reshard.md",
+    "bench/results-servercost.md",
     "bench/renewal.md",
     "bench/profile_notes.md",
 ]
