@@ -94,4 +94,4 @@ def test_check_flags_a_bad_setting_without_deploy(tmp_path: Path) -> None:
         {"CHECKER": str(tmp_path / "c.json"), "HOTLOCK_JSON": json.dumps({"URL": "redis://x/0", "TIMEOUT": -1})},
     )
     assert done.returncode == 1
-    assert "(hotlock.E001) HOTLOCK: timeout must be a positive number" in done.stderr, done.stderr
+    assert "(hotlock.E001) HOTLOCK: timeout must be at least" in done.stderr, done.stderr

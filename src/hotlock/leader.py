@@ -206,9 +206,11 @@ class AsyncLeader(_Base):
         on_elected: Callable[[int], object] | None = None,
         on_lost: Callable[[int], object] | None = None,
     ) -> None:
-        from .aio import AsyncCache
+        # CacheBase has two kinds, Cache and AsyncCache: checked without importing hotlock.aio,
+        # which would put this module above the package (tests/test_imports.py).
+        from ._cache import Cache, CacheBase
 
-        if not isinstance(cache, AsyncCache):
+        if not isinstance(cache, CacheBase) or isinstance(cache, Cache):
             raise TypeError(
                 f"cache must be a hotlock.aio.AsyncCache (hotlock.aio.connect()), not {type(cache).__name__}"
             )
