@@ -191,6 +191,31 @@ test-asan: venv vendor
 	$(ASAN_ENV) HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" \
 	  -k "not no_leak" $(ASAN_TESTS) $(ASAN_ARGS)
 
+# Coverage-guided fuzzing (Atheris) of the native reply paths, FUZZ_SECONDS per target
+# (tools/fuzz_native.py says what each checks). The extension is built with clang and
+# -fsanitize=fuzzer-no-link plus ASan and UBSan (setup.py, HOTLOCK_SANITIZE=fuzz) into
+# build/fuzz/lib, so libFuzzer sees the edges of the extension and of hiredis, and runs on
+# the ASan runtime Atheris ships with libFuzzer in it. The corpus grows in
+# build/fuzz/corpus-<target> from tests/fuzz/seeds; a finding is written to build/fuzz/crash-*.
+# Leaks: as for test-asan.
+FUZZ_DIR := build/fuzz
+FUZZ_SECONDS ?= 1800
+FUZZ_ENV := PYTHONPATH=$(CURDIR)/$(FUZZ_DIR)/lib PYTHONMALLOC=malloc \
+	LD_PRELOAD="$$($(PY) -c 'import atheris; print(atheris.path())')/asan_with_fuzzer.so" \
+	ASAN_OPTIONS=halt_on_error=1:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+fuzz: venv vendor
+	$(PY) -m pip install -q "atheris>=3.0"
+	@command -v clang >/dev/null || { echo "installing clang"; $(SUDO) apt-get install -y -qq clang >/dev/null; }
+	rm -rf $(FUZZ_DIR)/lib && mkdir -p $(FUZZ_DIR)/lib && cp -r src/hotlock $(FUZZ_DIR)/lib/
+	find $(FUZZ_DIR)/lib -name '*.so' -delete
+	CC=clang HOTLOCK_SANITIZE=fuzz HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 \
+	  $(PY) setup.py -q build_ext --build-lib $(FUZZ_DIR)/lib --build-temp $(FUZZ_DIR)/temp
+	@for t in aio sync; do \
+	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; mkdir -p $(FUZZ_DIR)/corpus-$$t; \
+	  $(FUZZ_ENV) $(PY) tools/fuzz_native.py $$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -dict=tests/fuzz/resp.dict -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus-$$t tests/fuzz/seeds || exit 1; \
+	done
+
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv
 	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q -m "not slow"

@@ -30,6 +30,7 @@ the input and its traceback, and libFuzzer writes it to crash-<sha1> (-artifact_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import socket
@@ -157,10 +158,8 @@ def fuzz_aio(data: bytes) -> None:
     pos, i = 0, 0
     while pos < len(stream) and not transport.gone:
         step = cuts[i % len(cuts)]
-        try:
+        with contextlib.suppress(HotlockError):
             proto.data_received(stream[pos : pos + step])
-        except HotlockError:
-            pass
         pos += step
         i += 1
     _loop.run_until_complete(asyncio.sleep(0))  # connection_lost, when dropped
@@ -174,7 +173,7 @@ def fuzz_aio(data: bytes) -> None:
             f"bytes that are no reply ({bad}) or a reply nobody asked for, yet the connection stays: {replies}"
         )
     at = 0
-    for fut, n, want in zip(futures, shape, wants):
+    for fut, n, want in zip(futures, shape, wants, strict=True):
         mine = replies[at : at + want]
         at += want
         if not fut.done():
