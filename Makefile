@@ -162,7 +162,8 @@ test-slow: compile tools
 # under build/asan/lib that PYTHONPATH puts first: the in-place build is left as it was.
 # Python is not built with ASan, so gcc's runtimes are preloaded (libasan first, as it must
 # be). Any report ends the process with an error, and so fails its test (a dead xdist worker
-# fails the test it ran). detect_leaks=0: CPython does not free its interned strings, static
+# fails the test it ran); reports go to files (a pytest-xdist worker's stderr is lost when it
+# dies), printed at the end, and any file there fails the run. detect_leaks=0: CPython does not free its interned strings, static
 # types and module state at exit, so LeakSanitizer would report thousands of blocks that are
 # not hotlock's; the extension's leaks are the RSS test's job (test_native_no_leak_*, left
 # out here: ASan's quarantine and shadow memory are what it would measure).
@@ -177,19 +178,22 @@ ASAN_TESTS := tests/test_native.py tests/test_native_batch.py tests/test_native_
 	tests/test_limits.py tests/test_locked.py tests/test_metrics.py tests/test_security.py \
 	tests/test_sentinel.py tests/test_validation.py tests/test_waiting.py tests/test_wakeups.py \
 	tests/test_fuzz.py
+ASAN_REPORTS := $(CURDIR)/$(ASAN_DIR)/reports
 ASAN_ENV := PYTHONPATH=$(CURDIR)/$(ASAN_DIR)/lib PYTHONMALLOC=malloc \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	ASAN_OPTIONS=halt_on_error=1:detect_leaks=0:detect_stack_use_after_return=1:strict_string_checks=1 \
-	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+	ASAN_OPTIONS=halt_on_error=1:detect_leaks=0:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$(ASAN_REPORTS)/asan \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(ASAN_REPORTS)/ubsan
 test-asan: venv vendor
-	rm -rf $(ASAN_DIR)/lib && mkdir -p $(ASAN_DIR)/lib && cp -r src/hotlock $(ASAN_DIR)/lib/
+	rm -rf $(ASAN_DIR)/lib $(ASAN_REPORTS) && mkdir -p $(ASAN_DIR)/lib $(ASAN_REPORTS) && cp -r src/hotlock $(ASAN_DIR)/lib/
 	find $(ASAN_DIR)/lib -name '*.so' -delete
 	HOTLOCK_SANITIZE=1 HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_REQUIRE_TLS=1 \
 	  $(PY) setup.py -q build_ext --build-lib $(ASAN_DIR)/lib --build-temp $(ASAN_DIR)/temp
 	$(ASAN_ENV) $(PY) -c 'import hotlock._native as n, hotlock._native_tls as t; \
 	  assert "$(ASAN_DIR)" in n.__file__ and "$(ASAN_DIR)" in t.__file__, n.__file__'
 	$(ASAN_ENV) HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" \
-	  -k "not no_leak" $(ASAN_TESTS) $(ASAN_ARGS)
+	  -k "not no_leak" $(ASAN_TESTS) $(ASAN_ARGS); status=$$?; \
+	for f in $(ASAN_REPORTS)/*; do [ -e "$$f" ] || continue; echo "== $$f"; cat "$$f"; status=1; done; \
+	exit $$status
 
 # Coverage-guided fuzzing (Atheris) of the native reply paths, FUZZ_SECONDS per target
 # (tools/fuzz_native.py says what each checks). The extension is built with clang and
