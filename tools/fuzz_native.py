@@ -143,9 +143,16 @@ def fuzz_aio(data: bytes) -> None:
     shape = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(1, 6))]  # 0: one command, n: pipeline
     cuts = [fdp.ConsumeIntInRange(1, 64) for _ in range(4)]
     stream = fdp.ConsumeBytes(fdp.remaining_bytes())
-    if not _bounded(stream):
-        return
-    proto = _native.AioProtocol(_loop, 30.0, ReplyError, NotSent)
+    if _bounded(stream):
+        check_aio(shape, cuts, stream)
+
+
+@atheris.instrument_func
+def check_aio(shape: list[int], cuts: list[int], stream: bytes, protocol: Any = None) -> None:
+    """Commands of ``shape`` pending (0: one command, n: a pipeline of n), then ``stream`` fed
+    in chunks of ``cuts`` bytes, in turn; fails when an invariant does not hold. ``protocol``
+    replaces AioProtocol (tests/test_fuzz.py shows the checks catch a broken one)."""
+    proto = (protocol or _native.AioProtocol)(_loop, 30.0, ReplyError, NotSent)
     transport = _Transport(_loop, proto)
     proto.connection_made(transport)
     futures = [
