@@ -170,7 +170,10 @@ test-slow: compile tools
 # PYTHONMALLOC=malloc: Python objects come from malloc, so ASan sees a freed object read
 # through a borrowed reference. The tests are those that drive the native extension, sync,
 # asyncio, TLS and cluster, with their servers (which inherit the preload, harmlessly); their
-# redis-py variants are left out, as no code of the extension runs in them.
+# redis-py variants are left out, as no code of the extension runs in them, and so are the
+# tests whose assertions are calibrated to the normal build's speed (a blackholed call's
+# budget with 0.3 s of slack; "most of 1000 random cancellations land in flight"): ASan's
+# slowdown fails them now and then with no report.
 ASAN_DIR := build/asan
 ASAN_TESTS := tests/test_native.py tests/test_native_batch.py tests/test_native_lease.py \
 	tests/test_behaviour.py tests/test_aio.py tests/test_aio_autoextend.py tests/test_autoextend.py \
@@ -180,6 +183,8 @@ ASAN_TESTS := tests/test_native.py tests/test_native_batch.py tests/test_native_
 	tests/test_sentinel.py tests/test_validation.py tests/test_waiting.py tests/test_wakeups.py \
 	tests/test_fuzz.py
 ASAN_REPORTS := $(CURDIR)/$(ASAN_DIR)/reports
+ASAN_DESELECT := not no_leak and not (redis-py and not hiredis-py) and not blackholed_handshake_costs_the_call_budget \
+	and not a_thousand_random_cancellations
 ASAN_ENV := PYTHONPATH=$(CURDIR)/$(ASAN_DIR)/lib PYTHONMALLOC=malloc \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=halt_on_error=1:detect_leaks=0:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$(ASAN_REPORTS)/asan \
@@ -192,7 +197,7 @@ test-asan: venv vendor
 	$(ASAN_ENV) $(PY) -c 'import hotlock._native as n, hotlock._native_tls as t; \
 	  assert "$(ASAN_DIR)" in n.__file__ and "$(ASAN_DIR)" in t.__file__, n.__file__'
 	$(ASAN_ENV) HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" \
-	  -k "not no_leak and not (redis-py and not hiredis-py)" $(ASAN_TESTS) $(ASAN_ARGS); status=$$?; \
+	  -k "$(ASAN_DESELECT)" $(ASAN_TESTS) $(ASAN_ARGS); status=$$?; \
 	for f in $(ASAN_REPORTS)/*; do [ -e "$$f" ] || continue; echo "== $$f"; cat "$$f"; status=1; done; \
 	exit $$status
 
