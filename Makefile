@@ -26,8 +26,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py tests/test_locked.py
 
-.PHONY: deps venv vendor tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean \
-	test-asan fuzz
+.PHONY: deps venv vendor tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -157,6 +156,48 @@ test-slow: compile tools
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -m slow
 	@$(MAKE) --no-print-directory test-asan
 
+# The same suite with the extension switched off at run time: the pure-Python mode.
+test-pure: venv
+	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
+
+# The docs site (mkdocs.yml, docs/) into site/, with --strict: a broken link or anchor, a page
+# left out of the nav, or an API object mkdocstrings cannot find fails the build.
+# tests/test_docs.py checks that the API reference names every public name.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+bench: compile vendor
+	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
+	$(PY) -m bench
+	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
+	$(PY) -m bench.dialect
+	$(PY) -m bench.cluster
+	# Resharding and failover under load (redis-cli reshard, add/rebalance/drain/del-node, a
+	# failover mid-reshard, Valkey's CLUSTER MIGRATESLOTS): errors by kind and overlaps.
+	$(PY) -m bench.reshard
+	# rediss://: native TLS against the redis-py path, redis-py's Lock and the C TLS loop on
+	# the same pinned hiredis, cycle and extend, in both placements.
+	$(PY) -m bench.tls --json bench/out/tls-split.json
+	$(PY) -m bench.tls --one-core --json bench/out/tls-one-core.json
+	# How late LockLost reaches the caller when Redis goes dark (a known loss does no I/O).
+	$(PY) -m bench.lateness
+	# Concurrency limits on one core: limit=4 against plain, cycle and contention on one key.
+	$(PY) -m bench.limits
+
+demo: venv
+	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"
+	$(PY) examples/settle_invoices.py
+
+clean:
+	rm -rf build dist site vendor src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache
+
+.PHONY: test-asan fuzz
+
 # The sanitizer build: both extension builds and the vendored hiredis compiled with ASan and
 # UBSan and CPython's asserts on (setup.py, HOTLOCK_SANITIZE=1), into a copy of the package
 # under build/asan/lib that PYTHONPATH puts first: the in-place build is left as it was.
@@ -225,43 +266,3 @@ fuzz: venv vendor
 	  $(FUZZ_ENV) $(PY) tools/fuzz_native.py $$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	    -dict=tests/fuzz/resp.dict -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus-$$t tests/fuzz/seeds || exit 1; \
 	done
-
-# The same suite with the extension switched off at run time: the pure-Python mode.
-test-pure: venv
-	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q -m "not slow"
-
-lint: venv
-	$(VENV)/bin/ruff check src tests bench examples
-	$(VENV)/bin/ruff format --check src tests bench examples
-	$(VENV)/bin/mypy
-
-# The docs site (mkdocs.yml, docs/) into site/, with --strict: a broken link or anchor, a page
-# left out of the nav, or an API object mkdocstrings cannot find fails the build.
-# tests/test_docs.py checks that the API reference names every public name.
-docs: venv
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
-
-bench: compile vendor
-	$(PY) -m pip install -q -e ".[bench]" --no-build-isolation
-	$(PY) -m bench
-	# Server CPU per extend/release, script path against Lua-free, on Redis and on Valkey.
-	$(PY) -m bench.dialect
-	$(PY) -m bench.cluster
-	# Resharding and failover under load (redis-cli reshard, add/rebalance/drain/del-node, a
-	# failover mid-reshard, Valkey's CLUSTER MIGRATESLOTS): errors by kind and overlaps.
-	$(PY) -m bench.reshard
-	# rediss://: native TLS against the redis-py path, redis-py's Lock and the C TLS loop on
-	# the same pinned hiredis, cycle and extend, in both placements.
-	$(PY) -m bench.tls --json bench/out/tls-split.json
-	$(PY) -m bench.tls --one-core --json bench/out/tls-one-core.json
-	# How late LockLost reaches the caller when Redis goes dark (a known loss does no I/O).
-	$(PY) -m bench.lateness
-	# Concurrency limits on one core: limit=4 against plain, cycle and contention on one key.
-	$(PY) -m bench.limits
-
-demo: venv
-	-@$(MAKE) -s compile >/dev/null 2>&1 || echo "demo: the native extension did not build; running on redis-py"
-	$(PY) examples/settle_invoices.py
-
-clean:
-	rm -rf build dist site vendor src/*.egg-info src/hotlock/*.so ext/*.c ext/*.html .pytest_cache .mypy_cache .ruff_cache
