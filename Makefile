@@ -204,9 +204,9 @@ clean:
 # Python is not built with ASan, so gcc's runtimes are preloaded (libasan first, as it must
 # be). Any report ends the process with an error, and so fails its test (a dead xdist worker
 # fails the test it ran); reports go to files (a pytest-xdist worker's stderr is lost when it
-# dies), printed at the end, and any file there fails the run. detect_leaks=0: CPython does not free its interned strings, static
-# types and module state at exit, so LeakSanitizer would report thousands of blocks that are
-# not hotlock's; the extension's leaks are the RSS test's job (test_native_no_leak_*, left
+# dies), printed at the end, and any file there fails the run. detect_leaks=0: CPython does
+# not free its interned strings, static types and module state at exit, so LeakSanitizer
+# would report thousands of blocks that are not hotlock's; the extension's leaks are the RSS test's job (test_native_no_leak_*, left
 # out here: ASan's quarantine and shadow memory are what it would measure).
 # PYTHONMALLOC=malloc: Python objects come from malloc, so ASan sees a freed object read
 # through a borrowed reference. The tests are those that drive the native extension, sync,
