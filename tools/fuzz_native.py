@@ -90,6 +90,7 @@ class _Transport:
 
 
 _ANY = object()  # a reply type AioCore does not decode: it must come as a ReplyError
+_NO_REPLY = object()
 _loop = asyncio.new_event_loop()
 
 
@@ -122,7 +123,8 @@ def _matches(want: Any, got: Any) -> bool:
 def _reference(data: bytes) -> tuple[list[Any], bool, bool]:
     """The complete replies in data, whether the bytes after them are a protocol error, and
     whether hiredis-py could decode them all (it cannot build a map keyed by a list)."""
-    reader = hiredis.Reader()
+    # Its own sentinel for "no complete reply": the default, False, is also RESP3's false.
+    reader = hiredis.Reader(notEnoughData=_NO_REPLY)
     reader.feed(data)
     replies: list[Any] = []
     while True:
@@ -132,7 +134,7 @@ def _reference(data: bytes) -> tuple[list[Any], bool, bool]:
             return replies, True, True
         except TypeError:
             return replies, False, False
-        if reply is False:
+        if reply is _NO_REPLY:
             return replies, False, True
         replies.append(reply)
 
