@@ -18,6 +18,11 @@ HOTLOCK_NO_EXTENSIONS=1 skips the build; HOTLOCK_REQUIRE_EXTENSIONS=1 makes a fa
 build an error (make test and CI set it); HOTLOCK_REQUIRE_TLS=1 (make compile, make dist)
 also requires the pinned sources and the TLS build. Otherwise a missing compiler, Cython or
 libhiredis gives a pure-Python install and one clear line saying why.
+
+HOTLOCK_SANITIZE=1 (make test-asan) compiles both builds, vendored hiredis included, with
+AddressSanitizer and UndefinedBehaviorSanitizer and CPython's asserts on;
+HOTLOCK_SANITIZE=fuzz (make fuzz, with CC=clang) adds libFuzzer's coverage instrumentation
+for Atheris. Both are for a separate build tree (--build-lib), never the installed package.
 """
 
 from __future__ import annotations
@@ -39,6 +44,22 @@ VENDOR = os.path.join("vendor", "hiredis")
 CORE_SOURCES = ("alloc", "async", "hiredis", "net", "read", "sds", "sockcompat")
 TLS_SOURCES = ("ssl",)
 SKIP = os.environ.get("HOTLOCK_NO_EXTENSIONS") == "1"
+SANITIZE = os.environ.get("HOTLOCK_SANITIZE", "")
+if SANITIZE not in ("", "0", "1", "fuzz"):
+    raise SystemExit(f"hotlock: HOTLOCK_SANITIZE is 1 or fuzz, not {SANITIZE!r}")
+# -O1 and frame pointers keep the sanitizers' stack traces whole; -UNDEBUG turns on the
+# assert()s in CPython's headers (PyTuple_GET_ITEM's type and bounds checks...), which
+# sysconfig's -DNDEBUG turns off (extra_compile_args come after it); a UBSan report aborts
+# instead of printing and going on.
+SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-UNDEBUG", "-fno-sanitize-recover=undefined"]
+if SANITIZE == "1":
+    SANITIZE_FLAGS.append("-fsanitize=address,undefined")
+elif SANITIZE == "fuzz":
+    # fuzzer-no-link: the coverage counters libFuzzer (in Atheris) reads, without its main().
+    SANITIZE_FLAGS.append("-fsanitize=address,undefined,fuzzer-no-link")
+else:
+    SANITIZE_FLAGS = []
+SANITIZE_LINK = [f for f in SANITIZE_FLAGS if f.startswith("-fsanitize=")]
 # pip runs this file once per build hook: twice for the metadata (egg_info, dist_info), then
 # once to build. Only a build says why the extension is left out, so the line appears once.
 BUILD_COMMANDS = ("build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop")
@@ -120,13 +141,14 @@ def vendored_extensions() -> list[Extension]:
     # -fvisibility=hidden: hiredis's functions become local to the .so (PyMODINIT_FUNC
     # exports PyInit_* explicitly), so another hiredis loaded in the process, hiredis-py's
     # or the system's, neither resolves to ours nor we to it.
-    cflags = ["-O2", "-fvisibility=hidden"]
+    cflags = ["-O2", "-fvisibility=hidden", *SANITIZE_FLAGS]
     plain = Extension(
         "hotlock._native",
         ["ext/_native.pyx", *core],
         include_dirs=["ext", "vendor"],
         define_macros=[("HOTLOCK_TLS", "0")],
         extra_compile_args=cflags,
+        extra_link_args=SANITIZE_LINK,
         depends=depends,
     )
     built = [plain]
@@ -146,6 +168,7 @@ def vendored_extensions() -> list[Extension]:
                 libraries=ssl["libraries"],
                 define_macros=[("HOTLOCK_TLS", "1")],
                 extra_compile_args=cflags,
+                extra_link_args=SANITIZE_LINK,
                 depends=depends,
             )
         )
@@ -179,6 +202,8 @@ def extensions() -> list[Extension]:
         return []
     if os.path.exists(os.path.join(VENDOR, "hiredis.c")):
         exts = vendored_extensions()
+    elif SANITIZE_FLAGS:
+        raise SystemExit(f"hotlock: HOTLOCK_SANITIZE is set but there are no hiredis sources in {VENDOR}/")
     else:
         why = f"no hiredis sources in {VENDOR}/ (make vendor fetches them)"
         if REQUIRE_TLS:
