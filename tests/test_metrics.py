@@ -145,9 +145,60 @@ def test_events_in_order(backend: str, redis_url: str) -> None:
         ("not_acquired", "k", "held"),
         ("extended", "k", True),
         ("released", "k"),
-        ("acquired", "w", None),  # lock_wait's tries are not counted (the loop is in the backend)
+        ("acquired", "w", 1),  # a lock_wait that got the key at its first attempt
         ("released", "w"),
     ]
+
+
+class WaitRecorder(Recorder):
+    """A Recorder with the optional waited(): a lock_wait's acquisition comes there."""
+
+    def waited(self, key: str | bytes, wait_s: float, attempts: int) -> None:
+        self.events.append(("waited", key, attempts))
+        assert wait_s >= 0
+
+
+_SCRIPT_COMMANDS = {f"cmdstat_{c}" for c in ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")}
+
+
+def script_runs(server: RedisServer) -> int:
+    """The scripts the server has run: every acquire attempt is one (a NOSCRIPT refusal,
+    which the backend follows with the script's text, is a failed call, not counted)."""
+    stats = server.client().info("commandstats")
+    return sum(int(v["calls"]) - int(v.get("failed_calls", 0)) for k, v in stats.items() if k in _SCRIPT_COMMANDS)
+
+
+def contended_wait(cache: hotlock.Cache, server: RedisServer | None) -> int | None:
+    """A lock_wait behind a holder whose lease runs out (0.3 s; no release is sent, so the
+    server runs no script but the waiter's attempts meanwhile). Returns the scripts the
+    server ran during the wait (None on the in-process backend)."""
+    cache.lock_wait("w", ttl=5, wait=0.5).unlock()  # uncontended: one attempt
+    cache.lock("w", ttl=0.3)
+    before = None if server is None else script_runs(server)
+    lock = cache.lock_wait("w", ttl=5, wait=5)
+    ran = None if server is None or before is None else script_runs(server) - before
+    lock.unlock()
+    return ran
+
+
+def test_lock_wait_reports_its_attempts(backend: str, redis_server: RedisServer, redis_url: str) -> None:
+    plain, waits = Recorder(), WaitRecorder()
+    with open_cache(backend, redis_url, metrics=[plain, waits]) as cache:
+        ran = contended_wait(cache, None if backend == "memory" else redis_server)
+    # A listener without waited() hears a lock_wait's acquisition as acquired(); one with
+    # it, there instead; the try-once lock() is acquired() for both.
+    counted = [e for e in plain.events if e[0] == "acquired"]
+    assert [e[:2] for e in counted] == [("acquired", "w")] * 3
+    assert [e for e in waits.events if e[0] in ("acquired", "waited")] == [
+        ("waited", "w", 1),
+        ("acquired", "w", 1),
+        ("waited", "w", counted[2][2]),
+    ]
+    assert counted[0][2] == counted[1][2] == 1
+    attempts = counted[2][2]
+    assert isinstance(attempts, int) and attempts >= 2  # the first found the key held
+    if ran is not None:
+        assert attempts == ran  # exactly what the server ran, on every Redis backend
 
 
 def test_errors_by_kind() -> None:
@@ -358,6 +409,33 @@ def test_async_prometheus_counts_real_traffic(aio: Aio) -> None:
     assert value(s, "hotlock_extensions_total", outcome="lost") == 1
     assert value(s, "hotlock_lost_total") == 1
     assert value(s, "hotlock_hold_seconds_count") == 3
+
+
+def test_async_lock_wait_reports_its_attempts(aio: Aio) -> None:
+    waits = WaitRecorder()
+    server = None if aio.backend == "memory" else aio.server
+
+    async def main() -> int | None:
+        cache = await aio.connect(metrics=waits)
+        try:
+            await (await cache.lock_wait("w", ttl=5, wait=0.5)).unlock()  # uncontended
+            await cache.lock("w", ttl=0.3)  # runs out: no release sent
+            before = None if server is None else script_runs(server)
+            lock = await cache.lock_wait("w", ttl=5, wait=5)
+            ran = None if server is None or before is None else script_runs(server) - before
+            await lock.unlock()
+            return ran
+        finally:
+            await cache.close()
+
+    ran = aio.run(main())
+    events = [e for e in waits.events if e[0] in ("acquired", "waited")]
+    assert events[:2] == [("waited", "w", 1), ("acquired", "w", 1)]
+    assert len(events) == 3 and events[2][:2] == ("waited", "w")
+    attempts = events[2][2]
+    assert attempts >= 2
+    if ran is not None:
+        assert attempts == ran
 
 
 def test_async_no_listener_is_the_plain_cache(aio: Aio) -> None:

@@ -61,12 +61,25 @@ class Meter:
     The listener's methods are looked up once, here (at connect): an event then costs
     one call of the bound method inside a try, nothing more."""
 
-    __slots__ = ("_acquired", "_error", "_extended", "_lost", "_not_acquired", "_released", "_warned", "listener")
+    __slots__ = (
+        "_acquired",
+        "_error",
+        "_extended",
+        "_lost",
+        "_not_acquired",
+        "_released",
+        "_waited",
+        "_warned",
+        "listener",
+    )
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
         self._warned = False
         self._acquired = listener.acquired
+        # A lock_wait's acquisition: the optional waited(), else acquired() (BaseListener.waited).
+        waited = getattr(listener, "waited", None)
+        self._waited: Callable[[str | bytes, float, int], None] = waited if callable(waited) else listener.acquired
         self._not_acquired = listener.not_acquired
         self._released = listener.released
         self._extended = listener.extended
@@ -87,11 +100,19 @@ class Meter:
         except Exception:
             self.raised()
 
-    def took(self, lease: Lease, wait_s: float, attempts: int | None) -> None:
+    def took(self, lease: Lease, wait_s: float, attempts: int) -> None:
         """A lock was acquired: it reports to this meter from now on."""
         lease._meter = self
         try:
             self._acquired(lease.key, wait_s, attempts)
+        except Exception:
+            self.raised()
+
+    def waited(self, lease: Lease, wait_s: float, attempts: int) -> None:
+        """A lock_wait acquired its lock after ``attempts`` attempts."""
+        lease._meter = self
+        try:
+            self._waited(lease.key, wait_s, attempts)
         except Exception:
             self.raised()
 
@@ -195,7 +216,7 @@ class MeteredCache(Cache):
         return template
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, **options: Any) -> Lock:
-        # The hot path, written out (no _observe, no super(), no Meter.took, ttl passed
+        # The hot path, written out (no super(), no Meter.took, ttl passed
         # on by position): metrics cost little here (bench/results.md "Metrics: what the
         # listener costs").
         meter = self._meter
@@ -216,28 +237,17 @@ class MeteredCache(Cache):
         return lock
 
     def lock_wait(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
-        return self._observe(super().lock_wait, "timeout", key, args, kwargs, attempts=None)
-
-    def _observe(
-        self,
-        acquire: Callable[..., Lock],
-        conflict: NotAcquired,
-        key: str | bytes,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        attempts: int | None = 1,
-    ) -> Lock:
         meter = self._meter
         started = _monotonic()
         try:
-            lock = acquire(key, *args, **kwargs)
+            lock, attempts = self._lock_wait(key, *args, **kwargs)
         except LockNotAcquired:
-            meter.not_acquired(key, conflict, _monotonic() - started)
+            meter.not_acquired(key, "timeout", _monotonic() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.took(lock, _monotonic() - started, attempts)
+        meter.waited(lock, _monotonic() - started, attempts)
         return lock
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:

@@ -6,7 +6,8 @@
     cache = await hotlock.aio.connect(url, metrics=listener)     # the async twin, same listener
 
 A listener is any object with the six methods of ``Listener`` (subclass
-``BaseListener`` to implement only some). hotlock calls them synchronously, on the
+``BaseListener`` to implement only some), and optionally a seventh, ``waited`` (see
+``BaseListener.waited``). hotlock calls them synchronously, on the
 thread (or in the task) that did the operation, after the operation's outcome is known and
 before it is returned or raised. A listener must be quick and must not block: it runs on the
 lock's hot path. One that raises is logged once as a WARNING and never changes what the
@@ -61,8 +62,10 @@ class Listener(Protocol):
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         """A lock was acquired. ``wait_s``: from the call until the acquire succeeded (for a
         try-once lock, one round trip). ``attempts``: 1 for lock(), lock_many() and
-        with_lock(); None for lock_wait(), whose polling loop runs inside the backend (in C
-        on the native one) and does not count its tries."""
+        with_lock(); for lock_wait(), the acquire attempts it sent, the one that took the
+        lock included (every backend counts them; None never comes from hotlock itself, it
+        is kept in the type for listeners written when lock_wait did not count). A listener
+        with a ``waited`` method hears a lock_wait's acquisition there instead."""
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         """An acquisition found the key held elsewhere ("held") or waited its whole
@@ -94,6 +97,13 @@ class BaseListener:
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         pass
+
+    def waited(self, key: str | bytes, wait_s: float, attempts: int) -> None:
+        """Optional (hotlock looks it up once, at connect): a lock_wait() acquired its lock
+        after ``attempts`` attempts, ``wait_s`` after the call. For a listener that tells a
+        wait from a try-once acquire (OtelListener names their spans apart). Without it,
+        and by default here, the event is ``acquired(key, wait_s, attempts)``."""
+        self.acquired(key, wait_s, attempts)
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         pass
@@ -130,17 +140,27 @@ class Listeners:
 
     def _each(self, method: str, *args: Any) -> None:
         for listener in self.listeners:
-            try:
-                getattr(listener, method)(*args)
-            except Exception:
-                if id(listener) not in self._warned:
-                    self._warned.add(id(listener))
-                    logging.getLogger("hotlock").warning(
-                        "metrics listener %r raised; its events are dropped", listener, exc_info=True
-                    )
+            self._one(listener, method, *args)
+
+    def _one(self, listener: Listener, method: str, *args: Any) -> None:
+        try:
+            getattr(listener, method)(*args)
+        except Exception:
+            if id(listener) not in self._warned:
+                self._warned.add(id(listener))
+                logging.getLogger("hotlock").warning(
+                    "metrics listener %r raised; its events are dropped", listener, exc_info=True
+                )
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         self._each("acquired", key, wait_s, attempts)
+
+    def waited(self, key: str | bytes, wait_s: float, attempts: int) -> None:
+        for listener in self.listeners:
+            # Each as a Meter would call it alone: its own waited, or else its acquired.
+            self._one(
+                listener, "waited" if callable(getattr(listener, "waited", None)) else "acquired", key, wait_s, attempts
+            )
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         self._each("not_acquired", key, outcome, wait_s)
