@@ -9,6 +9,7 @@ call through a single ``is None`` test that is all an unmetered lock pays.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from ._cache import Cache
 from ._lock import Lease, Lock
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, LockNotAcquired
-from .metrics import LISTENER_METHODS, Listener, Listeners, NotAcquired, Op
+from .metrics import LISTENER_METHODS, BaseListener, Listener, Listeners, NotAcquired, Op, WaitOutcome
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -77,9 +78,11 @@ class Meter:
         self.listener = listener
         self._warned = False
         self._acquired = listener.acquired
-        # A lock_wait's acquisition: the optional waited(), else acquired() (BaseListener.waited).
+        # A lock_wait's outcome: the optional waited(), else what BaseListener.waited calls.
         waited = getattr(listener, "waited", None)
-        self._waited: Callable[[str | bytes, float, int], None] = waited if callable(waited) else listener.acquired
+        self._waited: Callable[[str | bytes, WaitOutcome, float, int], None] = (
+            waited if callable(waited) else functools.partial(BaseListener.waited, listener)  # type: ignore[arg-type]
+        )
         self._not_acquired = listener.not_acquired
         self._released = listener.released
         self._extended = listener.extended
@@ -112,9 +115,13 @@ class Meter:
         """A lock_wait acquired its lock after ``attempts`` attempts."""
         lease._meter = self
         try:
-            self._waited(lease.key, wait_s, attempts)
+            self._waited(lease.key, "acquired", wait_s, attempts)
         except Exception:
             self.raised()
+
+    def timed_out(self, key: str | bytes, wait_s: float, attempts: int) -> None:
+        """A lock_wait's deadline passed after ``attempts`` attempts."""
+        self.call(self._waited, key, "timeout", wait_s, attempts)
 
     def took_many(self, keys: list[str | bytes], leases: Sequence[Lease | None], wait_s: float) -> None:
         """A lock_many's outcomes, key by key."""
@@ -240,15 +247,15 @@ class MeteredCache(Cache):
         meter = self._meter
         started = _monotonic()
         try:
-            lock, attempts = self._lock_wait(key, *args, **kwargs)
-        except LockNotAcquired:
-            meter.not_acquired(key, "timeout", _monotonic() - started)
-            raise
+            got, attempts = self._lock_wait(key, *args, **kwargs)
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.waited(lock, _monotonic() - started, attempts)
-        return lock
+        if isinstance(got, LockNotAcquired):
+            meter.timed_out(key, _monotonic() - started, attempts)
+            raise got
+        meter.waited(got, _monotonic() - started, attempts)
+        return got
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:
         meter = self._meter

@@ -124,7 +124,8 @@ class AsyncCache(CacheBase[AsyncLock]):
         limit: int = 1,
         tries: list[int] | None = None,
     ) -> AsyncLock:
-        # ``tries``: a metered cache's list, given the number of attempts made on success.
+        # ``tries``: a metered cache's list, given the number of attempts a lock_wait made
+        # when it acquires or gives up.
         loop = asyncio.get_running_loop()
         token = new_token()
         ask = permit_ask(token, limit)
@@ -185,6 +186,8 @@ class AsyncCache(CacheBase[AsyncLock]):
                         waiter = hub.join(machine.channel)
                         step = machine.joined(None if waiter is None else waiter.entry)
                     else:
+                        if tries is not None:
+                            tries.append(machine.failures)
                         raise self._not_acquired(key, result, wait_for, limit)
                 script = machine.script
         except BaseException:

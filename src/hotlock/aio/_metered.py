@@ -49,7 +49,10 @@ class MeteredAsyncCache(AsyncCache):
         try:
             lock = await super()._acquire(key, name, ms, wait_for, auto, hold, limit, counted)
         except LockNotAcquired:
-            meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
+            if counted:
+                meter.timed_out(key, loop.time() - started, counted[0])
+            else:
+                meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
