@@ -925,10 +925,10 @@ cdef class NativeBackend:
                 self._scripts(sha, key, token, 1, ttl_ms, rule, "acquire", key, &result)
                 if result > 0:
                     acquired = True
-                    return result, sent  # the fence
+                    return result, sent, attempt + 1  # the fence, and the attempts made
                 remaining_ms = (deadline - _monotonic()) * 1000.0
                 if remaining_ms <= 0.0:
-                    return result, sent
+                    return result, sent, attempt + 1
                 if attempt == 0 and self._wakeups is not None:
                     hub = self._wakeups.get()  # start the subscriber now, so it is connected when this wait joins
                 elif attempt == _POLL_FIRST and hub is not None:

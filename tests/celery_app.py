@@ -2,7 +2,10 @@
 
 Configured from the environment the test gives the worker: HOTLOCK_TEST_BROKER (a Redis
 the test started: broker, result backend and locks), HOTLOCK_TEST_OUT (a directory for the
-files the tasks write), HOTLOCK_TEST_VISIBILITY (the broker's visibility timeout, s).
+files the tasks write), HOTLOCK_TEST_VISIBILITY (the broker's visibility timeout, s),
+HOTLOCK_TEST_OTEL=1 (tests/test_otel_celery.py: trace each pool process's tasks with the
+OpenTelemetry SDK and its Celery instrumentation, the spans written as JSON lines to
+spans-<pid>.jsonl in HOTLOCK_TEST_OUT).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import task_prerun, worker_ready
+from celery.signals import task_prerun, worker_process_init, worker_ready
 
 import hotlock
 from hotlock.celery import LockedTask, locked_task
@@ -22,6 +25,7 @@ from .overlap import FileOverlapLog
 BROKER = os.environ.get("HOTLOCK_TEST_BROKER", "redis://127.0.0.1:1/0")
 OUT = os.environ.get("HOTLOCK_TEST_OUT", "/nonexistent")
 VISIBILITY = float(os.environ.get("HOTLOCK_TEST_VISIBILITY", "3600"))
+OTEL = os.environ.get("HOTLOCK_TEST_OTEL") == "1"
 
 app = Celery("hotlock_test", broker=BROKER, backend=BROKER)
 app.conf.update(
@@ -49,6 +53,35 @@ def out(name: str) -> str:
 def _ready(**_: Any) -> None:
     with open(out(f"ready-{os.getpid()}"), "w"):
         pass
+
+
+@worker_process_init.connect(weak=False)
+def _tracing(**_: Any) -> None:
+    # In each pool process, after the fork, as the instrumentation's docs say: a span
+    # processor's state must not be shared with the parent. The SDK's in-memory exporter
+    # cannot cross processes, so each pool process appends its spans to a file of its own.
+    if not OTEL:
+        return
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+    def line(span: ReadableSpan) -> str:
+        return span.to_json(indent=None) + "\n"
+
+    spans = open(out(f"spans-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115 (the process's life)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=spans, formatter=line)))
+    trace.set_tracer_provider(provider)
+    CeleryInstrumentor().instrument(tracer_provider=provider)
+
+
+def traced_cache() -> hotlock.Cache:
+    from hotlock.otel import OtelListener
+
+    # The global tracer provider, set by _tracing in this pool process.
+    return hotlock.connect(BROKER, metrics=OtelListener())
 
 
 @task_prerun.connect
@@ -136,3 +169,15 @@ def charge(invoice: int, seconds: float) -> str:
 def charge_unmarked(invoice: int, seconds: float) -> str:
     # The control: the same task without the done-marker.
     return _charge("charges-unmarked", invoice, seconds)
+
+
+@locked_task(app, "otel:once:{name}", cache=traced_cache, ttl=5, on_conflict="raise")
+def traced_once(name: str, seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+@locked_task(app, "otel:wait:{name}", cache=traced_cache, ttl=5, wait=10)
+def traced_wait(name: str, seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()

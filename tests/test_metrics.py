@@ -145,9 +145,81 @@ def test_events_in_order(backend: str, redis_url: str) -> None:
         ("not_acquired", "k", "held"),
         ("extended", "k", True),
         ("released", "k"),
-        ("acquired", "w", None),  # lock_wait's tries are not counted (the loop is in the backend)
+        ("acquired", "w", 1),  # a lock_wait that got the key at its first attempt
         ("released", "w"),
     ]
+
+
+class WaitRecorder(Recorder):
+    """A Recorder with the optional waited(): a lock_wait's outcome comes there."""
+
+    def waited(self, key: str | bytes, outcome: str, wait_s: float, attempts: int) -> None:  # type: ignore[override]
+        self.events.append(("waited", key, outcome, attempts))
+        assert wait_s >= 0
+
+
+_SCRIPT_COMMANDS = {f"cmdstat_{c}" for c in ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")}
+
+
+def script_runs(server: RedisServer | None) -> int | None:
+    """The scripts the server has run (None for the in-process backend): every acquire
+    attempt is one (a NOSCRIPT refusal, which the backend follows with the script's text,
+    is a failed call, not counted)."""
+    if server is None:
+        return None
+    stats = server.client().info("commandstats")
+    return sum(int(v["calls"]) - int(v.get("failed_calls", 0)) for k, v in stats.items() if k in _SCRIPT_COMMANDS)
+
+
+def ran_since(server: RedisServer | None, before: int | None) -> int | None:
+    now = script_runs(server)
+    return None if now is None or before is None else now - before
+
+
+def contended_waits(cache: hotlock.Cache, server: RedisServer | None) -> tuple[int | None, int | None]:
+    """An uncontended lock_wait; then, behind a holder whose lease runs out (0.3 s; no
+    release is sent, so the server runs no script but the waiter's attempts), one that
+    times out (0.1 s) and one that waits it out. Returns the scripts the server ran during
+    each of the two (None on the in-process backend)."""
+    cache.lock_wait("w", ttl=5, wait=0.5).unlock()  # uncontended: one attempt
+    cache.lock("w", ttl=0.3)
+    before = script_runs(server)
+    with pytest.raises(LockNotAcquired):
+        cache.lock_wait("w", ttl=5, wait=0.1)
+    timed_out = ran_since(server, before)
+    before = script_runs(server)
+    lock = cache.lock_wait("w", ttl=5, wait=5)
+    waited = ran_since(server, before)
+    lock.unlock()
+    return timed_out, waited
+
+
+def test_lock_wait_reports_its_attempts(backend: str, redis_server: RedisServer, redis_url: str) -> None:
+    plain, waits = Recorder(), WaitRecorder()
+    with open_cache(backend, redis_url, metrics=[plain, waits]) as cache:
+        ran = contended_waits(cache, None if backend == "memory" else redis_server)
+    # A listener without waited() hears a lock_wait's outcome as acquired() or
+    # not_acquired(); one with it, there instead, attempts and all; the try-once lock()
+    # is acquired() for both.
+    assert [e for e in plain.events if e[0] != "released"] == [
+        ("acquired", "w", 1),
+        ("acquired", "w", 1),
+        ("not_acquired", "w", "timeout"),
+        ("acquired", "w", plain.events[-2][2]),
+    ]
+    outcomes = [e for e in waits.events if e[0] != "released"]
+    assert [e[:3] for e in outcomes] == [
+        ("waited", "w", "acquired"),
+        ("acquired", "w", 1),
+        ("waited", "w", "timeout"),
+        ("waited", "w", "acquired"),
+    ]
+    assert outcomes[0][3] == 1
+    timed_out, waited = outcomes[2][3], outcomes[3][3]
+    assert waited == plain.events[-2][2]
+    assert timed_out >= 1 and waited >= 2  # each one's first attempt found the key held
+    if ran != (None, None):
+        assert (timed_out, waited) == ran  # exactly what the server ran, on every Redis backend
 
 
 def test_errors_by_kind() -> None:
@@ -358,6 +430,41 @@ def test_async_prometheus_counts_real_traffic(aio: Aio) -> None:
     assert value(s, "hotlock_extensions_total", outcome="lost") == 1
     assert value(s, "hotlock_lost_total") == 1
     assert value(s, "hotlock_hold_seconds_count") == 3
+
+
+def test_async_lock_wait_reports_its_attempts(aio: Aio) -> None:
+    waits = WaitRecorder()
+    server = None if aio.backend == "memory" else aio.server
+
+    async def main() -> tuple[int | None, int | None]:
+        cache = await aio.connect(metrics=waits)
+        try:
+            await (await cache.lock_wait("w", ttl=5, wait=0.5)).unlock()  # uncontended
+            await cache.lock("w", ttl=0.3)  # runs out: no release sent
+            before = script_runs(server)
+            with pytest.raises(LockNotAcquired):
+                await cache.lock_wait("w", ttl=5, wait=0.1)
+            timed_out = ran_since(server, before)
+            before = script_runs(server)
+            lock = await cache.lock_wait("w", ttl=5, wait=5)
+            waited = ran_since(server, before)
+            await lock.unlock()
+            return timed_out, waited
+        finally:
+            await cache.close()
+
+    ran = aio.run(main())
+    outcomes = [e for e in waits.events if e[0] != "released"]
+    assert outcomes[:3] == [
+        ("waited", "w", "acquired", 1),
+        ("acquired", "w", 1),
+        ("waited", "w", "timeout", outcomes[2][3]),
+    ]
+    assert len(outcomes) == 4 and outcomes[3][:3] == ("waited", "w", "acquired")
+    timed_out, waited = outcomes[2][3], outcomes[3][3]
+    assert timed_out >= 1 and waited >= 2
+    if ran != (None, None):
+        assert (timed_out, waited) == ran
 
 
 def test_async_no_listener_is_the_plain_cache(aio: Aio) -> None:

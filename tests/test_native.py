@@ -96,10 +96,11 @@ def test_native_sent_at_is_on_the_time_monotonic_clock(ncache: hotlock.Cache) ->
     assert before <= stamp <= after
     backend = ncache._backend
     before = time.monotonic()
-    result, sent = backend.acquire_wait(lock_name(b"clock"), os.urandom(16), 5000, 1000)
+    result, sent, attempts = backend.acquire_wait(lock_name(b"clock"), os.urandom(16), 5000, 1000)
     after = time.monotonic()
     assert result > 0  # acquired: the fence
     assert before <= sent <= after
+    assert attempts == 1  # uncontended
 
 
 def test_native_lock_wait_wakes_when_the_holder_expires_and_never_passes_the_deadline(

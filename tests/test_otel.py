@@ -77,8 +77,10 @@ def test_spans_for_acquire_wait_hold_and_conflict(
             ("hotlock.hold", "released"),
         ]
         assert all(s.attributes["hotlock.lock.key"] == "otel:a" for s in ours)
-        acquire, held, timeout, hold = ours[0], ours[1], ours[2], ours[3]
+        acquire, held, timeout, hold, waited = ours[0], ours[1], ours[2], ours[3], ours[4]
         assert acquire.attributes["hotlock.lock.attempts"] == 1
+        assert waited.attributes["hotlock.lock.attempts"] == 1  # the key was free: got at once
+        assert timeout.attributes["hotlock.lock.attempts"] >= 1
         assert held.status.status_code is StatusCode.UNSET  # a conflict is no error
         # The wait's span lasts its wait; the hold's its hold (from the acquire to the release).
         assert 0.09 <= (timeout.end_time - timeout.start_time) / 1e9 < 1.0
@@ -98,6 +100,25 @@ def test_spans_for_acquire_wait_hold_and_conflict(
         assert samples[("hotlock_acquisitions", "timeout")] == 1
     finally:
         cache.close()
+
+
+def test_a_wait_span_counts_its_attempts(
+    backend: str, server_url: str, traced: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = traced
+    cache = open_cache(backend, server_url, metrics=OtelListener(provider))
+    try:
+        cache.lock("otel:busy", ttl=0.3)  # a holder whose lease runs out
+        cache.lock_wait("otel:busy", ttl=5, wait=5).unlock()
+    finally:
+        cache.close()
+    (wait,) = named(exporter.get_finished_spans(), "hotlock.wait")
+    assert wait.attributes is not None
+    assert wait.attributes["hotlock.lock.outcome"] == "acquired"
+    # The first attempt found the key held; tests/test_metrics.py holds the count to the
+    # scripts the server ran.
+    assert wait.attributes["hotlock.lock.attempts"] >= 2
+    assert 0.2 <= wait.attributes["hotlock.lock.wait_s"] < 3.0
 
 
 def test_a_lost_lease_is_an_error_span(
@@ -155,6 +176,8 @@ def test_async_spans(redis_url: str, traced: tuple[TracerProvider, InMemorySpanE
                 async with cache.lock("otel:aio", ttl=5):
                     with pytest.raises(hotlock.LockNotAcquired):
                         await cache.lock("otel:aio", ttl=5)
+                await cache.lock("otel:aio2", ttl=0.2)  # runs out
+                await (await cache.lock_wait("otel:aio2", ttl=5, wait=5)).unlock()
             return task.get_span_context().span_id
         finally:
             await cache.close()
@@ -165,5 +188,9 @@ def test_async_spans(redis_url: str, traced: tuple[TracerProvider, InMemorySpanE
         ("hotlock.acquire", "acquired"),
         ("hotlock.acquire", "held"),
         ("hotlock.hold", "released"),
+        ("hotlock.acquire", "acquired"),
+        ("hotlock.wait", "acquired"),
+        ("hotlock.hold", "released"),
     ]
     assert all(s.parent is not None and s.parent.span_id == parent for s in ours)
+    assert ours[4].attributes["hotlock.lock.attempts"] >= 2

@@ -208,19 +208,36 @@ class Cache(CacheBase[Lock]):
         exactly one attempt. ``auto_extend``, ``max_hold`` and ``limit`` as for lock(); a
         release of a permit wakes a waiter as a plain lock's release does.
         """
+        got = self._lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)[0]
+        if isinstance(got, LockNotAcquired):
+            raise got
+        return got
+
+    def _lock_wait(
+        self,
+        key: str | bytes,
+        ttl: Seconds = DEFAULT_TTL,
+        wait: Seconds = 10.0,
+        *,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+        limit: int = 1,
+    ) -> tuple[Lock | LockNotAcquired, int]:
+        """lock_wait()'s lock, or the LockNotAcquired it raises at the deadline; and the
+        number of attempts it made (what a metrics listener is told, either way)."""
         name = stored(self._lock_prefix, key_bytes(key))
         ms = ttl_ms(ttl)
         wait_for = wait_ms(wait)
         hold = auto_extend_ms(auto_extend, max_hold, ms)
         n = limit_int(limit)
         token = permit_ask(new_token(), n)
-        result, sent = self._backend.acquire_wait(name, token, ms, wait_for)
+        result, sent, attempts = self._backend.acquire_wait(name, token, ms, wait_for)
         if result <= 0:
-            raise self._not_acquired(key, result, wait_for, n)
+            return self._not_acquired(key, result, wait_for, n), attempts
         lock = self._lease_class(self._backend, key, name, token, result, ms, sent)
         if auto_extend:
             self._renew().watch(lock, hold)
-        return lock
+        return lock, attempts
 
     def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Acquire once, run ``fn(*args, **kwargs)``, release however it ends; return its result."""

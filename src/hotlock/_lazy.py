@@ -75,7 +75,7 @@ class LazyBackend:
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
         return self._open().acquire(key, token, ttl_ms)
 
-    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
         return self._open().acquire_wait(key, token, ttl_ms, wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:

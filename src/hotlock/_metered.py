@@ -9,6 +9,7 @@ call through a single ``is None`` test that is all an unmetered lock pays.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from ._cache import Cache
 from ._lock import Lease, Lock
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, LockNotAcquired
-from .metrics import LISTENER_METHODS, Listener, Listeners, NotAcquired, Op
+from .metrics import LISTENER_METHODS, BaseListener, Listener, Listeners, NotAcquired, Op, WaitOutcome
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -61,12 +62,27 @@ class Meter:
     The listener's methods are looked up once, here (at connect): an event then costs
     one call of the bound method inside a try, nothing more."""
 
-    __slots__ = ("_acquired", "_error", "_extended", "_lost", "_not_acquired", "_released", "_warned", "listener")
+    __slots__ = (
+        "_acquired",
+        "_error",
+        "_extended",
+        "_lost",
+        "_not_acquired",
+        "_released",
+        "_waited",
+        "_warned",
+        "listener",
+    )
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
         self._warned = False
         self._acquired = listener.acquired
+        # A lock_wait's outcome: the optional waited(), else what BaseListener.waited calls.
+        waited = getattr(listener, "waited", None)
+        self._waited: Callable[[str | bytes, WaitOutcome, float, int], None] = (
+            waited if callable(waited) else functools.partial(BaseListener.waited, listener)  # type: ignore[arg-type]
+        )
         self._not_acquired = listener.not_acquired
         self._released = listener.released
         self._extended = listener.extended
@@ -87,13 +103,25 @@ class Meter:
         except Exception:
             self.raised()
 
-    def took(self, lease: Lease, wait_s: float, attempts: int | None) -> None:
+    def took(self, lease: Lease, wait_s: float, attempts: int) -> None:
         """A lock was acquired: it reports to this meter from now on."""
         lease._meter = self
         try:
             self._acquired(lease.key, wait_s, attempts)
         except Exception:
             self.raised()
+
+    def waited(self, lease: Lease, wait_s: float, attempts: int) -> None:
+        """A lock_wait acquired its lock after ``attempts`` attempts."""
+        lease._meter = self
+        try:
+            self._waited(lease.key, "acquired", wait_s, attempts)
+        except Exception:
+            self.raised()
+
+    def timed_out(self, key: str | bytes, wait_s: float, attempts: int) -> None:
+        """A lock_wait's deadline passed after ``attempts`` attempts."""
+        self.call(self._waited, key, "timeout", wait_s, attempts)
 
     def took_many(self, keys: list[str | bytes], leases: Sequence[Lease | None], wait_s: float) -> None:
         """A lock_many's outcomes, key by key."""
@@ -195,7 +223,7 @@ class MeteredCache(Cache):
         return template
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, **options: Any) -> Lock:
-        # The hot path, written out (no _observe, no super(), no Meter.took, ttl passed
+        # The hot path, written out (no super(), no Meter.took, ttl passed
         # on by position): metrics cost little here (bench/results.md "Metrics: what the
         # listener costs").
         meter = self._meter
@@ -216,29 +244,18 @@ class MeteredCache(Cache):
         return lock
 
     def lock_wait(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
-        return self._observe(super().lock_wait, "timeout", key, args, kwargs, attempts=None)
-
-    def _observe(
-        self,
-        acquire: Callable[..., Lock],
-        conflict: NotAcquired,
-        key: str | bytes,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        attempts: int | None = 1,
-    ) -> Lock:
         meter = self._meter
         started = _monotonic()
         try:
-            lock = acquire(key, *args, **kwargs)
-        except LockNotAcquired:
-            meter.not_acquired(key, conflict, _monotonic() - started)
-            raise
+            got, attempts = self._lock_wait(key, *args, **kwargs)
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        meter.took(lock, _monotonic() - started, attempts)
-        return lock
+        if isinstance(got, LockNotAcquired):
+            meter.timed_out(key, _monotonic() - started, attempts)
+            raise got
+        meter.waited(got, _monotonic() - started, attempts)
+        return got
 
     def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[Lock | None]:
         meter = self._meter

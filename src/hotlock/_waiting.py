@@ -131,6 +131,11 @@ class Waiting:
         self._watched: ChannelEntry | None = None  # the confirmed subscription as the first marking attempt went
         self._entry: ChannelEntry | None = None  # the channel joined, once joined
 
+    @property
+    def failures(self) -> int:
+        """The attempts that did not acquire so far, the first (the driver's own) included."""
+        return self._attempts
+
     def failed(self, result: int) -> Step:
         """An attempt did not acquire: ``result`` is -(the holder's PTTL), or 0 when unknown."""
         self._attempts += 1
@@ -198,15 +203,15 @@ class Waiting:
         return self.slept()
 
 
-def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float]:
+def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float, int]:
     """The driver of a wait without wake-ups (the in-process backend, a Redis backend with
     wake-ups off): ``acquire()`` on the backoff schedule until it returns a fence (> 0) or
-    the deadline passes. Returns the last result and the time.monotonic() that attempt was
-    sent."""
+    the deadline passes. Returns the last result, the time.monotonic() that attempt was
+    sent and the number of attempts made."""
     sent = time.monotonic()
     result = acquire()
     if result > 0:
-        return result, sent
+        return result, sent, 1
     # No channel is ever looked up without wake-ups, so the machine needs no key.
     machine = Waiting(b"", wait_ms, sent, time.monotonic, random.random, wakeups=False)
     step = machine.failed(result)
@@ -218,6 +223,6 @@ def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float]:
         sent = time.monotonic()
         result = acquire()
         if result > 0:
-            break
+            return result, sent, machine.failures + 1
         step = machine.failed(result)
-    return result, sent
+    return result, sent, machine.failures

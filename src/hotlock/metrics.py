@@ -6,7 +6,8 @@
     cache = await hotlock.aio.connect(url, metrics=listener)     # the async twin, same listener
 
 A listener is any object with the six methods of ``Listener`` (subclass
-``BaseListener`` to implement only some). hotlock calls them synchronously, on the
+``BaseListener`` to implement only some), and optionally a seventh, ``waited`` (see
+``BaseListener.waited``): a lock_wait's outcome with the attempts it made. hotlock calls them synchronously, on the
 thread (or in the task) that did the operation, after the operation's outcome is known and
 before it is returned or raised. A listener must be quick and must not block: it runs on the
 lock's hot path. One that raises is logged once as a WARNING and never changes what the
@@ -43,6 +44,7 @@ __all__ = [
     "NotAcquired",
     "Op",
     "PrometheusMetrics",
+    "WaitOutcome",
     "error_kind",
     "first_segment",
 ]
@@ -52,6 +54,8 @@ Op = Literal["acquire", "extend", "release"]
 # Why an acquisition did not happen: "held" (try-once found another holder: lock(),
 # lock_many(), with_lock()) or "timeout" (lock_wait()'s deadline passed).
 NotAcquired = Literal["held", "timeout"]
+# How a lock_wait ended (BaseListener.waited).
+WaitOutcome = Literal["acquired", "timeout"]
 
 
 class Listener(Protocol):
@@ -61,8 +65,10 @@ class Listener(Protocol):
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         """A lock was acquired. ``wait_s``: from the call until the acquire succeeded (for a
         try-once lock, one round trip). ``attempts``: 1 for lock(), lock_many() and
-        with_lock(); None for lock_wait(), whose polling loop runs inside the backend (in C
-        on the native one) and does not count its tries."""
+        with_lock(); for lock_wait(), the acquire attempts it sent, the one that took the
+        lock included (every backend counts them; None never comes from hotlock itself, it
+        is kept in the type for listeners written when lock_wait did not count). A listener
+        with a ``waited`` method hears a lock_wait's outcome there instead."""
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         """An acquisition found the key held elsewhere ("held") or waited its whole
@@ -94,6 +100,18 @@ class BaseListener:
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         pass
+
+    def waited(self, key: str | bytes, outcome: WaitOutcome, wait_s: float, attempts: int) -> None:
+        """Optional (hotlock looks it up once, at connect): a lock_wait() ended, "acquired"
+        or at its deadline ("timeout"), ``wait_s`` after the call, having sent ``attempts``
+        acquire attempts. For a listener that tells a wait from a try-once acquire, or
+        counts a timed-out wait's attempts (OtelListener does both). Without it, and by
+        default here, the event is ``acquired(key, wait_s, attempts)`` or
+        ``not_acquired(key, "timeout", wait_s)``."""
+        if outcome == "acquired":
+            self.acquired(key, wait_s, attempts)
+        else:
+            self.not_acquired(key, "timeout", wait_s)
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         pass
@@ -130,17 +148,30 @@ class Listeners:
 
     def _each(self, method: str, *args: Any) -> None:
         for listener in self.listeners:
-            try:
-                getattr(listener, method)(*args)
-            except Exception:
-                if id(listener) not in self._warned:
-                    self._warned.add(id(listener))
-                    logging.getLogger("hotlock").warning(
-                        "metrics listener %r raised; its events are dropped", listener, exc_info=True
-                    )
+            self._one(listener, method, *args)
+
+    def _one(self, listener: Listener, method: str, *args: Any) -> None:
+        try:
+            getattr(listener, method)(*args)
+        except Exception:
+            if id(listener) not in self._warned:
+                self._warned.add(id(listener))
+                logging.getLogger("hotlock").warning(
+                    "metrics listener %r raised; its events are dropped", listener, exc_info=True
+                )
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
         self._each("acquired", key, wait_s, attempts)
+
+    def waited(self, key: str | bytes, outcome: WaitOutcome, wait_s: float, attempts: int) -> None:
+        for listener in self.listeners:
+            # Each as a Meter would call it alone: its own waited, or else what it stands for.
+            if callable(getattr(listener, "waited", None)):
+                self._one(listener, "waited", key, outcome, wait_s, attempts)
+            elif outcome == "acquired":
+                self._one(listener, "acquired", key, wait_s, attempts)
+            else:
+                self._one(listener, "not_acquired", key, "timeout", wait_s)
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         self._each("not_acquired", key, outcome, wait_s)

@@ -10,7 +10,8 @@ request, the Celery task), with the times the event carries:
 
     hotlock.acquire   a try-once acquire (lock(), lock_many(), with_lock()): one round trip
     hotlock.wait      a lock_wait(): from the call until acquired or the deadline
-                      (``hotlock.lock.wait_s``; ``hotlock.lock.attempts`` where counted)
+                      (``hotlock.lock.wait_s``; ``hotlock.lock.attempts``: the attempts
+                      it sent, the one that took the lock included)
     hotlock.hold      from the acquire until the release (``hotlock.lock.held_s``), or
                       until the lease was found lost: then status ERROR and a "lost" event
     hotlock.extend    an extend that found the lock lost (successful extends are not spans:
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .metrics import BaseListener, NotAcquired, Op, error_kind
+from .metrics import BaseListener, NotAcquired, Op, WaitOutcome, error_kind
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -81,16 +82,15 @@ class OtelListener(BaseListener):
         span.end(end_time=end)
 
     def acquired(self, key: str | bytes, wait_s: float, attempts: int | None) -> None:
-        if attempts is None:  # lock_wait: its loop (in C on the native backend) does not count
-            self._span("hotlock.wait", key, wait_s, "acquired", {"hotlock.lock.wait_s": wait_s})
-        else:
-            self._span(
-                "hotlock.acquire",
-                key,
-                wait_s,
-                "acquired",
-                {"hotlock.lock.wait_s": wait_s, "hotlock.lock.attempts": attempts},
-            )
+        attributes: dict[str, str | int | float] = {"hotlock.lock.wait_s": wait_s}
+        if attempts is not None:
+            attributes["hotlock.lock.attempts"] = attempts
+        self._span("hotlock.acquire", key, wait_s, "acquired", attributes)
+
+    def waited(self, key: str | bytes, outcome: WaitOutcome, wait_s: float, attempts: int) -> None:
+        self._span(
+            "hotlock.wait", key, wait_s, outcome, {"hotlock.lock.wait_s": wait_s, "hotlock.lock.attempts": attempts}
+        )
 
     def not_acquired(self, key: str | bytes, outcome: NotAcquired, wait_s: float) -> None:
         name = "hotlock.wait" if outcome == "timeout" else "hotlock.acquire"

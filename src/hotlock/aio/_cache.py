@@ -122,7 +122,10 @@ class AsyncCache(CacheBase[AsyncLock]):
         auto: bool = False,
         hold: int | None = None,
         limit: int = 1,
+        tries: list[int] | None = None,
     ) -> AsyncLock:
+        # ``tries``: a metered cache's list, given the number of attempts a lock_wait made
+        # when it acquires or gives up.
         loop = asyncio.get_running_loop()
         token = new_token()
         ask = permit_ask(token, limit)
@@ -150,6 +153,8 @@ class AsyncCache(CacheBase[AsyncLock]):
                     lock = AsyncLock(self._backend, self._release_in_background, loop, key, name, ask, result, ms, sent)
                     if auto:
                         self._renew([lock], hold)
+                    if tries is not None:
+                        tries.append(1 if machine is None else machine.failures + 1)
                     if waiter is not None:
                         assert hub is not None
                         hub.leave(waiter, True)
@@ -181,6 +186,8 @@ class AsyncCache(CacheBase[AsyncLock]):
                         waiter = hub.join(machine.channel)
                         step = machine.joined(None if waiter is None else waiter.entry)
                     else:
+                        if tries is not None:
+                            tries.append(machine.failures)
                         raise self._not_acquired(key, result, wait_for, limit)
                 script = machine.script
         except BaseException:

@@ -37,22 +37,30 @@ class MeteredAsyncCache(AsyncCache):
         auto: bool = False,
         hold: int | None = None,
         limit: int = 1,
+        tries: list[int] | None = None,
     ) -> AsyncLock:
         # lock() and lock_wait() both end here; wait_for is None for a try-once acquire.
         # The signature is the parent's own, so mypy flags this override if that one changes.
         meter = self._meter
         loop = asyncio.get_running_loop()
+        # A lock_wait's attempts are counted in the parent's loop (no list for a lock()).
+        counted: list[int] | None = None if wait_for is None else []
         started = loop.time()
         try:
-            lock = await super()._acquire(key, name, ms, wait_for, auto, hold, limit)
+            lock = await super()._acquire(key, name, ms, wait_for, auto, hold, limit, counted)
         except LockNotAcquired:
-            meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
+            if counted:
+                meter.timed_out(key, loop.time() - started, counted[0])
+            else:
+                meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        # lock_wait's tries are not counted (as in sync, where the loop is in the backend).
-        meter.took(lock, loop.time() - started, 1 if wait_for is None else None)
+        if counted is None:
+            meter.took(lock, loop.time() - started, 1)
+        else:
+            meter.waited(lock, loop.time() - started, counted[0])
         return lock
 
     async def lock_many(self, keys: Iterable[str | bytes], *args: Any, **kwargs: Any) -> list[AsyncLock | None]:

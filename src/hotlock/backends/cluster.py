@@ -920,7 +920,7 @@ class ClusterBackend(ClusterCore):
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
         return int(self._one("acquire", ACQUIRE, key, token, ttl_ms, self.retry_until()))
 
-    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
         until = self.retry_until(wait_ms)
         return wait(self._wakeups, key, lambda s: int(self._one("acquire", s, key, token, ttl_ms, until)), wait_ms)
 

@@ -368,7 +368,7 @@ class RedisPyBackend:
         )
         return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
 
-    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float]:
+    def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
         retry_until = self._retry_until(wait_ms)
         return wait(self._wakeups, key, lambda s: self._acquire(key, token, ttl_ms, retry_until, s), wait_ms)
 

@@ -535,10 +535,10 @@ def cluster_slot(config: ServerConfig, owner: Callable[[bytes], tuple[str, int] 
     return Slot(lambda: ClusterWakeups(config, owner)) if config.wakeups else None
 
 
-def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float]:
+def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float, int]:
     """_backoff.poll with wake-ups: ``acquire(script)`` attempts with ACQUIRE or one of its
     waiting forms until it returns a fence (> 0) or ``wait_ms`` has passed. Returns the last
-    result and the time.monotonic() that attempt was sent. The sync driver of
+    result, the time.monotonic() that attempt was sent and the number of attempts. The sync driver of
     hotlock._waiting.Waiting, which decides every step; this function only does them (the
     attempts, the sleeps, the subscriber's start, join and leave).
     NativeBackend.acquire_wait runs the same steps in C."""
@@ -547,7 +547,7 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
     sent = time.monotonic()
     result = acquire(FIRST)
     if result > 0:
-        return result, sent  # uncontended: no machine made, nothing more to do
+        return result, sent, 1  # uncontended: no machine made, nothing more to do
     machine = Waiting(key, wait_ms, sent, time.monotonic, random.random)
     hub: Wakeups | None = None
     waiter: Waiter | None = None
@@ -560,7 +560,7 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 result = acquire(machine.script)
                 if result > 0:
                     acquired = True
-                    return result, sent
+                    return result, sent, machine.failures + 1
                 step = machine.failed(result)
             elif step is Step.SLEEP:
                 time.sleep(machine.sleep_s)
@@ -580,7 +580,7 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 waiter = hub.join(machine.channel)
                 step = machine.joined(None if waiter is None else waiter.entry)
             else:
-                return result, sent
+                return result, sent, machine.failures
     finally:
         if waiter is not None:
             assert hub is not None
