@@ -25,6 +25,7 @@ every connection, releases every stalled cue and joins the threads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
@@ -328,8 +329,6 @@ class FakeRedis:
 
 
 def _shut(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
