@@ -206,6 +206,9 @@ cdef class ClusterRouter:
         return None if link is None else (self._addresses[number], link)
 
     cdef inline unsigned short _number(self, bytes key):
+        """The key's node number by the table, or _NO_NODE. Its callers index self._links and
+        self._addresses with it right after, with no Python code between (map.stale, a
+        property, runs before), so a set_map from another thread cannot shorten them."""
         if self._map.stale:
             return _NO_NODE
         return self._table_number(key, min(len(self._links), len(self._addresses)))
@@ -494,6 +497,7 @@ cdef class ClusterRouter:
                     conn.busy = False
                     if rcs[k] == REDIS_OK:
                         conn.used = _monotonic()
+                        conn.piped = True
                         conn.answered = True
             sending = False
             for k in range(m):

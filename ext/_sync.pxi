@@ -81,6 +81,7 @@ cdef class _Conn:
     cdef int calls  # calls of its thread using it now (nested: an undo inside an acquire)
     cdef bint doomed  # close() ran while a call used it: the call drops ctx when it ends
     cdef double used  # monotonic time its last round trip ended (see _ready)
+    cdef bint piped  # its last round trip read more than one reply (see _ready)
     cdef object __weakref__
 
     def __dealloc__(self):
@@ -168,6 +169,7 @@ cdef inline int _exchange(_Conn conn, redisReply **out, Py_ssize_t n) noexcept:
             rc = -1
     conn.busy = False
     conn.used = _monotonic()
+    conn.piped = n > 1
     if rc == 0:
         conn.answered = True
     return rc
@@ -511,9 +513,13 @@ cdef class NativeBackend:
         whose last round trip ended under _FRESH_S ago: a server that closed it in that
         window costs the same one reconnect, found at the read instead of before the
         write, and the resend (same token) hides it from the caller; the price is that
-        this resend is then spent. Calls never resent (extend, set_nx, incr) always poll."""
+        this resend is then spent. Calls never resent (extend, set_nx, incr) always poll,
+        and so does any call after a pipeline (conn.piped): a reply that a server sends
+        beyond a pipeline's count arrives after the last one the client reads, and the poll
+        finds it (one in the same packet as the last reply is found by _exchange itself)."""
         if conn.ctx is not NULL and (conn.gen != _fork_gen or conn.ctx.err or (
-                not (rule.resend and _monotonic() - conn.used < _FRESH_S) and _stale(conn.ctx, conn.ssl))):
+                not (rule.resend and not conn.piped and _monotonic() - conn.used < _FRESH_S)
+                and _stale(conn.ctx, conn.ssl))):
             _drop(conn)
         elif conn.ctx is not NULL and self._watch is not None and conn.epoch != self._watch.refresh():
             # The sentinels name another primary: the old one may still take writes until
