@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from types import TracebackType
@@ -58,6 +59,9 @@ def honest(command: list[bytes], scripts: dict[bytes, str]) -> bytes:
         return b"+OK\r\n"
     if name == b"PING":
         return b"+PONG\r\n"
+    if name == b"TIME":
+        seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
+        return b"*2\r\n" + bulk(b"%d" % seconds) + bulk(b"%d" % micros)
     if name == b"HELLO":
         return b"-NOPROTO this fake server speaks RESP2 only\r\n"
     if name == b"INFO":
