@@ -68,7 +68,7 @@ _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 # What each command may answer (error replies aside), checked as each reply is read, on the
 # connection it came on: anything else is a server, proxy or endpoint that does not speak
 # as Redis does, and the connection is dropped, never read again (UnexpectedReply).
-Shape = Callable[[Any], bool]
+Shape = Callable[[object], bool]
 
 
 def is_int(reply: object) -> bool:
