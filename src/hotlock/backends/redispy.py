@@ -368,11 +368,9 @@ class RedisPyBackend:
                 replies.append(reply)
             if framed:
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
-                try:
-                    end = conn.read_response(**kw)
-                except ResponseError:
-                    end = None
-                if not is_frame(end):
+                # An error reply to TIME (NOPERM: an ACL without it) is raised as it is: the
+                # connection is dropped all the same.
+                if not is_frame(conn.read_response(**kw)):
                     raise StrayReply()
             if stray(conn):
                 raise StrayReply()

@@ -439,13 +439,10 @@ class RedisAsyncBackend:
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)
-            if framed:
-                try:
-                    end = await conn.read_response()
-                except ResponseError:
-                    end = None
-                if not is_frame(end):
-                    raise StrayReply()
+            # An error reply to TIME (NOPERM: an ACL without it) is raised as it is: the
+            # connection is dropped all the same.
+            if framed and not is_frame(await conn.read_response()):
+                raise StrayReply()
             if stray(conn):
                 raise StrayReply()
             return replies
