@@ -49,4 +49,22 @@ static inline PyObject *hotlock_weakref_target(PyObject *ref) {
 #endif
 }
 
+/* Bounds on what one connection's reader holds, for the async core (ext/_aio.pxi): at most
+ * maxelements in one array (hiredis otherwise allocates what a "*<n>" header asks for, up to
+ * 2^32-1 pointers) and, through hotlock_reader_pending, the bytes of a reply not yet complete.
+ * 1.x has maxelements; 0.14 has no such field, and its array headers stay unbounded there. */
+static inline void hotlock_reader_bound(redisReader *r, long long maxelements) {
+#if HIREDIS_MAJOR >= 1
+    r->maxelements = maxelements;
+#else
+    (void)r;
+    (void)maxelements;
+#endif
+}
+
+/* The bytes fed to the reader and not yet taken as a whole reply (both series have pos/len). */
+static inline size_t hotlock_reader_pending(const redisReader *r) {
+    return r->len - r->pos;
+}
+
 #endif
