@@ -337,6 +337,8 @@ class NativeAsyncBackend:
         )
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        # Copies: the caller's lists may change while this awaits (a NOSCRIPT resend reads them again).
+        keys, tokens = list(keys), list(tokens)
         if self._config.wait_replicas:
             return await self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms)
         replies = await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)
@@ -375,6 +377,8 @@ class NativeAsyncBackend:
         return bool(self._int("extend", key, await self._script("extend", EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        # Copies, as in acquire_many.
+        keys, tokens = list(keys), list(tokens)
         if self.dialect.lua_free and not by_script(tokens):
             sets: list[tuple[bytes | int, ...]] = [
                 extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
@@ -412,6 +416,8 @@ class NativeAsyncBackend:
         return bool(self._int("release", key, await self._script("release", RELEASE, key, token, retry=True)))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        # Copies, as in acquire_many.
+        keys, tokens = list(keys), list(tokens)
         if self.dialect.lua_free and not by_script(tokens):
             dels: list[tuple[bytes | int, ...]] = [
                 release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)
