@@ -253,39 +253,47 @@ CORE = [
     "resp3-double",
     "good-then-extra",
 ]
-CASES = [(site, payload) for site in SITES for payload in PAYLOADS if payload in CORE or site == "acquire"]
-SLOW_CASES = [(site, payload) for site in SITES for payload in PAYLOADS if (site, payload) not in CASES]
 
 
-def _ids(cases: list[tuple[str, str]]) -> list[str]:
-    return [f"{site}-{payload}" for site, payload in cases]
+def _fast(backend: str, site: str, payload: str) -> bool:
+    if payload == "array-huge":
+        # A client that allocates what such a header asks for spends seconds of CPU on it
+        # before the EOF ends it (redis-py; the sync native client until it bounds its
+        # arrays): at the acquire only here, at every site in the slow form.
+        return site == "acquire"
+    return payload in CORE or site == "acquire"
+
+
+ALL_CASES = [(backend, site, payload) for backend in BACKENDS for site in SITES for payload in PAYLOADS]
+CASES = [case for case in ALL_CASES if _fast(*case)]
+SLOW_CASES = [case for case in ALL_CASES if not _fast(*case)]
+
+
+def _ids(cases: list[tuple[str, str, str]]) -> list[str]:
+    return ["-".join(case) for case in cases]
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("site", "payload"), CASES, ids=_ids(CASES))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "site", "payload"), CASES, ids=_ids(CASES))
 def test_hostile_reply_sync(backend: str, site: str, payload: str) -> None:
     run_sync(backend, SITES[site], PAYLOADS[payload])
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("site", "payload"), CASES, ids=_ids(CASES))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "site", "payload"), CASES, ids=_ids(CASES))
 def test_hostile_reply_async(backend: str, site: str, payload: str) -> None:
     asyncio.run(run_async(backend, SITES[site], PAYLOADS[payload]))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("site", "payload"), SLOW_CASES, ids=_ids(SLOW_CASES))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "site", "payload"), SLOW_CASES, ids=_ids(SLOW_CASES))
 def test_hostile_reply_sync_more(backend: str, site: str, payload: str) -> None:
     run_sync(backend, SITES[site], PAYLOADS[payload])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("site", "payload"), SLOW_CASES, ids=_ids(SLOW_CASES))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "site", "payload"), SLOW_CASES, ids=_ids(SLOW_CASES))
 def test_hostile_reply_async_more(backend: str, site: str, payload: str) -> None:
     asyncio.run(run_async(backend, SITES[site], PAYLOADS[payload]))
