@@ -297,3 +297,26 @@ def test_hostile_reply_sync_more(backend: str, site: str, payload: str) -> None:
 @pytest.mark.parametrize(("backend", "site", "payload"), SLOW_CASES, ids=_ids(SLOW_CASES))
 def test_hostile_reply_async_more(backend: str, site: str, payload: str) -> None:
     asyncio.run(run_async(backend, SITES[site], PAYLOADS[payload]))
+
+
+@pytest.mark.timeout(30)
+def test_async_native_refuses_a_reply_past_its_size_bound() -> None:
+    """A bulk reply whose header asks for 100 MB, 17 MiB of it sent and the rest held back:
+    the async core drops the connection once 16 MiB of one reply are buffered, at once,
+    rather than growing its buffer until the reply timeout (no timeout while bytes flow)."""
+    if "native" not in BACKENDS:
+        pytest.skip("the native extension is not live")
+
+    async def main() -> None:
+        with FakeRedis() as fake:
+            cache = await hotlock.aio.connect(fake.url, backend="native", timeout=5.0, wakeups=False)
+            # INCRBY, since it is never resent after a lost reply (an acquire would be, and succeed).
+            fake.on(b"INCRBY", reply=b"$100000000\r\n" + b"x" * (17 << 20))
+            started = time.monotonic()
+            with pytest.raises(hotlock.CacheError, match="larger than"):
+                await cache.incr("n")
+            assert time.monotonic() - started < 4.0, "it waited for the reply timeout instead"
+            check_probe_fence((await cache.lock(PROBE)).fence)
+            await cache.close()
+
+    asyncio.run(main())
