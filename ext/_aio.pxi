@@ -407,7 +407,12 @@ cdef class AioCore:
     def abort(self):
         """Drop the connection now (READONLY: a demoted primary is not to be used again)."""
         self._closed = True
-        if self._transport is not None and self._gen == _fork_gen:
+        if self._gen != _fork_gen:
+            # The parent's socket: left alone; the child's waiters would otherwise wait on
+            # a connection_lost that never comes to this copy.
+            self._forget("dropped in a forked child: the connection is the parent's")
+            return
+        if self._transport is not None:
             self._transport.abort()
 
 

@@ -304,10 +304,12 @@ def check_probe(cache: hotlock.Cache | None, fence: int | None = None) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_async_close_in_forked_child_writes_nothing_to_the_parents_socket() -> None:
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_async_close_in_forked_child_writes_nothing_to_the_parents_socket(how: str) -> None:
     """A child forked while the parent's async connection has a command queued (formatted,
-    not yet flushed) closes the cache: the command must not go out on the parent's socket,
-    and the parent's connection goes on answering the parent."""
+    not yet flushed) closes (or drops) the connection: the command must not go out on the
+    parent's socket, the child's waiter fails at once, and the parent's connection goes on
+    answering the parent."""
     if "native" not in BACKENDS:
         pytest.skip("the native extension is not live")
 
@@ -324,7 +326,7 @@ def test_async_close_in_forked_child_writes_nothing_to_the_parents_socket() -> N
             if pid == 0:
                 code = 0
                 try:
-                    proto.close()
+                    getattr(proto, how)()
                     code = 0 if queued.done() else 3
                 except BaseException:
                     code = 2
