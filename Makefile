@@ -26,7 +26,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py tests/test_locked.py
 
-.PHONY: deps venv vendor tools compile test test-slow test-pure test-pythons dist dist-check lint docs bench demo clean
+.PHONY: deps venv vendor tools compile test test-slow stress test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -154,6 +154,15 @@ dist-check: dist compile
 # self-tests. One process, no xdist: the soaks take the machine.
 test-slow: compile tools
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_DIST_TOOLS=$(CURDIR)/$(TOOLS)/bin $(PY) -m pytest -q -m slow
+
+# The thread-race stress (tests/race_stress.py: calls from eight threads while others close
+# the cache, flush the scripts and fork) in its long form: each of tests/test_races.py's
+# seven runs (native and redis-py; one server, a cluster, a unix socket, TLS) for
+# STRESS_SECONDS, about ten minutes in all by default. make test runs each for 2 s.
+STRESS_SECONDS ?= 90
+stress: compile
+	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_STRESS_SECONDS=$(STRESS_SECONDS) HOTLOCK_TEST_SERVERS=redis \
+	  $(PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_races.py
 
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv

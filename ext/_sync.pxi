@@ -624,10 +624,14 @@ cdef class NativeBackend:
         cdef redisReply **replies
         cdef redisReply *r
         cdef list names = [c[0].decode() for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
-        for args in commands:
-            _append_args(conn.ctx, args)
-        for source in _SOURCES:
-            _append_args(conn.ctx, (b"SCRIPT", b"LOAD", source))
+        try:
+            for args in commands:
+                _append_args(conn.ctx, args)
+            for source in _SOURCES:
+                _append_args(conn.ctx, (b"SCRIPT", b"LOAD", source))
+        except BaseException:
+            _drop(conn)  # half a pipeline appended: never sent
+            raise
         n = len(names)
         replies = <redisReply **>malloc(n * sizeof(redisReply *))
         if replies is NULL:

@@ -295,8 +295,15 @@ class FakeRedis:
 
     def _serve(self, sock: socket.socket) -> None:
         conn = _Conn(sock)
+        # The replies to the commands that came in one piece go out in one write, as Redis
+        # sends a pipeline's: an extra reply then arrives with the rest, where the client
+        # can tell it is one too many.
+        out = b""
         try:
             while not self._stopping.is_set():
+                if out and not conn.buf:
+                    sock.sendall(out)
+                    out = b""
                 command = conn.command()
                 with self._mutex:
                     self.received.append(command)
@@ -304,25 +311,29 @@ class FakeRedis:
                     if rule is not None:
                         self._rules.remove(rule)
                 if rule is None:
-                    sock.sendall(self.answer(command, self.scripts))
+                    out += self.answer(command, self.scripts)
                     continue
+                cue = rule.cue
+                assert cue is not None
+                if rule.silent or not cue.wait(0):
+                    # What came before is answered; this one waits (or never gets answered).
+                    sock.sendall(out)
+                    out = b""
+                cue.arrived.set()
                 if rule.silent:
                     # Never answered: neither is anything after it on this connection, as
                     # on a server stuck on one command. The client's timeout ends it.
                     while True:
                         conn._fill()
-                cue = rule.cue
-                assert cue is not None
-                cue.arrived.set()
                 if not cue.wait(10):
                     return
                 if cue.cut:
+                    sock.sendall(out)
                     return
                 reply = cue.reply if cue.reply is not None else self.answer(command, self.scripts)
-                if reply or rule.extra:
-                    # One write: what the client reads of it comes in one piece on loopback.
-                    sock.sendall(reply + rule.extra)
+                out += reply + rule.extra
                 if rule.close:
+                    sock.sendall(out)
                     return
         except (_Closed, OSError):
             pass

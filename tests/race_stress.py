@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import gc
 import os
@@ -108,10 +109,8 @@ def main() -> int:
         while time.monotonic() < stop:
             time.sleep(0.003)
             for admin in admins:
-                try:
+                with contextlib.suppress(redis.RedisError):
                     admin.script_flush()
-                except redis.RedisError:
-                    pass
 
     def forker() -> None:
         # A child forked while the other threads are mid-call: it must neither touch the

@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from .cluster import Cluster
-from .conftest import RedisServer, native_for_module
+from .conftest import RedisServer, native_for_module, start_redis
+from .tls import Pki, start_tls_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = float(os.environ.get("HOTLOCK_STRESS_SECONDS", "2"))
@@ -49,3 +51,27 @@ def test_race_stress_one_server(backend: str, redis_server: RedisServer) -> None
 def test_race_stress_cluster_native(redis_cluster: Cluster) -> None:
     native_for_module()
     stress(redis_cluster.url, "native", *[a for n in redis_cluster.nodes for a in ("--flush", n.url)])
+
+
+def test_race_stress_unix_socket_native() -> None:
+    native_for_module()
+    with tempfile.TemporaryDirectory(prefix="hotlock-race-") as d:
+        path = f"{d}/redis.sock"
+        server = start_redis("--unixsocket", path, "--unixsocketperm", "700")
+        try:
+            stress(f"unix://{path}", "native", "--flush", server.url)
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_race_stress_tls(backend: str) -> None:
+    """Over TLS a close() also frees the SSL object, and a fork must not touch the parent's."""
+    if backend == "native":
+        native_for_module()
+    with tempfile.TemporaryDirectory(prefix="hotlock-race-pki-") as d:
+        server = start_tls_redis(Pki.make(Path(d)), "race", "DNS:localhost")
+        try:
+            stress(server.url(ssl_ca_certs=str(server.ca)), backend, "--fork", "--flush", server.plain.url)
+        finally:
+            server.stop()
