@@ -516,6 +516,8 @@ class RedisPyBackend:
         return wait(self._wakeups, key, lambda s: self._acquire(key, token, ttl_ms, retry_until, s), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        # The caller's lists as they are now: another thread may change them during the round trip.
+        keys, tokens = list(keys), list(tokens)
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
         replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
         return self._confirmed("acquire_many", keys, tokens, replies[: len(keys)], replies[len(keys) :])
@@ -533,6 +535,7 @@ class RedisPyBackend:
         key: bytes | None = None,
         scripted: bool = False,
     ) -> list[bool]:
+        keys, tokens = list(keys), list(tokens)  # as in acquire_many
         if self.dialect.lua_free and not scripted and not by_script(tokens):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
@@ -576,6 +579,7 @@ class RedisPyBackend:
         key: bytes | None = None,
         scripted: bool = False,
     ) -> list[bool]:
+        keys, tokens = list(keys), list(tokens)  # as in acquire_many
         if self.dialect.lua_free and not scripted and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             try:
