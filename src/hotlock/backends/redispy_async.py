@@ -315,7 +315,7 @@ class RedisAsyncBackend:
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them.
-        self._inflight = InFlight()
+        self._inflight = InFlight(config.display)
         # Set by close(): a call then gets no second try, so the calls close() cancels end.
         self._closing = False
 
