@@ -40,6 +40,19 @@ import asyncio as _aio_asyncio
 from collections import deque as _aio_deque
 
 
+cdef extern from "compat.h" nogil:
+    long long HOTLOCK_MAX_ELEMENTS
+    void hotlock_reader_bound(redisReader *r, long long maxelements)
+    size_t hotlock_reader_pending(const redisReader *r)
+
+
+# What one reply may be: hotlock's replies are integers, short strings and short arrays;
+# the largest are INFO and a cluster's slot map. Past these bounds the connection is
+# dropped, not a buffer grown or an array allocated because a header said so.
+cdef long long AIO_MAX_ELEMENTS = HOTLOCK_MAX_ELEMENTS  # as the sync reader's
+cdef size_t AIO_MAX_PENDING = 16 << 20  # bytes of a reply still incomplete
+
+
 cdef bytes _aio_arg(object arg):
     """One command argument as bytes: the backend passes bytes, and ints for TTLs and counts."""
     if type(arg) is bytes:
@@ -89,8 +102,12 @@ cdef int _aio_format(tuple args, bytearray out) except -1:
     return 0
 
 
-cdef object _aio_reply(redisReply *r, object error_class):
-    """A hiredis reply as Python: bytes, int, None, list, or an ``error_class`` instance."""
+cdef object _aio_reply(redisReply *r, object error_class, bint *alien):
+    """A hiredis reply as Python: bytes, int, None, list, or an ``error_class`` instance.
+
+    ``alien`` is set when the reply or any element of it is of a type RESP2 has not (a
+    push, an attribute, a map, a double...): this connection never asked for RESP3, so
+    such a reply means the stream is not the one the waiters expect."""
     cdef size_t i
     if r.type == REDIS_REPLY_STRING or r.type == REDIS_REPLY_STATUS:
         return PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len)
@@ -103,8 +120,9 @@ cdef object _aio_reply(redisReply *r, object error_class):
         # the connection), and in a pipeline one error must not hide the other replies.
         return error_class(PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len).decode("utf-8", "replace"))
     if r.type == REDIS_REPLY_ARRAY:
-        return [_aio_reply(r.element[i], error_class) for i in range(r.elements)]
-    return error_class(f"unexpected reply type {r.type}")
+        return [_aio_reply(r.element[i], error_class, alien) for i in range(r.elements)]
+    alien[0] = True
+    return None
 
 
 cdef class _AioWaiter:
@@ -134,6 +152,9 @@ cdef class AioCore:
     cdef object _reply_error
     cdef object _not_sent
     cdef readonly int pid
+    # _fork_gen when made: another value means this is a forked child and the socket the
+    # parent's (a counter read, where getpid() would be a system call per command).
+    cdef unsigned long _gen
     # transport.write calls so far: the coalescing of one loop iteration's commands into
     # one write is the point of this protocol, and tests hold it to that.
     cdef readonly unsigned long long writes
@@ -142,6 +163,7 @@ cdef class AioCore:
         self._reader = redisReaderCreate()
         if self._reader == NULL:
             raise MemoryError()
+        hotlock_reader_bound(self._reader, AIO_MAX_ELEMENTS)
         self._loop = loop
         self._timeout = timeout
         self._reply_error = reply_error
@@ -151,6 +173,7 @@ cdef class AioCore:
         # Closed until connection_made: nothing may be queued for a socket not yet there.
         self._closed = True
         self.pid = _aio_getpid()
+        self._gen = _fork_gen
 
     def __dealloc__(self):
         if self._reader != NULL:
@@ -161,14 +184,14 @@ cdef class AioCore:
 
     def usable(self):
         """Open, and opened by this process (a forked child never writes to its parent's socket)."""
-        return not self._closed and self.pid == _aio_getpid()
+        return not self._closed and self._gen == _fork_gen
 
     def execute(self, *args):
         """Send one command; a future for its reply."""
         cdef _AioWaiter w = _AioWaiter.__new__(_AioWaiter)
         w.fut = self._loop.create_future()
         w.want = 1
-        if self._closed:
+        if self._closed or self._gen != _fork_gen:
             w.fut.set_exception(self._not_sent("the connection is closed"))
             return w.fut
         _aio_format(args, self._wbuf)
@@ -182,7 +205,7 @@ cdef class AioCore:
         w.fut = self._loop.create_future()
         w.want = len(commands)
         w.got = []
-        if self._closed:
+        if self._closed or self._gen != _fork_gen:
             w.fut.set_exception(self._not_sent("the connection is closed"))
             return w.fut
         if w.want == 0:
@@ -211,7 +234,7 @@ cdef class AioCore:
 
     def _flush(self):
         self._flush_scheduled = False
-        if self._closed or self._unflushed == 0:
+        if self._closed or self._unflushed == 0 or self._gen != _fork_gen:
             # Closing: connection_lost will fail the unwritten waiters as "not sent".
             return
         data = self._wbuf
@@ -225,7 +248,12 @@ cdef class AioCore:
 
     def data_received(self, data):
         cdef void *reply = NULL
+        cdef bint alien = False
         cdef bytes chunk = data if type(data) is bytes else bytes(data)
+        if self._closed and self._why is not None:
+            # Given up on already (a reply not asked for, say): whatever else was in the
+            # transport's buffer belongs to no one.
+            return
         if redisReaderFeed(self._reader, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk)) != REDIS_OK:
             self._broken("the reply buffer could not grow")
             return
@@ -235,11 +263,19 @@ cdef class AioCore:
                 self._broken(f"protocol error: {(<bytes>self._reader.errstr).decode('utf-8', 'replace')}")
                 return
             if reply == NULL:
+                if hotlock_reader_pending(self._reader) > AIO_MAX_PENDING:
+                    self._broken(f"a reply larger than {AIO_MAX_PENDING} bytes")
                 return
             try:
-                value = _aio_reply(<redisReply *>reply, self._reply_error)
+                value = _aio_reply(<redisReply *>reply, self._reply_error, &alien)
             finally:
                 freeReplyObject(reply)
+            if alien:
+                # A RESP3 push or attribute, or a reply no RESP2 command gets: not the
+                # reply the oldest waiter expects, and handing it over would shift every
+                # later reply onto the wrong waiter.
+                self._broken("a reply of a type this connection never asked for (RESP3)")
+                return
             if not self._deliver(value):
                 self._broken("a reply came that no command was waiting for")
                 return
@@ -341,16 +377,43 @@ cdef class AioCore:
     # -- lifetime ---------------------------------------------------------------------
 
     def close(self):
-        """Close after writing what is queued; waiters still pending fail at connection_lost."""
+        """Close after writing what is queued; waiters still pending fail at connection_lost.
+
+        In a forked child the socket is the parent's: nothing queued here is written to it
+        and it is not closed (the parent's connection goes on); the child's waiters fail
+        now, as "not sent"."""
+        if self._gen != _fork_gen:
+            self._closed = True
+            self._forget("closed in a forked child: the connection is the parent's")
+            return
         self._flush()
         self._closed = True
-        if self._transport is not None and self.pid == _aio_getpid():
+        if self._transport is not None:
             self._transport.close()
+
+    cdef _forget(self, str why):
+        """Fail every waiter as not sent and drop the queue, touching no socket."""
+        cdef _AioWaiter w
+        waiters = self._waiters
+        self._waiters = _aio_deque()
+        self._wbuf = bytearray()
+        self._unflushed = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for w in waiters:
+            if not w.fut.done():
+                w.fut.set_exception(self._not_sent(why))
 
     def abort(self):
         """Drop the connection now (READONLY: a demoted primary is not to be used again)."""
         self._closed = True
-        if self._transport is not None and self.pid == _aio_getpid():
+        if self._gen != _fork_gen:
+            # The parent's socket: left alone; the child's waiters would otherwise wait on
+            # a connection_lost that never comes to this copy.
+            self._forget("dropped in a forked child: the connection is the parent's")
+            return
+        if self._transport is not None:
             self._transport.abort()
 
 

@@ -49,21 +49,35 @@ static inline PyObject *hotlock_weakref_target(PyObject *ref) {
 #endif
 }
 
-/* The most elements an aggregate reply may declare. hiredis 1.x allows 2^32 - 1, so a
- * hostile "*4294967295" makes it allocate 32 GB of pointers before a byte of them
- * arrives; no reply hotlock asks for comes near this (CLUSTER SLOTS has one element per
- * slot range, at most 16384). 0.14 has no such bound to set. */
+/* The most elements an aggregate reply may declare, on the sync and the async readers.
+ * hiredis 1.x allows 2^32 - 1, so a hostile "*4294967295" makes it allocate 32 GB of
+ * pointers before a byte of them arrives; no reply hotlock asks for comes near this
+ * (CLUSTER SLOTS has one element per slot range, at most 16384). */
 #define HOTLOCK_MAX_ELEMENTS (1LL << 20)
 
-/* A new context's reader bounded, and RESP3 pushes handed back as replies instead of
+/* Bounds a reader: at most maxelements in one array. 1.x has maxelements; 0.14 has no such
+ * field, and its array headers stay unbounded there. */
+static inline void hotlock_reader_bound(redisReader *r, long long maxelements) {
+#if HIREDIS_MAJOR >= 1
+    r->maxelements = maxelements;
+#else
+    (void)r;
+    (void)maxelements;
+#endif
+}
+
+/* The bytes fed to a reader and not yet taken as a whole reply (both series have pos/len). */
+static inline size_t hotlock_reader_pending(const redisReader *r) {
+    return r->len - r->pos;
+}
+
+/* A new sync context's reader bounded, and RESP3 pushes handed back as replies instead of
  * freed in silence by 1.x's default push handler: hotlock speaks RESP2 and asks for no
  * push, so one is a sign of a stream in doubt (hotlock_suspect_stream). */
 static inline void hotlock_harden(redisContext *c) {
-#ifdef REDIS_READER_MAX_ARRAY_ELEMENTS
-    c->reader->maxelements = HOTLOCK_MAX_ELEMENTS;
+    hotlock_reader_bound(c->reader, HOTLOCK_MAX_ELEMENTS);
+#if HIREDIS_MAJOR >= 1
     redisSetPushCallback(c, NULL);
-#else
-    (void)c;
 #endif
 }
 
@@ -86,7 +100,7 @@ static inline int hotlock_doubt(redisContext *c, const char *why) {
 /* Bytes left unread once a round trip's replies are read: an extra reply, which would
  * otherwise be taken for the answer to the next command. */
 static inline int hotlock_leftover(redisContext *c) {
-    if (c->reader->pos >= c->reader->len)
+    if (hotlock_reader_pending(c->reader) == 0)
         return 0;
     return hotlock_doubt(c, "the server sent more replies than commands");
 }

@@ -121,10 +121,17 @@ class NativeAsyncBackend:
                 # it may connect again under its lost-reply rule (_roundtrip).
                 raise NotSent(f"handshake: {_describe(exc)}") from exc
             raise
-        for reply in replies:
+        # Each SCRIPT LOAD must answer the SHA1 of its source; AUTH and SELECT anything but an error.
+        shas: list[bytes | None] = [None] * (len(setup) - len(SCRIPTS)) + [script.sha for script in SCRIPTS]
+        for sha, reply in zip(shas, replies, strict=True):
             if isinstance(reply, ReplyError):
                 proto.abort()
                 raise cache_error(f"connect failed: the server replied {reply}", self.server)
+            if sha is not None and reply != sha:
+                # Not the SHA1 of what was sent: this is not a server that runs our scripts
+                # as sent, or the replies are not the ones these commands got.
+                proto.abort()
+                raise cache_error(f"connect failed: SCRIPT LOAD returned {_shown(reply)}", self.server)
         conn: AioConnection = proto
         return conn
 
@@ -216,6 +223,25 @@ class NativeAsyncBackend:
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
         return cache_error(f"{what} failed: {_describe(exc)}", self.server, key)
 
+    def _unexpected(self, what: str, key: bytes | None, reply: object) -> Exception:
+        """A reply of a shape the command never gets: the replies on this connection may
+        not be the ones their commands got, so it is dropped, never used again."""
+        if self._proto is not None:
+            self._proto.abort()
+        return cache_error(f"{what} failed: unexpected reply {_shown(reply)}", self.server, key)
+
+    def _int(self, what: str, key: bytes | None, reply: object) -> int:
+        """An integer reply (a script's, INCRBY's, WAIT's), else the connection is dropped and CacheError."""
+        if type(reply) is int:
+            return reply
+        raise self._unexpected(what, key, reply)
+
+    def _ok(self, what: str, key: bytes | None, reply: object) -> bool:
+        """SET's reply: OK (True) or nil (False); anything else drops the connection (CacheError)."""
+        if reply is None or reply == b"OK":
+            return reply is not None
+        raise self._unexpected(what, key, reply)
+
     def _refused(self, what: str, key: bytes | None, reply: ReplyError) -> Exception:
         if str(reply).startswith("READONLY") and self._proto is not None:
             # A demoted primary: drop the connection so the next call finds the new one.
@@ -306,12 +332,17 @@ class NativeAsyncBackend:
         if self._config.wait_replicas:
             return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms, script))[0]
         until = retry_until(since, wait_ms, self._config.timeout)
-        return int(await self._script("acquire", script, key, token, ttl_ms, retry=True, until=until))
+        return self._int(
+            "acquire", key, await self._script("acquire", script, key, token, ttl_ms, retry=True, until=until)
+        )
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        # Copies: the caller's lists may change while this awaits (a NOSCRIPT resend reads them again).
+        keys, tokens = list(keys), list(tokens)
         if self._config.wait_replicas:
             return await self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms)
-        return [int(r) for r in await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)]
+        replies = await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)
+        return [self._int("acquire_many", None, r) for r in replies]
 
     async def _acquire_confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
@@ -321,15 +352,16 @@ class NativeAsyncBackend:
         config = self._config
         wait = (b"WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
         *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
-        results = [int(r) for r in replies]
-        if int(confirmed) >= config.wait_replicas:
+        results = [self._int(what, None, r) for r in replies]
+        confirmed = self._int(f"{what} (WAIT)", None, confirmed)
+        if confirmed >= config.wait_replicas:
             return results
         held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             with contextlib.suppress(CacheError):
                 await self.release_many([k for k, _ in held], [t for _, t in held])
-        raise unconfirmed(what, int(confirmed), config, keys[0] if len(keys) == 1 else None)
+        raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         if self.dialect.lua_free and not by_script([token]):
@@ -338,13 +370,15 @@ class NativeAsyncBackend:
             if not _script_serves(reply):  # refused at maxmemory, or the key holds permits (see _dialect)
                 if isinstance(reply, ReplyError):
                     raise self._refused("extend", key, reply)
-                if reply is not None:
+                if self._ok("extend", key, reply):
                     return True
                 # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
                 # extended by the script, which accepts the mark (contended, or lost).
-        return bool(await self._script("extend", EXTEND, key, token, ttl_ms))
+        return bool(self._int("extend", key, await self._script("extend", EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        # Copies, as in acquire_many.
+        keys, tokens = list(keys), list(tokens)
         if self.dialect.lua_free and not by_script(tokens):
             sets: list[tuple[bytes | int, ...]] = [
                 extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
@@ -354,7 +388,7 @@ class NativeAsyncBackend:
                 for reply in replies:
                     if isinstance(reply, ReplyError):
                         raise self._refused("extend_many", None, reply)
-                done = [r is not None for r in replies]
+                done = [self._ok("extend_many", None, r) for r in replies]
                 # What SET IFEQ missed once more by script, which accepts a waiter's mark ('+').
                 missed = [i for i, ok in enumerate(done) if not ok]
                 if missed:
@@ -362,9 +396,10 @@ class NativeAsyncBackend:
                         "extend_many", EXTEND, [keys[i] for i in missed], [tokens[i] for i in missed], ttl_ms
                     )
                     for i, r in zip(missed, again, strict=True):
-                        done[i] = bool(r)
+                        done[i] = bool(self._int("extend_many", None, r))
                 return done
-        return [bool(r) for r in await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)]
+        replies = await self._script_many("extend_many", EXTEND, keys, tokens, ttl_ms)
+        return [bool(self._int("extend_many", None, r)) for r in replies]
 
     async def release(self, key: bytes, token: bytes) -> bool:
         # A lost release reply is retried, as in sync: the second try finds the key gone
@@ -378,9 +413,11 @@ class NativeAsyncBackend:
                 return True
             if isinstance(reply, ReplyError) and not _script_serves(reply):  # WRONGTYPE: the key holds permits
                 raise self._refused("release", key, reply)
-        return bool(await self._script("release", RELEASE, key, token, retry=True))
+        return bool(self._int("release", key, await self._script("release", RELEASE, key, token, retry=True)))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        # Copies, as in acquire_many.
+        keys, tokens = list(keys), list(tokens)
         if self.dialect.lua_free and not by_script(tokens):
             dels: list[tuple[bytes | int, ...]] = [
                 release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)
@@ -396,15 +433,16 @@ class NativeAsyncBackend:
                     "release_many", RELEASE, [keys[i] for i in missed], [tokens[i] for i in missed], retry=True
                 )
                 for i, r in zip(missed, again, strict=True):
-                    done[i] = bool(r)
+                    done[i] = bool(self._int("release_many", None, r))
             return done
-        return [bool(r) for r in await self._script_many("release_many", RELEASE, keys, tokens, retry=True)]
+        replies = await self._script_many("release_many", RELEASE, keys, tokens, retry=True)
+        return [bool(self._int("release_many", None, r)) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return await self._command("set_nx", key, b"SET", key, value, b"NX", b"PX", ttl_ms) is not None
+        return self._ok("set_nx", key, await self._command("set_nx", key, b"SET", key, value, b"NX", b"PX", ttl_ms))
 
     async def incr(self, key: bytes, amount: int) -> int:
-        return int(await self._command("incr", key, b"INCRBY", key, amount))
+        return self._int("incr", key, await self._command("incr", key, b"INCRBY", key, amount))
 
     async def info(self) -> dict[str, str] | None:
         reply = await self._roundtrip("INFO", None, lambda p: p.execute(b"INFO"))
@@ -412,7 +450,9 @@ class NativeAsyncBackend:
             if str(reply).startswith("NOPERM"):
                 return None
             raise self._refused("INFO", None, reply)
-        return info_fields(bytes(reply))
+        if type(reply) is not bytes:
+            raise self._unexpected("INFO", None, reply)
+        return info_fields(reply)
 
     async def command_info(self) -> list[Any] | None:
         """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
@@ -472,6 +512,12 @@ def _script_serves(reply: object) -> bool:
 
 def _noscript(reply: object) -> bool:
     return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")
+
+
+def _shown(reply: object) -> str:
+    """A reply in an error message: its type and the start of its repr."""
+    text = repr(reply)
+    return f"{type(reply).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -32,8 +32,27 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, redispy_tls_kwargs
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .._dialect import (
+    COMMAND_PROBE,
+    UNDETECTED,
+    Dialect,
+    by_script,
+    extend_command,
+    info_fields,
+    release_command,
+    script_serves,
+)
+from .._scripts import (
+    ACQUIRE,
+    ACQUIRE_CHAIN,
+    ACQUIRE_WAIT,
+    EXTEND,
+    RELEASE,
+    RELEASE_SHARDED,
+    SCRIPTS,
+    Script,
+    held_value,
+)
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .wakeup import slot, wait
@@ -44,6 +63,106 @@ T = TypeVar("T")
 
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+# -- reply shapes -------------------------------------------------------------------------
+# What each command may answer (error replies aside), checked as each reply is read, on the
+# connection it came on: anything else is a server, proxy or endpoint that does not speak
+# as Redis does, and the connection is dropped, never read again (UnexpectedReply).
+Shape = Callable[[object], bool]
+
+
+def is_int(reply: object) -> bool:
+    return type(reply) is int  # not a RESP3 boolean (a bool), nor a double
+
+
+def is_flag(reply: object) -> bool:
+    """0 or 1: the extend and release scripts, DELIFEQ, DELEX."""
+    return type(reply) is int and 0 <= reply <= 1
+
+
+def is_count(reply: object) -> bool:
+    """WAIT's count of replicas."""
+    return type(reply) is int and reply >= 0
+
+
+def is_ok_or_nil(reply: object) -> bool:
+    """SET ... NX and SET ... IFEQ: done, or not."""
+    return reply is None or reply == b"OK"
+
+
+def is_text(reply: object) -> bool:
+    return type(reply) is bytes
+
+
+def is_anything(reply: object) -> bool:
+    """A reply whose reader takes any shape (COMMAND INFO: _dialect.commands_from)."""
+    return True
+
+
+# What each script returns: an acquire a fence or -(TTL left) (an integer), the others 0 or 1.
+SCRIPT_REPLY: dict[Script, Shape] = {
+    ACQUIRE: is_int,
+    ACQUIRE_WAIT: is_int,
+    ACQUIRE_CHAIN: is_int,
+    EXTEND: is_flag,
+    RELEASE: is_flag,
+    RELEASE_SHARDED: is_flag,
+}
+# Every script loaded in one round trip; each load answers its script's SHA1.
+SCRIPT_LOADS: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]
+
+
+def _sha_of(script: Script) -> Shape:
+    return lambda reply: reply == script.sha
+
+
+SCRIPT_LOADED: list[Shape] = [_sha_of(s) for s in SCRIPTS]
+
+
+# A pipeline's replies end with TIME's (two bulk strings, unlike any reply a lock command
+# gives): a server that sent one reply too many in the middle of a pipeline shifts the
+# rest by one, and the reply found in TIME's place shows it, where a check of what is left
+# to read can miss a reply the server has yet to send. TIME, since the scripts need its
+# ACL permission anyway. A single command needs no frame: an extra reply behind its own is
+# found in the parser's buffer, or by the pool's poll before the connection is used again.
+FRAME = (b"TIME",)
+
+
+def is_frame(reply: object) -> bool:
+    return type(reply) is list and len(reply) == 2 and type(reply[0]) is bytes and type(reply[1]) is bytes
+
+
+class UnexpectedReply(RedisError):
+    """A reply of a shape its command never answers: the connection it came on is dropped.
+    Not a lost reply: the same server would answer a retry the same way."""
+
+    def __init__(self, command: tuple[Any, ...], reply: object) -> None:
+        name = command[0].decode() if isinstance(command[0], bytes) else str(command[0])
+        # An integer is shown; anything else only by its type (it might echo a token).
+        shown = repr(reply) if type(reply) in (int, float, bool) or reply is None else f"a {type(reply).__name__}"
+        super().__init__(f"unexpected reply to {name}: {shown}")
+
+
+class StrayReply(RedisConnectionError):
+    """More on the connection than the replies asked for (an extra reply, or the real one
+    behind a RESP3 attribute): which reply answers what is in doubt, so the connection is
+    dropped and the call counts as one whose reply was lost."""
+
+    def __init__(self) -> None:
+        super().__init__("a reply beyond the ones asked for: the connection was dropped")
+
+
+def stray(conn: Any) -> bool:
+    """Whether a reply, or part of one, sits read but unparsed in ``conn``'s parser after
+    the replies a call asked for: a buffer check, no system call. What a server sends later
+    than its last reply is found when the pool hands the connection out again (its
+    can_read() polls the socket), before anything is written on it."""
+    parser = conn._parser
+    reader = getattr(parser, "_reader", None)  # hiredis
+    if reader is not None:
+        return bool(reader.has_data())
+    unread = getattr(getattr(parser, "_buffer", None), "unread_bytes", None)  # redis-py's own parser
+    return unread is not None and unread() > 0
 
 
 class HandshakeLost(RedisConnectionError):
@@ -214,12 +333,15 @@ class RedisPyBackend:
             self._client = self._new_client()
         return self._client
 
-    def _send(self, commands: list[tuple[Any, ...]], timeout: float | None = None) -> list[Any]:
-        """Write ``commands`` at once on one pooled connection and read every reply.
+    def _send(self, commands: list[tuple[Any, ...]], shapes: list[Shape], timeout: float | None = None) -> list[Any]:
+        """Write ``commands`` at once on one pooled connection and read every reply, each
+        checked against its ``shapes`` entry (UnexpectedReply), then that nothing more came
+        (StrayReply).
 
         Error replies come back in place as exceptions (NoScriptError included). With
         ``timeout``, all the replies together get at most that many seconds, else each gets
-        the connection's reply timeout. A lost reply leaves the connection closed.
+        the connection's reply timeout. A lost, stray or unexpected reply leaves the
+        connection closed.
         """
         pool = self._redis.connection_pool
         if self._watch is not None and self._watch.refresh() != self._epoch:
@@ -229,23 +351,37 @@ class RedisPyBackend:
         generation = self._generation
         conn = pool.get_connection()
         complete = False
+        framed = len(commands) > 1
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands))
             deadline = None if timeout is None else time.monotonic() + timeout
             replies: list[Any] = []
-            for _ in commands:
+            for command, shape in zip(commands, shapes, strict=True):
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
-                    replies.append(conn.read_response(**kw))
+                    reply = conn.read_response(**kw)
                 except ResponseError as exc:
                     replies.append(exc)
+                    continue
+                if not shape(reply):
+                    raise UnexpectedReply(command, reply)
+                replies.append(reply)
+            if framed:
+                kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
+                # An error reply to TIME (NOPERM: an ACL without it) is raised as it is: the
+                # connection is dropped all the same.
+                if not is_frame(conn.read_response(**kw)):
+                    raise StrayReply()
+            if stray(conn):
+                raise StrayReply()
             complete = True
             return replies
         finally:
             if not complete or generation != self._generation:
-                # Interrupted between replies (KeyboardInterrupt, say): replies may still be
-                # on their way, and the next user of this connection would read them. Or
-                # dropped (close(), a failover) while this call used it.
+                # Interrupted between replies (KeyboardInterrupt, say), or a reply out of
+                # shape or beyond the count: replies may still be on their way, and the next
+                # user of this connection would read them. Or dropped (close(), a failover)
+                # while this call used it.
                 conn.disconnect()
             pool.release(conn)
 
@@ -261,13 +397,18 @@ class RedisPyBackend:
         """EVALSHA ``script`` once per (key, *args) in ``calls``, in one round trip."""
         commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, 1, *call) for call in calls]
         commands += self._wait_command(script)
-        replies = self._send(commands, timeout)
+        shapes = [SCRIPT_REPLY[script]] * len(calls) + [is_count] * (len(commands) - len(calls))
+        replies = self._send(commands, shapes, timeout)
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: load all, then
             # send again only what did not run (a release that ran must not run twice).
             self._load_scripts()
-            again = self._send([commands[i] for i in missing] + commands[len(calls) :], timeout)
+            again = self._send(
+                [commands[i] for i in missing] + commands[len(calls) :],
+                [shapes[i] for i in missing] + shapes[len(calls) :],
+                timeout,
+            )
             for i, reply in zip(missing, again, strict=False):
                 replies[i] = reply
             replies[len(calls) :] = again[len(missing) :]
@@ -276,9 +417,9 @@ class RedisPyBackend:
                 raise reply
         return replies
 
-    def _commands(self, commands: list[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
-        """Plain commands in one round trip (the Lua-free extend and release); error replies raised."""
-        replies = self._send(commands, timeout)
+    def _commands(self, commands: list[tuple[bytes, ...]], shape: Shape, timeout: float | None = None) -> list[Any]:
+        """Plain commands of one reply ``shape`` in one round trip; error replies raised."""
+        replies = self._send(commands, [shape] * len(commands), timeout)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -332,7 +473,7 @@ class RedisPyBackend:
         self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
     ) -> list[int]:
         """Under wait_replicas: undo what was acquired unless enough replicas confirmed it."""
-        if not wait_reply or int(wait_reply[0]) >= self._wait_replicas:
+        if not wait_reply or wait_reply[0] >= self._wait_replicas:
             return results
         held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
         if held:
@@ -340,7 +481,7 @@ class RedisPyBackend:
             with contextlib.suppress(CacheError):
                 self.release_many([k for k, _ in held], [t for _, t in held])
         raise cache_error(
-            f"{what} undone: {int(wait_reply[0])} of {self._wait_replicas} replicas confirmed it "
+            f"{what} undone: {wait_reply[0]} of {self._wait_replicas} replicas confirmed it "
             f"within {self._wait_ms} ms (wait_replicas)",
             self.server,
             keys[0] if len(keys) == 1 else None,
@@ -353,9 +494,11 @@ class RedisPyBackend:
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
-        for script in SCRIPTS:
-            # Loading twice changes nothing: a lost reply is resent.
-            self._call("SCRIPT LOAD", None, lambda _t, s=script: self._redis.script_load(s.source), True)  # type: ignore[misc]
+        # Loading twice changes nothing: a lost reply is resent.
+        replies = self._call("SCRIPT LOAD", None, lambda t: self._send(SCRIPT_LOADS, SCRIPT_LOADED, t), True)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise self._error("SCRIPT LOAD", None, reply) from reply
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -366,18 +509,18 @@ class RedisPyBackend:
         replies = self._call(
             "acquire", key, lambda t: self._scripts(script, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
         )
-        return self._confirmed("acquire", [key], [token], [int(replies[0])], replies[1:])[0]
+        return self._confirmed("acquire", [key], [token], [replies[0]], replies[1:])[0]
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
         retry_until = self._retry_until(wait_ms)
         return wait(self._wakeups, key, lambda s: self._acquire(key, token, ttl_ms, retry_until, s), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
+        # The caller's lists as they are now: another thread may change them during the round trip.
+        keys, tokens = list(keys), list(tokens)
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
         replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
-        return self._confirmed(
-            "acquire_many", keys, tokens, [int(r) for r in replies[: len(keys)]], replies[len(keys) :]
-        )
+        return self._confirmed("acquire_many", keys, tokens, replies[: len(keys)], replies[len(keys) :])
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
@@ -392,11 +535,12 @@ class RedisPyBackend:
         key: bytes | None = None,
         scripted: bool = False,
     ) -> list[bool]:
+        keys, tokens = list(keys), list(tokens)  # as in acquire_many
         if self.dialect.lua_free and not scripted and not by_script(tokens):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
-                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, t))]
+                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t))]
             except CacheError as exc:
                 if not reply_serves_script(exc):
                     raise
@@ -435,10 +579,11 @@ class RedisPyBackend:
         key: bytes | None = None,
         scripted: bool = False,
     ) -> list[bool]:
+        keys, tokens = list(keys), list(tokens)  # as in acquire_many
         if self.dialect.lua_free and not scripted and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
             try:
-                done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, t), True)]
+                done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, is_flag, t), True)]
             except CacheError as exc:
                 if not reply_serves_script(exc):
                     raise
@@ -451,26 +596,26 @@ class RedisPyBackend:
         return [bool(r) for r in self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)]
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        return bool(self._call("set_nx", key, lambda _t: self._redis.set(key, value, nx=True, px=ttl_ms)))
+        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
+        return self._call("set_nx", key, lambda t: self._commands([command], is_ok_or_nil, t))[0] is not None
 
     def incr(self, key: bytes, amount: int) -> int:
-        return int(self._call("incr", key, lambda _t: self._redis.incrby(key, amount)))
+        command = (b"INCRBY", key, b"%d" % amount)
+        reply: int = self._call("incr", key, lambda t: self._commands([command], is_int, t))[0]
+        return reply
 
     def info(self) -> dict[str, str] | None:
-        try:
-            raw = self._redis.execute_command("INFO")
-        except NoPermissionError:
+        reply = self._call("INFO", None, lambda t: self._send([(b"INFO",)], [is_text], t))[0]
+        if isinstance(reply, NoPermissionError):
             return None
-        except RedisError as exc:
-            raise cache_error(f"INFO failed: {describe(exc)}", self.server) from exc
-        if isinstance(raw, dict):
-            return {str(k): str(v) for k, v in raw.items()}
-        return {}
+        if isinstance(reply, Exception):
+            raise cache_error(f"INFO failed: {describe(reply)}", self.server) from reply
+        return info_fields(reply)
 
     def command_info(self) -> list[Any] | None:
         """COMMAND INFO DELIFEQ DELEX's raw reply, or None when the server or its ACL refuses it."""
         try:
-            reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], t))[0]
+            reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], is_anything, t))[0]
         except CacheError as exc:
             if isinstance(exc.__cause__, ResponseError):
                 return None  # NOPERM, or a proxy without COMMAND: the version decides
@@ -548,6 +693,8 @@ class RedisPyLink:
                 except ResponseError as exc:
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
+            if stray(conn):
+                raise StrayReply()
             complete = True
             return replies
         except _AMBIGUOUS as exc:

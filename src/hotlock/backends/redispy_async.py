@@ -30,11 +30,32 @@ from redis.retry import Retry
 
 from .._config import ServerConfig, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError, LinkLost, cache_error
 from ..errors import ReplyError as ClusterReplyError
-from .redispy import ERROR_CODES, HandshakeLost, describe, reply_serves_script, tls_hint, tls_refused
+from .redispy import (
+    ERROR_CODES,
+    FRAME,
+    SCRIPT_LOADED,
+    SCRIPT_LOADS,
+    SCRIPT_REPLY,
+    HandshakeLost,
+    Shape,
+    StrayReply,
+    UnexpectedReply,
+    describe,
+    is_anything,
+    is_count,
+    is_flag,
+    is_frame,
+    is_int,
+    is_ok_or_nil,
+    is_text,
+    reply_serves_script,
+    tls_hint,
+    tls_refused,
+)
 from .retry_async import InFlight, info_fields, retry_until, unconfirmed, within
 from .wakeup_async import async_slot
 
@@ -53,6 +74,21 @@ async def _handshake(conn: Connection) -> None:
         await conn.on_connect()
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+
+
+def stray(conn: Any) -> bool:
+    """Whether a reply, or part of one, sits received but unparsed on ``conn`` after the
+    replies a call asked for (hiredis's buffer, or redis.asyncio's own parser's, and the
+    stream's); no EOF: a connection closed after its last reply is found by _Pool.get. As
+    in the sync backend (hotlock.backends.redispy.stray), what comes later is found there."""
+    parser = conn._parser
+    stream = getattr(parser, "_stream", None)
+    if stream is not None and stream._buffer:
+        return True
+    reader = getattr(parser, "_reader", None)  # hiredis
+    if reader is not None:
+        return bool(reader.has_data())
+    return len(getattr(parser, "_buffer", b"")) > getattr(parser, "_pos", 0)
 
 
 # A connection per concurrent command, up to a bound: thousands of tasks would otherwise
@@ -203,7 +239,7 @@ class RedisAsyncLink:
     async def open(cls, config: ServerConfig) -> RedisAsyncLink:
         link = cls(config)
         try:
-            replies = await link.link_call([(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS], None)
+            replies = await link.link_call(SCRIPT_LOADS, None)
         except LinkLost as exc:
             await link.link_close()
             raise cache_error(f"connect failed: {exc}", link.server) from exc
@@ -231,6 +267,8 @@ class RedisAsyncLink:
                 except ResponseError as exc:
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+            if stray(conn):
+                raise StrayReply()
             complete = True
             return replies
         except _AMBIGUOUS as exc:
@@ -277,7 +315,7 @@ class RedisAsyncBackend:
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them.
-        self._inflight = InFlight()
+        self._inflight = InFlight(config.display)
         # Set by close(): a call then gets no second try, so the calls close() cancels end.
         self._closing = False
 
@@ -344,30 +382,37 @@ class RedisAsyncBackend:
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
-        for script in SCRIPTS:
-            # Loading twice changes nothing: a lost reply is resent.
-            await self._call("SCRIPT LOAD", None, lambda s=script: self._execute(b"SCRIPT", b"LOAD", s.source), True)  # type: ignore[misc]
+        # Loading twice changes nothing: a lost reply is resent.
+        await self._call("SCRIPT LOAD", None, lambda: self._commands(SCRIPT_LOADS, SCRIPT_LOADED), True)
 
     async def _evalsha(self, script: Script, key: bytes, *args: bytes | int) -> Any:
+        shape = SCRIPT_REPLY[script]
         try:
-            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
+            return await self._execute(shape, b"EVALSHA", script.sha, 1, key, *args)
         except NoScriptError:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: load all and retry once.
             await self._load_scripts()
-            return await self._execute(b"EVALSHA", script.sha, 1, key, *args)
+            return await self._execute(shape, b"EVALSHA", script.sha, 1, key, *args)
 
-    async def _execute(self, *args: bytes | int) -> Any:
+    async def _execute(self, shape: Shape, *args: bytes | int) -> Any:
         """One command on a pooled connection: its raw reply, or its error reply raised.
 
         Straight on the connection, not through Redis.execute_command, which adds per
         command a retry wrapper (ours is off), response callbacks and observability hooks:
         together more client CPU than the command itself, on the path every lock takes
         twice (bench/profile_notes.md). A connection that a failure or a cancellation
-        leaves with a reply in flight is closed, never reused out of step."""
+        leaves with a reply in flight is closed, never reused out of step, and so is one
+        whose reply is not of the command's ``shape`` (UnexpectedReply) or has more behind
+        it (StrayReply, a lost reply)."""
         conn = await self._pool.get()
         try:
             await conn.send_packed_command(conn.pack_command(*args), False)
-            return await conn.read_response()
+            reply = await conn.read_response()
+            if not shape(reply):
+                raise UnexpectedReply(args, reply)
+            if stray(conn):
+                raise StrayReply()
+            return reply
         except ResponseError:
             raise  # a whole reply was read: the connection is in step
         except BaseException:
@@ -376,18 +421,30 @@ class RedisAsyncBackend:
         finally:
             self._pool.put(conn)
 
-    async def _execute_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def _execute_many(self, commands: list[tuple[Any, ...]], shapes: list[Shape]) -> list[Any]:
         """Commands written at once on one connection and every reply read, error replies
-        in place (as exceptions), as _execute does for one."""
+        in place (as exceptions), as _execute does for one; framed by a trailing TIME as in
+        the sync backend (hotlock.backends.redispy.FRAME)."""
+        framed = len(commands) > 1
         conn = await self._pool.get()
         try:
-            await conn.send_packed_command(conn.pack_commands(commands), False)
+            await conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands), False)
             replies: list[Any] = []
-            for _ in commands:
+            for command, shape in zip(commands, shapes, strict=True):
                 try:
-                    replies.append(await conn.read_response())
+                    reply = await conn.read_response()
                 except ResponseError as exc:
                     replies.append(exc)
+                    continue
+                if not shape(reply):
+                    raise UnexpectedReply(command, reply)
+                replies.append(reply)
+            # An error reply to TIME (NOPERM: an ACL without it) is raised as it is: the
+            # connection is dropped all the same.
+            if framed and not is_frame(await conn.read_response()):
+                raise StrayReply()
+            if stray(conn):
+                raise StrayReply()
             return replies
         except BaseException:
             await conn.disconnect(nowait=True)
@@ -403,7 +460,10 @@ class RedisAsyncBackend:
 
         async def run(indices: Iterable[int]) -> list[Any]:
             commands: list[tuple[Any, ...]] = [(b"EVALSHA", script.sha, 1, keys[i], tokens[i], *args) for i in indices]
-            return await self._execute_many(commands + ([trailer] if trailer else []))
+            shapes = [SCRIPT_REPLY[script]] * len(commands)
+            return await self._execute_many(
+                commands + ([trailer] if trailer else []), shapes + [is_count] * bool(trailer)
+            )
 
         replies = await run(range(len(keys)))
         missing = [i for i, r in enumerate(replies[: len(keys)]) if isinstance(r, NoScriptError)]
@@ -420,12 +480,13 @@ class RedisAsyncBackend:
                 raise reply
         return replies
 
-    async def _commands(self, commands: list[tuple[bytes, ...]]) -> list[Any]:
-        """Plain commands (the Lua-free extend and release) in one round trip, error replies
-        raised; one command alone goes by _execute. Raw replies (SET IFEQ: OK or nil)."""
+    async def _commands(self, commands: list[tuple[bytes, ...]], shapes: list[Shape]) -> list[Any]:
+        """Plain commands (the Lua-free extend and release, the script loads) in one round
+        trip, each reply of its ``shapes`` entry, error replies raised; one command alone
+        goes by _execute. Raw replies (SET IFEQ: OK or nil)."""
         if len(commands) == 1:
-            return [await self._execute(*commands[0])]
-        replies = await self._execute_many(list(commands))
+            return [await self._execute(shapes[0], *commands[0])]
+        replies = await self._execute_many(list(commands), shapes)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -472,7 +533,7 @@ class RedisAsyncBackend:
             lambda: self._pipeline(script, keys, tokens, ttl_ms, trailer=wait),
             True,
         )
-        results, confirmed = [int(r) for r in replies[:-1]], int(replies[-1])
+        results, confirmed = replies[:-1], replies[-1]
         if confirmed >= config.wait_replicas:
             return results
         held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
@@ -489,7 +550,7 @@ class RedisAsyncBackend:
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
             try:
-                if (await self._call("extend", key, lambda: self._commands([command])))[0]:
+                if (await self._call("extend", key, lambda: self._commands([command], [is_ok_or_nil])))[0]:
                     return True
                 # SET IFEQ compares the whole value: a lock a waiter marked ('+') is
                 # extended by the script, which accepts the mark (contended, or lost).
@@ -503,7 +564,8 @@ class RedisAsyncBackend:
         if self.dialect.lua_free and not by_script(tokens):
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
-                done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets))]
+                shapes: list[Shape] = [is_ok_or_nil] * len(sets)
+                done = [bool(r) for r in await self._call("extend_many", None, lambda: self._commands(sets, shapes))]
             except CacheError as exc:
                 if not reply_serves_script(exc):
                     raise
@@ -529,7 +591,7 @@ class RedisAsyncBackend:
 
             async def plain_then_script() -> bool:
                 try:
-                    if (await self._call("release", key, lambda: self._commands([command]), True))[0]:
+                    if (await self._call("release", key, lambda: self._commands([command], [is_flag]), True))[0]:
                         return True
                 except CacheError as exc:
                     if not reply_serves_script(exc):  # WRONGTYPE: the key now holds permits
@@ -549,7 +611,8 @@ class RedisAsyncBackend:
 
             async def plain_then_script() -> list[Any]:
                 try:
-                    done = list(await self._call("release_many", None, lambda: self._commands(dels), True))
+                    shapes: list[Shape] = [is_flag] * len(dels)
+                    done = list(await self._call("release_many", None, lambda: self._commands(dels, shapes), True))
                 except CacheError as exc:
                     if not reply_serves_script(exc):  # WRONGTYPE: a key now holds permits
                         raise
@@ -569,25 +632,27 @@ class RedisAsyncBackend:
         return [bool(r) for r in replies]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        reply = await self._call("set_nx", key, lambda: self._execute(b"SET", key, value, b"NX", b"PX", ttl_ms))
+        command = (b"SET", key, value, b"NX", b"PX", ttl_ms)
+        reply = await self._call("set_nx", key, lambda: self._execute(is_ok_or_nil, *command))
         return reply is not None
 
     async def incr(self, key: bytes, amount: int) -> int:
-        return int(await self._call("incr", key, lambda: self._execute(b"INCRBY", key, amount)))
+        reply: int = await self._call("incr", key, lambda: self._execute(is_int, b"INCRBY", key, amount))
+        return reply
 
     async def info(self) -> dict[str, str] | None:
         try:
-            raw = await self._execute(b"INFO")
+            raw = await self._execute(is_text, b"INFO")
         except NoPermissionError:
             return None
         except (RedisError, OSError) as exc:
             raise cache_error(f"INFO failed: {describe(exc)}", self.server) from exc
-        return info_fields(bytes(raw))
+        return info_fields(raw)
 
     async def command_info(self) -> list[Any] | None:
         """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
         try:
-            reply = await self._call("COMMAND INFO", None, lambda: self._execute(*COMMAND_PROBE))
+            reply = await self._call("COMMAND INFO", None, lambda: self._execute(is_anything, *COMMAND_PROBE))
         except CacheError as exc:
             if isinstance(exc.__cause__, ResponseError):
                 return None  # NOPERM, or a proxy without COMMAND: the version decides

@@ -93,9 +93,10 @@ class InFlight:
     caller's cancel always lands at once.
     """
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_server", "_tasks")
 
-    def __init__(self) -> None:
+    def __init__(self, server: str = "") -> None:
+        self._server = server
         self._tasks: dict[bytes, asyncio.Future[Any]] = {}
 
     def shielded(self, tokens: list[bytes], work: Awaitable[T]) -> Awaitable[T]:
@@ -113,7 +114,19 @@ class InFlight:
                 finished.exception()  # retrieved: a caller that was cancelled will never see it
 
         task.add_done_callback(done)
-        return asyncio.shield(task)
+        return self._outcome(task)
+
+    async def _outcome(self, task: asyncio.Future[T]) -> T:
+        """The shielded ``task``'s result. Cancelled by close() (not by this caller), the
+        call ends in CacheError: a cancellation the caller never asked for is not its own."""
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            cancelling = getattr(current, "cancelling", None)  # 3.11+: this caller's own requests
+            if not task.cancelled() or (cancelling is not None and cancelling()):
+                raise
+            raise cache_error("the call was ended by close()", self._server) from None
 
     async def close(self, timeout: float) -> None:
         """The backend is closing: cancel the calls still in flight (a caller who gave up
