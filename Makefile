@@ -165,15 +165,6 @@ stress: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_STRESS_SECONDS=$(STRESS_SECONDS) HOTLOCK_TEST_SERVERS=redis \
 	  $(PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_races.py
 
-# The thread-race stress (tests/race_stress.py: calls from eight threads while others close
-# the cache, flush the scripts and fork) in its long form: each of tests/test_races.py's
-# seven runs (native and redis-py; one server, a cluster, a unix socket, TLS) for
-# STRESS_SECONDS, about ten minutes in all by default. make test runs each for 2 s.
-STRESS_SECONDS ?= 90
-stress: compile
-	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_STRESS_SECONDS=$(STRESS_SECONDS) HOTLOCK_TEST_SERVERS=redis \
-	  $(PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_races.py
-
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv
 	HOTLOCK_PURE_PYTHON=1 $(PY) -m pytest -q -m "not slow"
