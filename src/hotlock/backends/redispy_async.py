@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -26,7 +27,6 @@ from redis.exceptions import (
     ResponseError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from .._config import ServerConfig, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
