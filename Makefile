@@ -26,7 +26,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py tests/test_locked.py
 
-.PHONY: deps venv vendor tools compile test test-slow stress test-pure test-pythons dist dist-check lint docs bench demo clean
+.PHONY: deps venv vendor tools compile test test-unit test-slow stress test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -164,6 +164,12 @@ STRESS_SECONDS ?= 90
 stress: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_STRESS_SECONDS=$(STRESS_SECONDS) HOTLOCK_TEST_SERVERS=redis \
 	  $(PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_races.py
+
+# The sans-IO cores (the cluster's Route, the renewer's Schedule, the wait machine) on
+# scripted replies and a fake clock: no server, no socket, no extension, about a second.
+# make test runs them too (they are under tests/).
+test-unit: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 # The same suite with the extension switched off at run time: the pure-Python mode.
 test-pure: venv

@@ -207,6 +207,8 @@ class Schedule:
                     continue
                 if self._lost(rec, now):
                     tell.append(rec)
+                elif rec.gone:
+                    continue  # released (or inherited across a fork) before its forget() came
                 elif rec.lease._ttl_ms != ms:
                     self.add(rec)  # extended by hand with another TTL: its own cohort
                 else:

@@ -1,0 +1,246 @@
+"""Route, the cluster's redirection rules for one call, driven by scripted replies: no
+server, no socket. Each test plays the caller's part (send ``batches()``, hand back each
+node's replies or the exception that lost them, ``advance()``) and checks what Route
+decides: where each key goes, what is resent, when to pause, when the call has failed."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+import hotlock.backends.cluster
+from hotlock._config import parse_url
+from hotlock._scripts import ACQUIRE, EXTEND, held_value
+from hotlock.backends.cluster import ClusterCore, Route, key_slot
+from hotlock.errors import CacheError, LinkLost, ReplyError
+
+from .conftest import FakeClock, patch_clock
+
+A, B, C = ("10.0.0.1", 7000), ("10.0.0.2", 7000), ("10.0.0.3", 7000)
+TOKEN = b"t" * 16
+Batches = dict[tuple[str, int], list[tuple[bytes, ...]]]  # what each node is sent
+
+
+def core(wait_replicas: int = 0) -> ClusterCore:
+    config = parse_url(
+        "redis+cluster://10.0.0.1:7000",
+        connect_timeout=1.0,
+        timeout=0.5,
+        wait_replicas=wait_replicas,
+        wait_timeout=0.1,
+    )
+    cluster = ClusterCore(config, "cluster")
+    cluster.map.replace([(0, 5460, A), (5461, 10922, B), (10923, 16383, C)])
+    return cluster
+
+
+def key_on(address: tuple[str, int], n: int = 0) -> bytes:
+    """The n-th key of the form k<i> whose slot ``address`` serves in core()'s map."""
+    first, last = {A: (0, 5460), B: (5461, 10922), C: (10923, 16383)}[address]
+    found = (k for k in (b"k%d" % i for i in itertools.count()) if first <= key_slot(k) <= last)
+    return next(itertools.islice(found, n, None))
+
+
+def acquire(cluster: ClusterCore, keys: list[bytes], retry_until: float | None = 1e18) -> Route:
+    return cluster.route("acquire_many", ACQUIRE, keys, [(TOKEN, b"30000")] * len(keys), retry_until)
+
+
+def sent(route: Route) -> Batches:
+    return dict(route.batches())
+
+
+def answer(route: Route, batches: Batches, replies: dict[Any, Any]) -> None:
+    for address in batches:
+        outcome = replies[address]
+        if isinstance(outcome, BaseException):
+            route.lost(address, outcome)
+        else:
+            route.replies(address, list(outcome))
+
+
+def test_a_batch_goes_to_each_keys_primary_and_comes_back_in_the_callers_order() -> None:
+    keys = [key_on(C), key_on(A), key_on(B), key_on(A, 1)]
+    route = acquire(core(), keys)
+    batches = sent(route)
+    assert {a: [c[3] for c in cmds] for a, cmds in batches.items()} == {
+        C: [keys[0]],
+        A: [keys[1], keys[3]],
+        B: [keys[2]],
+    }
+    answer(route, batches, {A: [11, 13], B: [12], C: [10]})
+    assert route.advance() is None
+    assert route.results == [10, 11, 12, 13]
+
+
+def test_moved_notes_the_new_owner_and_resends_only_that_key_there() -> None:
+    cluster = core()
+    keys = [key_on(A), key_on(B)]
+    route = acquire(cluster, keys)
+    slot = key_slot(keys[0])
+    answer(route, sent(route), {A: [ReplyError(f"MOVED {slot} 10.0.0.3:7000")], B: [5]})
+    assert route.advance() == 0.0  # no pause: the new owner is known
+    assert cluster.map.owner(slot) == C and cluster.map.stale
+    again = sent(route)
+    assert list(again) == [C] and again[C][0][3] == keys[0]
+    answer(route, again, {C: [6]})
+    assert route.advance() is None and route.results == [6, 5]
+
+
+def test_moved_with_an_empty_host_means_the_node_that_answered() -> None:
+    cluster = core()
+    key = key_on(A)
+    route = acquire(cluster, [key])
+    answer(route, sent(route), {A: [ReplyError(f"MOVED {key_slot(key)} :7001")]})
+    route.advance()
+    assert list(sent(route)) == [("10.0.0.1", 7001)]
+
+
+def test_ask_sends_asking_first_once_and_leaves_the_map_alone() -> None:
+    cluster = core()
+    key = key_on(A)
+    route = acquire(cluster, [key])
+    answer(route, sent(route), {A: [ReplyError(f"ASK {key_slot(key)} 10.0.0.2:7000")]})
+    assert route.advance() == 0.0
+    again = sent(route)
+    assert again[B][0] == (b"ASKING",) and again[B][1][3] == key
+    assert cluster.map.owner(key_slot(key)) == A  # the slot is still A's until the migration ends
+    answer(route, again, {B: [b"OK", 7]})
+    assert route.advance() is None and route.results == [7]
+
+
+def test_an_ask_answered_with_ask_fails_instead_of_looping() -> None:
+    key = key_on(A)
+    route = acquire(core(), [key])
+    answer(route, sent(route), {A: [ReplyError(f"ASK {key_slot(key)} 10.0.0.2:7000")]})
+    route.advance()
+    answer(route, sent(route), {B: [b"OK", ReplyError(f"ASK {key_slot(key)} 10.0.0.3:7000")]})
+    with pytest.raises(CacheError, match="after ASKING"):
+        route.advance()
+
+
+def test_redirects_are_bounded() -> None:
+    key = key_on(A)
+    route = acquire(core(), [key])
+    with pytest.raises(CacheError, match="redirected"):
+        for hop in itertools.count():
+            batches = sent(route)
+            (address,) = batches
+            target = (A, B)[hop % 2]
+            answer(route, batches, {address: [ReplyError(f"MOVED {key_slot(key)} {target[0]}:{target[1]}")]})
+            route.advance()
+            assert hop < 50
+
+
+def test_tryagain_pauses_doubling_to_a_cap_then_fails_at_the_budget(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+) -> None:
+    patch_clock(monkeypatch, hotlock.backends.cluster, clock)
+    key = key_on(A)
+    route = acquire(core(), [key], retry_until=None)  # the budget: one reply timeout (0.5 s)
+    start, pauses = clock.now, []
+    with pytest.raises(CacheError, match="TRYAGAIN/CLUSTERDOWN"):
+        while len(pauses) < 100:
+            answer(route, sent(route), {A: [ReplyError("TRYAGAIN Multiple keys request during rehashing of slot")]})
+            pause = route.advance()
+            assert pause is not None
+            pauses.append(pause)
+            clock.sleep(pause)
+    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.2]  # 0.5 s in all: the next would pass the budget
+    # It gives up rather than sleep past the budget: never later than the reply timeout.
+    assert clock.now - start <= 0.5
+
+
+def test_clusterdown_pauses_and_marks_the_map_stale() -> None:
+    cluster = core()
+    key = key_on(B)
+    route = acquire(cluster, [key])
+    answer(route, sent(route), {B: [ReplyError("CLUSTERDOWN The cluster is down")]})
+    assert route.advance() == 0.02
+    assert cluster.map.stale
+    answer(route, sent(route), {B: [3]})
+    assert route.advance() is None and route.results == [3]
+
+
+def test_noscript_asks_for_a_reload_there_and_resends_once() -> None:
+    key = key_on(C)
+    route = acquire(core(), [key])
+    answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
+    assert route.advance() == 0.0
+    assert route.reload == {C}
+    answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
+    with pytest.raises(CacheError, match="NOSCRIPT"):
+        route.advance()  # loaded once already in this call: not a loop
+
+
+def test_a_lost_reply_is_resent_once_with_the_same_token_and_a_map_refresh() -> None:
+    cluster = core()
+    key = key_on(A)
+    route = acquire(cluster, [key])
+    first = sent(route)
+    answer(route, first, {A: LinkLost("timed out")})
+    assert route.advance() == 0.0
+    assert route.refresh_avoiding == A and route.override is not None and cluster.map.stale
+    again = sent(route)
+    assert again == first  # the very same command: same token, so the script counts it held
+    answer(route, again, {A: LinkLost("timed out")})
+    with pytest.raises(CacheError, match=r"retried after a lost reply\) failed on 10\.0\.0\.1:7000"):
+        route.advance()
+
+
+def test_a_lost_reply_without_a_retry_budget_fails_at_once() -> None:
+    route = core().route("extend", EXTEND, [key_on(A)], [(TOKEN, b"30000")], None)
+    answer(route, sent(route), {A: LinkLost("reset")})
+    with pytest.raises(CacheError, match=r"extend failed on 10\.0\.0\.1:7000: reset") as info:
+        route.advance()
+    assert "retried" not in str(info.value)
+
+
+def test_a_node_that_could_not_be_reached_is_resent_without_spending_the_retry() -> None:
+    key = key_on(B)
+    route = core().route("extend", EXTEND, [key], [(TOKEN, b"30000")], None)
+    answer(route, sent(route), {B: CacheError("connection refused")})
+    assert route.advance() == 0.0 and route.refresh_avoiding == B
+    answer(route, sent(route), {B: [1]})  # nothing ran the first time: even an extend may go again
+    assert route.advance() is None and route.results == [1]
+
+
+def test_readonly_fails_the_call_and_asks_for_the_map_again() -> None:
+    cluster = core()
+    route = acquire(cluster, [key_on(A)])
+    answer(route, sent(route), {A: [ReplyError("READONLY You can't write against a read only replica.")]})
+    with pytest.raises(CacheError, match="READONLY"):
+        route.advance()
+    assert cluster.map.stale
+
+
+def test_a_slot_without_a_primary_is_a_cache_error_not_a_guess() -> None:
+    cluster = core()
+    cluster.map.replace([(0, 5460, A), (10923, 16383, C)])
+    key = key_on(B)
+    route = acquire(cluster, [key])
+    assert route.unserved() == key
+    with pytest.raises(CacheError, match="no primary serves the slot"):
+        route.batches()
+
+
+def test_wait_replicas_appends_wait_per_node_and_fails_short_confirmations() -> None:
+    cluster = core(wait_replicas=1)
+    keys = [key_on(A), key_on(B)]
+    route = acquire(cluster, keys)
+    batches = sent(route)
+    assert all(cmds[-1] == (b"WAIT", b"1", b"100") for cmds in batches.values())
+    answer(route, batches, {A: [4, 1], B: [5, 0]})
+    with pytest.raises(CacheError, match=r"0 of 1 replicas of 10\.0\.0\.2:7000 confirmed it within 100 ms"):
+        route.advance()
+    # What the caller undoes: both acquired keys, with the values the script stored.
+    assert route.acquired_values() == (keys, [held_value(TOKEN, 4), held_value(TOKEN, 5)])
+
+
+def test_only_acquired_keys_are_undone() -> None:
+    keys = [key_on(A), key_on(B)]
+    route = acquire(core(), keys)
+    answer(route, sent(route), {A: [9], B: [-250]})  # B: held elsewhere (minus its TTL left)
+    assert route.advance() is None
+    assert route.acquired_values() == ([keys[0]], [held_value(TOKEN, 9)])
