@@ -33,6 +33,25 @@ import hotlock
 WORKERS = 8
 
 
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def leftovers(files_before: int) -> str:
+    """What the run left behind once the cache is closed: subscriber threads still running
+    after a few of their ticks, or file descriptors beyond the handful the closed cache may
+    keep (the native backend's last connections are dropped by their threads' exit)."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        gc.collect()
+        alive = [t for t in threading.enumerate() if t.name.startswith("hotlock-wakeups")]
+        extra = open_files() - files_before
+        if not alive and extra <= 16:
+            return ""
+        time.sleep(0.1)
+    return f"after close(): {len(alive)} subscriber threads alive and {extra} more files open than at connect"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -50,6 +69,7 @@ def main() -> int:
     gc.set_threshold(50, 5, 5)
 
     cache = hotlock.connect(args.url, backend=args.backend, timeout=1.0, connect_timeout=1.0, prefix="race:")
+    files_before = open_files()
     admins = [redis.Redis.from_url(url) for url in args.flush or [args.url]]
     stop = time.monotonic() + args.seconds
     counts: collections.Counter[str] = collections.Counter()
@@ -142,6 +162,9 @@ def main() -> int:
     for t in threads:
         t.join()
     call(cache.close)
+    leaked = leftovers(files_before)
+    if leaked:
+        escaped.append(leaked)
     for text in escaped[:5]:
         print(text, file=sys.stderr)
     print(f"calls: {sum(counts.values())} {dict(sorted(counts.items()))} escaped: {len(escaped)}", flush=True)

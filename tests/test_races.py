@@ -26,6 +26,8 @@ from .tls import Pki, start_tls_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = float(os.environ.get("HOTLOCK_STRESS_SECONDS", "2"))
+# make stress runs each for minutes: the subprocess's own bound (below) is the test's.
+pytestmark = pytest.mark.timeout(SECONDS * 10 + 120)
 
 
 def stress(url: str, backend: str, *extra: str) -> str:

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -689,3 +691,43 @@ def test_async_cluster_a_moved_slot_still_acquires_within_the_cap(
         Aio(redis_backend, loop_kind, redis_cluster.url, redis_cluster.nodes[0]).run(main())
     finally:
         redis_cluster.move_slot(slot, ports[0])
+
+
+# Run in a child with argv: url, backend. Every file it opens from here on is numbered 1024
+# or more (the numbers below are taken), as in a busy server with many sockets open.
+MANY_FILES = r"""
+import os, resource, sys, threading, time
+import hotlock
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+taken = []
+while True:
+    fd = os.open("/dev/null", os.O_RDONLY)
+    if fd >= 1024:
+        os.close(fd)
+        break
+    taken.append(fd)
+cache = hotlock.connect(sys.argv[1], backend=sys.argv[2])
+held = cache.lock("many-files", ttl=30)
+threading.Timer(0.3, held.unlock).start()
+start = time.monotonic()
+lock = cache.lock_wait("many-files", ttl=5, wait=10)
+print(round(time.monotonic() - start, 3))
+lock.unlock()
+cache.close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_a_wait_in_a_process_with_over_1024_files_open(backend: str, redis_url: str, tmp_path: Path) -> None:
+    # The subscriber and the waiters' wake-up descriptors get numbers select() refuses; the
+    # wait must still be woken by the release (poll(), not select()).
+    script = tmp_path / "many_files.py"
+    script.write_text(MANY_FILES)
+    proc = subprocess.run([sys.executable, str(script), redis_url, backend], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waited = float(proc.stdout.split()[-1])
+    # Released at 0.3 s; woken then, not at the next poll of a wait that lost its wake-ups
+    # (bounded loosely: the backoff's cap is 50 ms, and a loaded machine adds its own).
+    assert 0.25 <= waited < 3.0, waited

@@ -7,7 +7,7 @@ and costs what it did. This module is the receiving end, shared by every thread 
 cache and by both sync backends (the native one sleeps in C on the same file descriptors):
 
 - **One connection, one thread.** The subscriber thread does all of the connection's I/O
-  (select() on its socket and on a control pipe, so it never holds the GIL while it
+  (poll() on its socket and on a control pipe, so it never holds the GIL while it
   waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
 - **Poll first, then ask to be woken.** A wait's first attempts (_waiting.POLL_FIRST) are plain
   polling (many contended waits end after the first short sleep, and a wake-up costs
@@ -77,9 +77,19 @@ TICK_S = 0.5
 _ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
 
 
+def readable(fds: list[int], seconds: float) -> set[int]:
+    """Which of ``fds`` are readable (or hung up) within ``seconds``, the GIL released.
+    poll(), not select(): select() refuses a file number of 1024 or more, which any
+    process with that many files open (a busy server's sockets) hands out."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(max(0.0, seconds) * 1000.0)}
+
+
 class Waiter:
     """One thread's wake-up file descriptor, reused for each of its waits: the subscriber
-    writes it, the wait loop sleeps in select()/poll() on it (the GIL released)."""
+    writes it, the wait loop sleeps in poll() on it (the GIL released)."""
 
     __slots__ = ("_wfd", "entry", "fd", "owner", "pid")
 
@@ -107,8 +117,7 @@ class Waiter:
 
     def sleep(self, seconds: float) -> None:
         """Sleep up to ``seconds``, less if woken (the pure-Python loop's; the native one polls in C)."""
-        ready, _, _ = select.select([self.fd], [], [], seconds)
-        if ready:
+        if readable([self.fd], seconds):
             self.drain()
 
     def __del__(self) -> None:
@@ -242,8 +251,8 @@ class Wakeups:
             os.close(self._ctl_w)
 
     def _nap(self, seconds: float) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            select.select([self._ctl_r], [], [], seconds)
+        with contextlib.suppress(OSError):
+            readable([self._ctl_r], seconds)
             self._drain_ctl()
 
     def _drain_ctl(self) -> None:
@@ -319,15 +328,14 @@ class Wakeups:
             if out:
                 pending.extend(out)
                 sock.sendall(b"".join(resp_command(self._sub, e.channel) for e in out))
-            readable: list[Any]
+            ready: set[int]
             if tls and sock.pending():  # type: ignore[attr-defined]
-                readable = [sock]
+                ready = {sock.fileno()}
             else:
-                watched: list[Any] = [sock, self._ctl_r]
-                readable, _, _ = select.select(watched, [], [], max(0.0, next_tick - time.monotonic()))
-            if self._ctl_r in readable:
+                ready = readable([sock.fileno(), self._ctl_r], next_tick - time.monotonic())
+            if self._ctl_r in ready:
                 self._drain_ctl()
-            if sock in readable:
+            if sock.fileno() in ready:
                 data = sock.recv(65536)
                 if not data:
                     raise ConnectionError("the server closed the connection")
@@ -467,10 +475,11 @@ class Slot:
         return hub if hub.off is None else None
 
     def close(self) -> None:
-        hub = self._hub
+        # Under the lock: a get() racing this close must not store a hub nobody closes.
+        with _slot_lock:
+            hub, self._hub = self._hub, None
         if hub is not None and hub.pid == os.getpid():
             hub.close()
-        self._hub = None
 
     def __del__(self) -> None:
         # A backend dropped without close(): its subscriber thread stops too (the thread
@@ -498,6 +507,7 @@ class ClusterWakeups(Wakeups):
         self._owner = owner
         self._nodes: dict[tuple[str, int], Wakeups] = {}
         self._nodes_lock = threading.Lock()
+        self._closed = False  # then no node's subscriber is made any more: a waiter polls
 
     def subscribed(self, channel: bytes) -> Entry | None:
         address = self._owner(channel)
@@ -511,6 +521,8 @@ class ClusterWakeups(Wakeups):
         hub = self._nodes.get(address)
         if hub is None or hub._closed:
             with self._nodes_lock:
+                if self._closed:
+                    return None  # a wait that raced close(): it polls
                 hub = self._nodes.get(address)
                 if hub is None or hub._closed:
                     hub = self._nodes[address] = Wakeups(self._config.node(*address), sharded=True)
@@ -525,6 +537,7 @@ class ClusterWakeups(Wakeups):
 
     def close(self) -> None:
         with self._nodes_lock:
+            self._closed = True
             hubs = list(self._nodes.values())
         for hub in hubs:
             hub.close()
