@@ -9,11 +9,9 @@ PY     := $(VENV)/bin/python
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 APT_PACKAGES := redis-server redis-sentinel redis-tools libhiredis-dev libssl-dev pkg-config gcc openssl
 # The hiredis C sources the extension is built on: the `hiredis` package's sdist on PyPI
-# carries them (vendor/hiredis/, TLS layer included). Pinned by version and sha256; fetched
-# by `make vendor` into vendor/hiredis/, never committed, shipped in hotlock's sdist.
-# (hiredis-py 3.5.0 carries hiredis 1.5.0.)
-HIREDIS_PY_VERSION := 3.5.0
-HIREDIS_PY_SHA256  := c227592cc56b7df247abe4755c26723965be68972be2149fa441ac33d82131ba
+# carries them (vendor/hiredis/, TLS layer included). Pinned by version and sha256 in
+# tools/fetch_hiredis.py; fetched by `make vendor` (or by setup.py in a checkout without
+# them) into vendor/hiredis/, never committed, shipped in hotlock's sdist.
 
 # The supported CPythons: `make dist` builds a wheel for each and `make test-pythons` runs the
 # behaviour suite on each. tools/find-python finds them (pyenv, then PATH); a missing one is
@@ -50,10 +48,8 @@ $(VENV)/.installed: pyproject.toml
 venv: deps $(VENV)/.installed
 
 # The pinned hiredis sources (tools/fetch_hiredis.py checks the sha256); a no-op once there.
-# Run by the venv's Python: pip reads the sdist's metadata with the setuptools and wheel
-# installed there (a fresh system Python may have no wheel package).
-vendor/hiredis/.pinned: Makefile tools/fetch_hiredis.py | venv
-	$(PY) tools/fetch_hiredis.py $(HIREDIS_PY_VERSION) $(HIREDIS_PY_SHA256) vendor
+vendor/hiredis/.pinned: tools/fetch_hiredis.py | venv
+	$(PY) tools/fetch_hiredis.py vendor
 
 vendor: vendor/hiredis/.pinned
 

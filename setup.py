@@ -11,8 +11,10 @@ they never clash with hiredis-py's copy or a system libhiredis in the same proce
   one OpenSSL per process). hotlock.backends.native loads it only when Python's ssl module runs
   on that same libssl.
 
-Without vendor/hiredis/ (a checkout with no network), hotlock._native is built against the
-system libhiredis found by pkg-config, as before, with no TLS; said once.
+A checkout without vendor/hiredis/ fetches them first, as `make vendor` does (pinned and
+hash-checked by tools/fetch_hiredis.py; HOTLOCK_NO_FETCH=1 skips it). Only without them
+(no network, or sources that carry neither them nor the tool) is hotlock._native built
+against the system libhiredis found by pkg-config, with no TLS; said once, with why.
 
 HOTLOCK_NO_EXTENSIONS=1 skips the build; HOTLOCK_REQUIRE_EXTENSIONS=1 makes a failed
 build an error (make test and CI set it); HOTLOCK_REQUIRE_TLS=1 (make compile, make dist)
@@ -39,6 +41,7 @@ from setuptools.command.build_ext import build_ext
 REQUIRE = os.environ.get("HOTLOCK_REQUIRE_EXTENSIONS") == "1"
 REQUIRE_TLS = os.environ.get("HOTLOCK_REQUIRE_TLS") == "1"
 VENDOR = os.path.join("vendor", "hiredis")
+FETCH_TOOL = os.path.join("tools", "fetch_hiredis.py")
 # hiredis's library as its own Makefile builds it (async.c too: hiredis.c calls into
 # it, though hotlock's asyncio protocol does its own I/O), and the TLS layer for the second build.
 CORE_SOURCES = ("alloc", "async", "hiredis", "net", "read", "sds", "sockcompat")
@@ -64,6 +67,8 @@ SANITIZE_LINK = [f for f in SANITIZE_FLAGS if f.startswith("-fsanitize=")]
 # once to build. Only a build says why the extension is left out, so the line appears once.
 BUILD_COMMANDS = ("build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop")
 BUILDING = any(cmd in sys.argv[1:] for cmd in BUILD_COMMANDS)
+# A checkout fetches the pinned hiredis sources for a build or an sdist, not for metadata.
+FETCHING = BUILDING or "sdist" in sys.argv[1:]
 
 
 def say(message: str) -> None:
@@ -194,18 +199,39 @@ def system_extensions() -> list[Extension] | None:
     ]
 
 
+def fetch_vendor() -> str:
+    """Fetch the pinned hiredis sources into vendor/hiredis/: "" when they are there now,
+    else why not (one line)."""
+    if not os.path.exists(FETCH_TOOL) or not FETCHING:
+        return "make vendor fetches them"
+    if os.environ.get("HOTLOCK_NO_FETCH") == "1":
+        return "HOTLOCK_NO_FETCH=1"
+    try:
+        proc = subprocess.run(
+            [sys.executable, FETCH_TOOL, "vendor"], capture_output=True, text=True, timeout=300, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"could not fetch them: {exc}"
+    if proc.returncode != 0 or not os.path.exists(os.path.join(VENDOR, "hiredis.c")):
+        lines = [x.strip() for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
+        return f"could not fetch them: {lines[-1][:300] if lines else f'exit status {proc.returncode}'}"
+    say(proc.stdout.strip().splitlines()[-1])
+    return ""
+
+
 def extensions() -> list[Extension]:
     if SKIP:
         say("HOTLOCK_NO_EXTENSIONS=1: building the pure-Python package")
         return []
     if not os.path.exists(os.path.join("ext", "_native.pyx")):
         return []
-    if os.path.exists(os.path.join(VENDOR, "hiredis.c")):
+    fetched = "" if os.path.exists(os.path.join(VENDOR, "hiredis.c")) else fetch_vendor()
+    if not fetched:
         exts = vendored_extensions()
     elif SANITIZE_FLAGS:
         raise SystemExit(f"hotlock: HOTLOCK_SANITIZE is set but there are no hiredis sources in {VENDOR}/")
     else:
-        why = f"no hiredis sources in {VENDOR}/ (make vendor fetches them)"
+        why = f"no hiredis sources in {VENDOR}/ ({fetched})"
         if REQUIRE_TLS:
             raise SystemExit(f"hotlock: HOTLOCK_REQUIRE_TLS=1 but {why}")
         found = system_extensions()

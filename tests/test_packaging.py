@@ -14,8 +14,9 @@ can only find the installed copy.
   must be `native`, and `/proc/self/maps` must show no libhiredis at all and one libssl.
 - The sdist ships the pinned hiredis sources (vendor/hiredis/) and, with no libhiredis-dev
   in sight and nothing asked for, builds both builds from them.
-- The sdist's sources without vendor/hiredis/ (a checkout with no network) build on the
-  system libhiredis, without TLS, saying so once.
+- A clone of the repository (no vendor/hiredis/) fetches the pinned sources as it builds,
+  and runs TLS natively; one that cannot fetch them, or the sdist's sources without
+  vendor/hiredis/, build on the system libhiredis, without TLS, saying so once.
 - The sdist without a compiler (CC=/bin/false), or the sources without vendor/hiredis/ nor
   libhiredis, install pure Python and say so in one line; `backend_info()` says `redis-py`
   and why.
@@ -499,6 +500,61 @@ def test_sources_without_the_pinned_hiredis_build_on_the_system_libhiredis(
     info = got["info"]
     assert isinstance(info, dict) and info["backend"] == "native" and got["backend"] == "native", got
     assert info["tls"] == "redis-py" and "no TLS build" in str(info["tls_reason"]), info
+
+
+def checkout_without_vendor(where: Path) -> Path:
+    """This checkout's tracked files, as a fresh clone has them: no vendor/hiredis/."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
+    if listed.returncode != 0:
+        need("git ls-files found no checkout")
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (where / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, where / name)
+    assert not (where / "vendor").exists()
+    return where
+
+
+FETCHED = re.compile(
+    r"hotlock: fetch_hiredis: hiredis [\d.]+ \(sha256 [0-9a-f]{12}\.\.\.\) unpacked into vendor/hiredis"
+)
+
+
+def test_a_checkout_fetches_the_pinned_hiredis_and_runs_tls_natively(
+    redis_url: str, tls_url: str, tmp_path: Path
+) -> None:
+    # pip install from a clone, with no `make vendor` and no libhiredis-dev in sight: the
+    # build fetches the pinned sources itself, and both builds come out of them.
+    src = checkout_without_vendor(tmp_path / "src")
+    venv = new_venv(tmp_path / "venv", sys.executable)
+    out = pip_install(venv, "-v", str(src), env=clean_env(**NO_PKG_CONFIG))
+    said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
+    assert len(said) == 1 and FETCHED.fullmatch(said[0]), said
+    assert sorted(installed_extensions(venv)) == ["_native", "_native_tls"]
+    got = round_trip(venv, redis_url, tmp_path, tls_url=tls_url)
+    assert got["backend"] == "native" and got["tls_backend"] == "native", got
+
+
+@pytest.mark.slow  # a second build from a clone: make test-slow's
+def test_a_checkout_that_cannot_fetch_builds_on_the_system_libhiredis_and_says_why(tmp_path: Path) -> None:
+    if shutil.which("pkg-config") is None or subprocess.run(["pkg-config", "--exists", "hiredis"]).returncode != 0:
+        need("libhiredis-dev is not installed")
+    src = checkout_without_vendor(tmp_path / "src")
+    # An index that refuses connections; the build in place, by this session's Python (its
+    # setuptools and Cython), as `python setup.py build_ext` in a clone would run it.
+    out = run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        env=clean_env(PIP_INDEX_URL="http://127.0.0.1:9/simple"),
+        cwd=src,
+    )
+    said = [x.strip() for x in out.splitlines() if x.strip().startswith("hotlock:")]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "hotlock: no hiredis sources in vendor/hiredis/ (could not fetch them: fetch_hiredis: could not download"
+    ), said
+    assert said[0].endswith("): building on the system libhiredis, without TLS (rediss:// will run on redis-py)"), said
+    built = sorted(p.name.split(".")[0] for p in (src / "src" / "hotlock").glob("_native*.so"))
+    assert built == ["_native"], built
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,11 @@ def native_module() -> tuple[ModuleType | None, str | None]:
         _tls_error = _tls_build_refused()
         if _tls_error is None and importlib.util.find_spec("hotlock._native_tls") is None:
             # Built on a system libhiredis, or without OpenSSL's headers (setup.py said so).
-            _tls_error = "this install has no TLS build (hotlock._native_tls)"
+            _tls_error = (
+                "this install has no TLS build (hotlock._native_tls): it was compiled on the system "
+                "libhiredis (the pinned hiredis sources were neither there nor fetchable) or without "
+                "OpenSSL's headers; the build said which"
+            )
         if _tls_error is None:
             try:
                 from .. import _native_tls as tls_mod
