@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (

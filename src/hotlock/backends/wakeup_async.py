@@ -301,6 +301,7 @@ class AsyncClusterWakeups(AsyncWakeups):
         self._config = config
         self._owner = owner
         self._nodes: dict[tuple[str, int], AsyncWakeups] = {}
+        self._closed = False  # then no node's subscriber is made any more: a waiter polls
 
     def subscribed(self, channel: bytes) -> AsyncEntry | None:
         address = self._owner(channel)
@@ -309,8 +310,8 @@ class AsyncClusterWakeups(AsyncWakeups):
 
     def join(self, channel: bytes) -> AsyncWaiter | None:
         address = self._owner(channel)
-        if address is None:
-            return None  # no primary for the slot right now: poll
+        if address is None or self._closed:
+            return None  # no primary for the slot right now, or a wait that raced close(): poll
         hub = self._nodes.get(address)
         if hub is None or hub._closed:
             hub = self._nodes[address] = AsyncWakeups(self._config.node(*address), sharded=True)
@@ -323,6 +324,7 @@ class AsyncClusterWakeups(AsyncWakeups):
         waiter.owner.leave(waiter, acquired)
 
     async def close(self) -> None:
+        self._closed = True
         hubs, self._nodes = list(self._nodes.values()), {}
         for hub in hubs:
             await hub.close()
