@@ -109,10 +109,10 @@ test-pythons: deps vendor
 	done
 
 # An sdist, then a manylinux wheel per supported Python built *from that sdist* (so the
-# sdist is proved complete), with the extension required, and repaired by auditwheel: it
-# copies libhiredis into hotlock.libs/ under a hashed name and points the extension's
-# RUNPATH there, so the wheel needs no system package at run time. --strip drops the debug
-# symbols (a 640 KB wheel becomes 180 KB). `auditwheel show` prints what each one bundles.
+# sdist is proved complete), with the extension required, and repaired by auditwheel: hiredis
+# is compiled in (symbols hidden) and libssl is the system's, so there is nothing to bundle;
+# auditwheel checks that and tags the wheel manylinux. --strip drops the debug symbols.
+# `auditwheel show` prints what each one needs.
 # --no-cache-dir: pip caches a wheel built from a local hotlock-X.tar.gz by the file's path,
 # not its contents, and would hand the next `make dist` the wheel of older sources.
 dist: deps tools vendor
