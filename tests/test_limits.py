@@ -268,7 +268,11 @@ def test_lock_wait_with_a_limit_is_woken_by_a_release(cache: Cache) -> None:
     with pytest.raises(LockNotAcquired) as info:
         cache.lock_wait("wait", 30, wait=0.2, limit=2)
     assert "after waiting" in str(info.value)
+    # The module-level form takes the limit too.
+    with pytest.raises(LockNotAcquired):
+        hotlock.lock_wait(cache, "wait", 30, 0.05, limit=2)
     got.unlock()
+    assert hotlock.lock_wait(cache, "wait", 30, 1, limit=2).unlock()
     held[1].unlock()
 
 

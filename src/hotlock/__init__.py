@@ -154,6 +154,7 @@ def lock_wait(
     *,
     auto_extend: bool = False,
     max_hold: Seconds | None = None,
+    limit: int = 1,
 ) -> Lock:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)

@@ -108,6 +108,8 @@ def lock_wait(
     *,
     auto_extend: bool = False,
     max_hold: Seconds | None = None,
+    limit: int = 1,
 ) -> Acquiring:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=...)``: await it, or use it with ``async with``."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold)
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``: await it, or use
+    it with ``async with``."""
+    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)
