@@ -508,6 +508,8 @@ def test_backend_info_says_which_async_backend_is_live() -> None:
     info = hotlock.aio.backend_info()
     assert info["backend"] == ("native" if native_aio()[0] is not None else "redis-py")
     assert (info["reason"] is None) is (info["backend"] == "native")
+    assert info.keys() == hotlock.backend_info().keys()  # one shape, sync and async
+    assert info["tls"] == info["backend"]  # the loop's transport does TLS on either
     if REQUIRE_NATIVE:
         assert info["backend"] == "native", info["reason"]
 

@@ -83,13 +83,25 @@ def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None, time
 
 def backend_info() -> dict[str, str | None]:
     """Which backend hotlock.aio.connect() would use for a redis:// url, and why, when it is
-    not native: ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None}``.
+    not native; the same for a rediss:// url; and the hiredis and OpenSSL the native client
+    runs on. The keys of hotlock.backend_info():
+
+    ``{"backend": "native" | "redis-py", "reason": None | str, "hiredis": version | None,
+    "tls": "native" | "redis-py", "tls_reason": None | str, "openssl": version | None}``
     """
+    import ssl  # here: importing hotlock.aio must not load OpenSSL
+
     native, why = native_aio()
+    backend = "redis-py" if native is None else "native"
     return {
-        "backend": "redis-py" if native is None else "native",
+        "backend": backend,
         "reason": why,
         "hiredis": None if native is None else native.HIREDIS_VERSION,
+        # rediss:// urls: the event loop's transport does TLS (Python's ssl module), so they
+        # run on the same backend as redis:// urls, the native one included.
+        "tls": backend,
+        "tls_reason": why,
+        "openssl": None if native is None else ssl.OPENSSL_VERSION,
     }
 
 
