@@ -431,7 +431,8 @@ def test_locks_shows_a_limited_key_with_each_permit_and_no_token(redis_server: R
         limited = rows[0]
         assert limited["holders"] == 3 and "permits" not in rows[1]
         assert [p["fence"] for p in limited["permits"]] == [permits[i].fence for i in (1, 0, 2)]
-        assert [round(p["ttl"]) for p in limited["permits"]] == [5, 30, 60]
+        # the CLI runs as a subprocess, so whole seconds may pass on a loaded machine before it reads the TTLs
+        assert all(ttl - 5 < p["ttl"] <= ttl for p, ttl in zip(limited["permits"], (5, 30, 60), strict=True))
         assert (limited["ttl"], limited["fence"]) == (limited["permits"][0]["ttl"], permits[1].fence)
         assert all(0 <= p["held"] < 30 for p in limited["permits"])
         text = out(cli("locks", url=redis_url))
