@@ -35,6 +35,8 @@ COLUMNS = [
 def cell_row(cell: Cell, runs: Sequence[Run]) -> str:
     fault, setting, detect = cell.label.split(" | ")
     out = [fault, setting, detect]
+    failovers = [r.failover_s for r in runs if r.failover_s is not None]
+    out.append(f"{statistics.median(failovers):.1f}" if failovers else "-")
     for name, _header, fmt in COLUMNS:
         values = [getattr(r.result, name) for r in runs]
         med = statistics.median(values)
@@ -44,7 +46,7 @@ def cell_row(cell: Cell, runs: Sequence[Run]) -> str:
 
 
 def table(runs: Sequence[Run]) -> str:
-    headers = ["fault", "setting", "detection", *(h for _n, h, _f in COLUMNS)]
+    headers = ["fault", "setting", "detection", "failover (s)", *(h for _n, h, _f in COLUMNS)]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     cells: dict[Cell, list[Run]] = {}
     for r in runs:
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         "seed": r.seed,
                         "duration_s": r.duration_s,
                         "notes": r.notes,
+                        "failover_s": r.failover_s,
                         **r.result.as_dict(),
                     }
                     for r in runs

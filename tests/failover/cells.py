@@ -97,7 +97,7 @@ class Run:
     result: Result
     duration_s: float
     notes: list[str] = field(default_factory=list)
-    history_dir: str = ""
+    failover_s: float | None = None  # fault to the sentinels naming another primary
 
 
 def _wait_failover(topo: Topology, old: str, limit: float) -> float | None:
@@ -119,6 +119,7 @@ def run_cell(cell: Cell, seed: int, keep: Path | None = None, short: bool = Fals
     wait_replicas, config = SETTINGS[cell.setting]
     topo = Topology(replicas=cell.replicas, side_a=cell.side_a)
     notes: list[str] = []
+    took: float | None = None
     try:
         topo.start(config, cell.detect_s * 1000, aof=cell.fault == "restart-aof")
         store = topo.workdir / "store.sqlite"
@@ -184,6 +185,7 @@ def run_cell(cell: Cell, seed: int, keep: Path | None = None, short: bool = Fals
             topo.signal("p", signal.SIGCONT)
             heal_at = time.monotonic()
         elif cell.fault in ("restart", "restart-aof"):
+            took = None
             topo.kill("p")
             # At once, on the same address: within the detection time, so no failover,
             # and the replicas resync from whatever the primary came back with.
@@ -224,7 +226,7 @@ def run_cell(cell: Cell, seed: int, keep: Path | None = None, short: bool = Fals
             (keep / f"{name}.json").write_text(json.dumps(dump))
     finally:
         topo.close()
-    return Run(cell, seed, result, time.monotonic() - started, notes)
+    return Run(cell, seed, result, time.monotonic() - started, notes, took)
 
 
 __all__ = ["FAULTS", "REDIS_PORT", "SETTINGS", "Cell", "Run", "all_cells", "run_cell"]
