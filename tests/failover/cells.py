@@ -160,6 +160,14 @@ def run_cell(cell: Cell, seed: int, keep: Path | None = None, short: bool = Fals
             argv = [python(), "-m", "tests.failover.worker", "roles", "--until", repr(until), "--out", str(out)]
             topo.extra.append(topo.spawn(node, argv))
         time.sleep(max(0.0, t_start + warmup - time.monotonic()))
+        if cell.probe:
+            # The probe needs side A holding the key when the cut comes: on a loaded machine
+            # the workers' interpreters can take the whole warm-up to start.
+            held = time.monotonic() + 5
+            while not topo.cli("p", "keys", "hotlock:lock:*").strip() and time.monotonic() < held:
+                time.sleep(0.05)
+            if time.monotonic() >= held:
+                notes.append("no hold before the cut")
         fault_at = time.monotonic()
         old = topo.primary()
         heal_at = None
