@@ -8,10 +8,12 @@ without them these tests fail, saying so; CI has both.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from .failover.cells import Cell, Run, run_cell
-from .failover.topology import cleanup_stale, netns_available
+from .failover.topology import PREFIX, cleanup_stale, ip, netns_available
 
 SEED = 7
 
@@ -25,7 +27,11 @@ def netns() -> None:
 
 
 def run(cell: Cell) -> Run:
-    return run_cell(cell, SEED, short=True)
+    r = run_cell(cell, SEED, short=True)
+    # Whatever the run did, it leaves no namespace (nor, so, any process inside one) behind.
+    mine = f"{PREFIX}{os.getpid()}-"
+    assert not [n for n in ip("netns", "list").stdout.split() if n.startswith(mine)]
+    return r
 
 
 def describe(run: Run) -> str:
