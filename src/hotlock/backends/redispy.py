@@ -54,7 +54,7 @@ from .._scripts import (
     held_value,
 )
 from .._sentinel import PrimaryWatch
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
 from .wakeup import slot, wait
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
@@ -417,9 +417,13 @@ class RedisPyBackend:
                 raise reply
         return replies
 
-    def _commands(self, commands: list[tuple[bytes, ...]], shape: Shape, timeout: float | None = None) -> list[Any]:
-        """Plain commands of one reply ``shape`` in one round trip; error replies raised."""
-        replies = self._send(commands, [shape] * len(commands), timeout)
+    def _commands(
+        self, commands: list[tuple[Any, ...]], shape: Shape, timeout: float | None = None, confirm: bool = False
+    ) -> list[Any]:
+        """Plain commands of one reply ``shape`` in one round trip; error replies raised.
+        ``confirm``: the Lua-free extends, with the WAIT of wait_replicas behind them."""
+        tail = self._wait_command(EXTEND) if confirm else []
+        replies = self._send(commands + tail, [shape] * len(commands) + [is_count] * len(tail), timeout)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -464,10 +468,24 @@ class RedisPyBackend:
 
     def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
-        # same write as the acquires it confirms: no extra round trip, no other connection.
-        if self._wait_replicas and script in _ACQUIRES:
+        # same write as the acquires or extends it confirms: no extra round trip, no other
+        # connection.
+        if self._wait_replicas and script in _CONFIRMED:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
+
+    def _renewed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[bool], wait_reply: list[Any]
+    ) -> list[bool]:
+        """Under wait_replicas: the extends' results, or Unreplicated when too few replicas
+        confirmed the ones that ran, released first (as _confirmed undoes acquires)."""
+        if not wait_reply or wait_reply[0] >= self._wait_replicas or not any(results):
+            return results
+        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            self.release_many([k for k, _ in held], [t for _, t in held])
+        raise unconfirmed_extends(what, results, wait_reply[0], self._wait_replicas, self._wait_ms)
 
     def _confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
@@ -481,8 +499,7 @@ class RedisPyBackend:
             with contextlib.suppress(CacheError):
                 self.release_many([k for k, _ in held], [t for _, t in held])
         raise cache_error(
-            f"{what} undone: {wait_reply[0]} of {self._wait_replicas} replicas confirmed it "
-            f"within {self._wait_ms} ms (wait_replicas)",
+            unreplicated(what, wait_reply[0], self._wait_replicas, self._wait_ms),
             self.server,
             keys[0] if len(keys) == 1 else None,
         )
@@ -539,18 +556,22 @@ class RedisPyBackend:
         if self.dialect.lua_free and not scripted and not by_script(tokens):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
+            n = len(sets)
             try:
-                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t))]
+                replies = self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t, True))
             except CacheError as exc:
                 if not reply_serves_script(exc):
                     raise
                 # Refused at maxmemory, or a key now holds permits: the script serves (see _dialect).
             else:
+                done = self._renewed(what, keys, tokens, [r is not None for r in replies[:n]], replies[n:])
                 # SET IFEQ compares the whole value: one a waiter marked ('+') is extended
-                # by the script, which accepts the mark (only under contention, or when lost).
+                # by the script, which accepts the mark (only under contention, or when lost;
+                # under wait_replicas with a WAIT of its own).
                 return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
+        replies = self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))
+        return self._renewed(what, keys, tokens, [bool(r) for r in replies[: len(calls)]], replies[len(calls) :])
 
     @staticmethod
     def _missed(
@@ -631,8 +652,8 @@ class RedisPyBackend:
         self._drop_all()
 
 
-# ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.
-_ACQUIRES = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
+# ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
+_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:
