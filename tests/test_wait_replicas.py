@@ -175,6 +175,29 @@ def test_an_extend_the_replica_never_confirms_is_a_lost_lease(redis_backend: str
         assert lock.unlock() is False
 
 
+def test_min_replicas_to_write_alone_lets_the_cut_off_primary_renew(redis_backend: str, pair: Pair) -> None:
+    """The server's own guard does not catch it: under min-replicas-to-write 1 a primary
+    whose replica stopped acknowledging still takes writes until min-replicas-max-lag (10 s
+    by default) has passed, so a plain extend renews the lease on the cut-off primary. Under
+    wait_replicas the same extend is a lost lease at once."""
+    side = pair.side
+    side.config_set("min-replicas-to-write", 1)
+    try:
+        with (
+            hotlock.connect(pair.url, backend=redis_backend, timeout=2) as plain,  # type: ignore[arg-type]
+            confirmed(pair, redis_backend) as cache,
+        ):
+            unguarded, guarded = plain.lock("plain", ttl=30), cache.lock("confirmed", ttl=30)
+            with pair.cut_off():
+                unguarded.extend(30)  # accepted: the replica's lag is below 10 s
+                assert not unguarded.lost
+                with pytest.raises(LockLost, match="replicas"):
+                    guarded.extend(30)
+            assert unguarded.unlock() is True
+    finally:
+        side.config_set("min-replicas-to-write", 0)
+
+
 def test_an_unconfirmed_extend_is_counted_as_a_loss(redis_backend: str, pair: Pair) -> None:
     seen: list[tuple[str, object]] = []
 
