@@ -561,8 +561,16 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
         # The replica had the old holder's key: it is still held, and still his.
         with pytest.raises(LockNotAcquired):
             cache.lock(dead_keys[0], ttl=5)
-        old_holder.extend(ttl=10)
-        assert old_holder.unlock() is True
+        assert cluster.client(cluster.owner_of(lock_name(dead_keys[0]))).get(lock_name(dead_keys[0])) == (
+            old_holder._token
+        )
+        # Renewals are confirmed as acquires are, and the promoted primary has no replica
+        # left to confirm one: the extend is a lost lease, and the key is released.
+        with pytest.raises(hotlock.LockLost, match="0 of 1 replicas"):
+            old_holder.extend(ttl=10)
+        assert old_holder.unlock() is False
+        with cache.lock(dead_keys[0], ttl=5):
+            pass
         cache.close()
         confirmed.close()
     finally:
