@@ -382,6 +382,10 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
+    # What an extend passes _scripts as its plain: -1 (the dialect's), or _PLAIN_NONE under
+    # wait_replicas, where the script takes a waiter's mark and permits as they are, so one
+    # write carries every extend of a call and the one WAIT behind them.
+    cdef int _extend_as
     cdef readonly object _wakeups  # hotlock.backends.wakeup.Slot (the wake-up subscriber), or None: wakeups=False
     cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
     cdef bint _check_host  # rediss://: the certificate must name the host connected to
@@ -427,6 +431,7 @@ cdef class NativeBackend:
         self._conns = weakref.WeakSet()
         self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
         self._plain = _PLAIN_NONE
+        self._extend_as = _PLAIN_NONE if self._wait_replicas else -1
         self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
         cdef _Retry rule = self._rule(0.0, False)
@@ -981,7 +986,7 @@ cdef class NativeBackend:
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
-        cdef int plain = _PLAIN_NONE if _permit(token) else -1
+        cdef int plain = _PLAIN_NONE if _permit(token) else self._extend_as
         try:
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
         except CacheError as exc:
@@ -997,7 +1002,7 @@ cdef class NativeBackend:
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        plain = _PLAIN_NONE if _any_by_script(tokens) else -1
+        plain = _PLAIN_NONE if _any_by_script(tokens) else self._extend_as
         try:
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
         except CacheError as exc:

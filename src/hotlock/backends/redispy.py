@@ -417,13 +417,9 @@ class RedisPyBackend:
                 raise reply
         return replies
 
-    def _commands(
-        self, commands: list[tuple[Any, ...]], shape: Shape, timeout: float | None = None, confirm: bool = False
-    ) -> list[Any]:
-        """Plain commands of one reply ``shape`` in one round trip; error replies raised.
-        ``confirm``: the Lua-free extends, with the WAIT of wait_replicas behind them."""
-        tail = self._wait_command(EXTEND) if confirm else []
-        replies = self._send(commands + tail, [shape] * len(commands) + [is_count] * len(tail), timeout)
+    def _commands(self, commands: list[tuple[bytes, ...]], shape: Shape, timeout: float | None = None) -> list[Any]:
+        """Plain commands of one reply ``shape`` in one round trip; error replies raised."""
+        replies = self._send(commands, [shape] * len(commands), timeout)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -553,21 +549,20 @@ class RedisPyBackend:
         scripted: bool = False,
     ) -> list[bool]:
         keys, tokens = list(keys), list(tokens)  # as in acquire_many
-        if self.dialect.lua_free and not scripted and not by_script(tokens):
+        # Under wait_replicas by script: it takes a waiter's mark and permits as they are, so
+        # one write carries every extend and the one WAIT behind them.
+        if self.dialect.lua_free and not scripted and not by_script(tokens) and not self._wait_replicas:
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-            n = len(sets)
             try:
-                replies = self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t, True))
+                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t))]
             except CacheError as exc:
                 if not reply_serves_script(exc):
                     raise
                 # Refused at maxmemory, or a key now holds permits: the script serves (see _dialect).
             else:
-                done = self._renewed(what, keys, tokens, [r is not None for r in replies[:n]], replies[n:])
                 # SET IFEQ compares the whole value: one a waiter marked ('+') is extended
-                # by the script, which accepts the mark (only under contention, or when lost;
-                # under wait_replicas with a WAIT of its own).
+                # by the script, which accepts the mark (only under contention, or when lost).
                 return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
         replies = self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))
