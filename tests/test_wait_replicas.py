@@ -141,6 +141,25 @@ def test_extend_is_confirmed_by_the_replica(redis_backend: str, pair: Pair) -> N
         assert lock.unlock() is True
 
 
+def test_a_marked_lock_is_extended_in_one_write_with_one_wait(redis_backend: str, pair: Pair) -> None:
+    """Under wait_replicas extends go by script even where the server has SET IFEQ: a lock
+    a waiter marked is extended by the same one write, with one WAIT."""
+    with confirmed(pair, redis_backend) as cache, confirmed(pair, redis_backend) as other:
+        lock = cache.lock("job", ttl=30)
+        with pytest.raises(hotlock.LockNotAcquired):
+            other.lock_wait("job", ttl=30, wait=0.2)  # its attempts mark the holder's value
+        assert pair.side.get(lock_name("job")).endswith(b"+")  # type: ignore[union-attr]
+        stats = pair.side.info("commandstats")
+        sets_before = int(stats.get("cmdstat_set", {}).get("calls", 0))
+        waits_before = pair.waits()
+        lock.extend(60)
+        assert cache.extend_many([lock], ttl=60) == [True]
+        assert pair.waits() == waits_before + 2
+        assert int(pair.side.info("commandstats").get("cmdstat_set", {}).get("calls", 0)) == sets_before
+        assert pair.replica.client().pttl(lock_name("job")) > 30_000
+        assert lock.unlock() is True
+
+
 def test_without_wait_replicas_an_extend_sends_no_wait(redis_backend: str, pair: Pair) -> None:
     with hotlock.connect(pair.url, backend=redis_backend) as cache:  # type: ignore[arg-type]
         lock = cache.lock("job", ttl=5)
