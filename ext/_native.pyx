@@ -35,7 +35,7 @@ from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEA
 from hotlock._sentinel import PrimaryWatch
 from hotlock._waiting import POLL_FIRST
 from hotlock.backends.wakeup import slot as _wakeup_slot
-from hotlock.errors import CacheError, LinkLost, ReplyError, cache_error
+from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
 
 
 cdef extern from "compat.h" nogil:

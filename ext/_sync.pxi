@@ -382,6 +382,10 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
+    # What an extend passes _scripts as its plain: -1 (the dialect's), or _PLAIN_NONE under
+    # wait_replicas, where the script takes a waiter's mark and permits as they are, so one
+    # write carries every extend of a call and the one WAIT behind them.
+    cdef int _extend_as
     cdef readonly object _wakeups  # hotlock.backends.wakeup.Slot (the wake-up subscriber), or None: wakeups=False
     cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
     cdef bint _check_host  # rediss://: the certificate must name the host connected to
@@ -427,6 +431,7 @@ cdef class NativeBackend:
         self._conns = weakref.WeakSet()
         self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
         self._plain = _PLAIN_NONE
+        self._extend_as = _PLAIN_NONE if self._wait_replicas else -1
         self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
         cdef _Retry rule = self._rule(0.0, False)
@@ -694,8 +699,8 @@ cdef class NativeBackend:
         the calls that did not run (a release that ran must not run twice). A lost reply
         follows the call's rule (see _Retry): a lost handshake or reload reply reconnects
         and goes on; a lost reply to the calls sends them once more as they were when
-        rule.resend. Under wait_replicas a WAIT rides in the same write as the acquires;
-        too few replicas undoes them.
+        rule.resend. Under wait_replicas a WAIT rides in the same write as the acquires
+        or the extends; too few replicas undoes them (see _undo).
 
         On a server with compare-and-set (self._plain), extend and release go as plain
         commands (_append_plain) through this same loop: the same batching and lost-reply
@@ -708,7 +713,9 @@ cdef class NativeBackend:
         cdef bint single = n == 1 and type(keys) is bytes
         # The acquire is ACQUIRE or one of its waiting forms: anything but extend and release.
         cdef bint acquire = sha is not _SHA_EXTEND and sha is not _SHA_RELEASE
-        cdef bint wait = self._wait_replicas > 0 and acquire
+        # WAIT confirms the writes made before it on its own connection: behind acquires and
+        # extends (a renewal the replicas never saw renews nothing after a failover).
+        cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
         cdef long long replicas = 0
         cdef Py_ssize_t i, j, sent, missing
@@ -797,25 +804,34 @@ cdef class NativeBackend:
                 free(replies)
                 free(todo)
         if wait and replicas < self._wait_replicas:
-            self._undo(keys, tokens, n, values, replicas, what, err_key)
+            self._undo(keys, tokens, n, values, replicas, what, err_key, acquire)
         return 0
 
     cdef int _undo(self, object keys, object tokens, Py_ssize_t n, long long *values, long long replicas,
-                   str what, bytes err_key) except -1:
-        """Under wait_replicas: release what too few replicas confirmed, then raise."""
+                   str what, bytes err_key, bint acquire) except -1:
+        """Under wait_replicas: release what too few replicas confirmed, then raise: an
+        acquire's CacheError (the caller holds nothing), or Unreplicated for extends that
+        ran (their leases are lost; an extend that found the key gone wrote nothing to
+        confirm). Released rather than left to the TTL either way: the caller is told it
+        holds nothing, so nobody should wait for a key no one holds."""
         if n == 1 and type(keys) is bytes:
             keys = [keys]
             tokens = [tokens]
         held = [i for i in range(n) if values[i] > 0]
+        if not acquire and not held:
+            return 0
         if held:
             try:
                 # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
-                self.release_many([keys[i] for i in held], [held_value(tokens[i], values[i]) for i in held])
+                self.release_many([keys[i] for i in held],
+                                  [held_value(tokens[i], values[i]) if acquire else tokens[i] for i in held])
             except CacheError:
                 pass
-        raise cache_error(
-            f"{what} undone: {replicas} of {self._wait_replicas} replicas confirmed it "
-            f"within {self._wait_timeout_ms} ms (wait_replicas)", self.server, err_key)
+        if not acquire:
+            raise unconfirmed_extends(what, [values[i] > 0 for i in range(n)], replicas, self._wait_replicas,
+                                      self._wait_timeout_ms)
+        raise cache_error(unreplicated(what, replicas, self._wait_replicas, self._wait_timeout_ms),
+                          self.server, err_key)
 
     cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
                     int plain=-1):
@@ -970,7 +986,7 @@ cdef class NativeBackend:
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
-        cdef int plain = _PLAIN_NONE if _permit(token) else -1
+        cdef int plain = _PLAIN_NONE if _permit(token) else self._extend_as
         try:
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
         except CacheError as exc:
@@ -986,7 +1002,7 @@ cdef class NativeBackend:
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        plain = _PLAIN_NONE if _any_by_script(tokens) else -1
+        plain = _PLAIN_NONE if _any_by_script(tokens) else self._extend_as
         try:
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
         except CacheError as exc:

@@ -14,7 +14,7 @@ import hotlock.backends.cluster
 from hotlock._config import parse_url
 from hotlock._scripts import ACQUIRE, EXTEND, held_value
 from hotlock.backends.cluster import ClusterCore, Route, key_slot
-from hotlock.errors import CacheError, LinkLost, ReplyError
+from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated
 
 from .conftest import FakeClock, patch_clock
 
@@ -236,6 +236,38 @@ def test_wait_replicas_appends_wait_per_node_and_fails_short_confirmations() -> 
         route.advance()
     # What the caller undoes: both acquired keys, with the values the script stored.
     assert route.acquired_values() == (keys, [held_value(TOKEN, 4), held_value(TOKEN, 5)])
+
+
+def test_wait_replicas_confirms_extends_per_node() -> None:
+    """Extends: one WAIT per node behind them; a node's shortfall loses the extends that
+    ran there (Unreplicated, with the values to release), the other node's stand, and an
+    extend that found the key gone needs no confirmation."""
+    cluster = core(wait_replicas=1)
+    keys = [key_on(A), key_on(B), key_on(B, 1)]
+    values = [b"a" * 20, b"b" * 20, b"c" * 20]
+    route = cluster.route("extend_many", EXTEND, keys, [(v, b"30000") for v in values], None)
+    batches = sent(route)
+    assert {a: [c[0] for c in cmds] for a, cmds in batches.items()} == {
+        A: [b"EVALSHA", b"WAIT"],
+        B: [b"EVALSHA", b"EVALSHA", b"WAIT"],
+    }
+    answer(route, batches, {A: [1, 1], B: [1, 0, 0]})
+    with pytest.raises(Unreplicated) as info:
+        route.advance()
+    assert info.value.results == [True, False, False]
+    assert info.value.why == {
+        1: "is lost: extend_many undone: 0 of 1 replicas of 10.0.0.2:7000 confirmed it within 100 ms (wait_replicas)"
+    }
+    assert route.unconfirmed_values() == ([keys[1]], [values[1]])
+    # Every node confirmed: the results stand.
+    route = cluster.route("extend_many", EXTEND, keys, [(v, b"30000") for v in values], None)
+    answer(route, sent(route), {A: [1, 1], B: [1, 1, 1]})
+    assert route.advance() is None and route.results == [1, 1, 1]
+
+
+def test_without_wait_replicas_extends_send_no_wait() -> None:
+    route = core().route("extend", EXTEND, [key_on(A)], [(b"a" * 20, b"30000")], None)
+    assert [c[0] for c in sent(route)[A]] == [b"EVALSHA"]
 
 
 def test_only_acquired_keys_are_undone() -> None:

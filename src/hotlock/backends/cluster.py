@@ -65,8 +65,8 @@ from .._dialect import (
     release_command,
     script_serves,
 )
-from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
 
 __all__ = [
@@ -267,6 +267,8 @@ def acquired(result: int) -> bool:
 
 # The scripts whose call a node with compare-and-set takes as one plain command.
 _LUA_FREE_SHAS = (EXTEND.sha, RELEASE_SHARDED.sha)
+# What WAIT rides behind under wait_replicas: every form of the acquire, and the extend.
+_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
 
 
@@ -287,12 +289,14 @@ class Route:
     and the async cluster backends share every rule and differ only in how they wait.
 
     A round: ``batches()`` gives each node's commands (``ASKING`` before a key that was
-    sent ASK, a WAIT after the acquires under wait_replicas); the caller writes them all,
-    then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()`` then
-    says what is next: None (done: ``results``), or how long to sleep before the next
+    sent ASK, a WAIT after the acquires or extends under wait_replicas); the caller writes
+    them all, then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()``
+    then says what is next: None (done: ``results``), or how long to sleep before the next
     round. It raises CacheError when the call has failed, after which the caller undoes
-    the acquires in ``acquired_values()``. Between rounds the caller loads the scripts on
-    ``reload`` nodes and, when ``refresh_avoiding`` is set, asks for the slot map.
+    the acquires in ``acquired_values()``, and Unreplicated when extends ran on a node
+    whose WAIT fell short, after which the caller releases ``unconfirmed_values()``.
+    Between rounds the caller loads the scripts on ``reload`` nodes and, when
+    ``refresh_avoiding`` is set, asks for the slot map.
     """
 
     def __init__(
@@ -324,6 +328,11 @@ class Route:
         self._pause = _PAUSE_S
         self._wait = wait
         self.replicas: list[tuple[Address, int]] = []
+        # Under wait_replicas, each key's confirmation: its node, and the replica count of
+        # the WAIT behind the round that last sent it (a WAIT confirms the writes before it
+        # on its connection, so a key resent elsewhere is confirmed by that node's WAIT).
+        self._waited: dict[int, tuple[Address, int]] = {}
+        self.unconfirmed: list[int] = []
         self._groups: dict[Address, list[int]] = {}
         self._again: list[int] = []
         self._later: list[int] = []
@@ -395,6 +404,8 @@ class Route:
                 self._fail(f"WAIT on {address[0]}:{address[1]}: the server replied {reply}", None)
             else:
                 self.replicas.append((address, int(reply)))
+                for i in self._groups[address]:
+                    self._waited[i] = (address, int(reply))
         j = 0
         for i in self._groups[address]:
             asked = i in self._asking
@@ -519,18 +530,38 @@ class Route:
             self._later = []
         self._pending = sorted(again)
         if not self._pending:
-            if self._wait:
+            if self._wait and self.commands and self.commands[0][1] == EXTEND.sha:
+                self._confirm_extends()
+            elif self._wait:
                 short = [(a, r) for a, r in self.replicas if r < self._cluster.wait_replicas]
                 if short:
                     (host, port), got = short[0]
                     raise cache_error(
-                        f"{self.what} undone: {got} of {self._cluster.wait_replicas} replicas of {host}:{port} "
-                        f"confirmed it within {self._cluster.wait_ms} ms (wait_replicas)",
+                        unreplicated(
+                            self.what, got, self._cluster.wait_replicas, self._cluster.wait_ms, f" of {host}:{port}"
+                        ),
                         server,
                         self.keys[0] if len(self.keys) == 1 else None,
                     )
             return None
         return pause
+
+    def _confirm_extends(self) -> None:
+        """Under wait_replicas: Unreplicated if an extend ran (1) on a node whose WAIT fell
+        short; the extends on the other nodes stand."""
+        wanted, ms = self._cluster.wait_replicas, self._cluster.wait_ms
+        why: dict[int, str] = {}
+        for i, (address, got) in self._waited.items():
+            if got < wanted and self.results[i] == 1:
+                text = unreplicated(self.what, got, wanted, ms, f" of {address[0]}:{address[1]}")
+                why[i] = f"is lost: {text}"
+        if why:
+            self.unconfirmed = sorted(why)
+            raise Unreplicated([r == 1 and i not in why for i, r in enumerate(self.results)], why)
+
+    def unconfirmed_values(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys whose extends too few replicas confirmed, and their held values, to release."""
+        return [self.keys[i] for i in self.unconfirmed], [self.commands[i][4] for i in self.unconfirmed]
 
     def acquired_values(self) -> tuple[list[bytes], list[bytes]]:
         """The keys this call acquired and their held values (token + fence), to undo."""
@@ -669,7 +700,12 @@ class ClusterCore:
         retry_until: float | None,
     ) -> Route:
         commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
-        return Route(self, what, keys, commands, retry_until, script is ACQUIRE and self.wait_replicas > 0)
+        return Route(self, what, keys, commands, retry_until, self.confirms(script))
+
+    def confirms(self, script: Script) -> bool:
+        """Whether WAIT rides behind ``script``'s calls: under wait_replicas, the acquires
+        (every form) and the extends."""
+        return self.wait_replicas > 0 and script in _CONFIRMED
 
     def info_summary(self, replies: list[tuple[Address, Any]]) -> dict[str, str] | None:
         """The first primary's INFO, plus ``cluster_primaries`` and, per primary with an
@@ -878,6 +914,12 @@ class ClusterBackend(ClusterCore):
             if keys:
                 with contextlib.suppress(CacheError):
                     self.release_many(keys, values)
+            raise
+        except Unreplicated:
+            # Extends too few replicas confirmed: released, as an unconfirmed acquire is.
+            keys, values = route.unconfirmed_values()
+            with contextlib.suppress(CacheError):
+                self.release_many(keys, values)
             raise
 
     def _load_scripts(self, address: Address, what: str) -> None:

@@ -19,7 +19,7 @@ from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_com
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
-from .retry_async import info_fields, retry_until, unconfirmed, within
+from .retry_async import info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
 from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
@@ -350,7 +350,7 @@ class NativeAsyncBackend:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one write."""
         config = self._config
-        wait = (b"WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        wait = (b"WAIT", config.wait_replicas, wait_ms(config))
         *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
         results = [self._int(what, None, r) for r in replies]
         confirmed = self._int(f"{what} (WAIT)", None, confirmed)
@@ -363,7 +363,29 @@ class NativeAsyncBackend:
                 await self.release_many([k for k, _ in held], [t for _, t in held])
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
+    async def _extend_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        """Under wait_replicas: the extends and a WAIT behind them in one write, as for the
+        acquires. By script whatever the dialect: it takes a waiter's mark and permits as
+        they are, so a batch is one write with one WAIT (SET IFEQ would send the marked ones
+        again, with a WAIT of their own). Not resent: a lost reply is a CacheError."""
+        config = self._config
+        wait = (b"WAIT", config.wait_replicas, wait_ms(config))
+        *replies, confirmed = await self._script_many(what, EXTEND, keys, tokens, ttl_ms, trailer=wait)
+        results = [bool(self._int(what, None, r)) for r in replies]
+        confirmed = self._int(f"{what} (WAIT)", None, confirmed)
+        if confirmed >= config.wait_replicas or not any(results):
+            return results
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            await self.release_many(
+                [k for k, ok in zip(keys, results, strict=True) if ok],
+                [t for t, ok in zip(tokens, results, strict=True) if ok],
+            )
+        raise unconfirmed_renewals(what, results, confirmed, config)
+
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self._config.wait_replicas:
+            return (await self._extend_confirmed("extend", [key], [token], ttl_ms))[0]
         if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             reply = await self._roundtrip("extend", key, lambda p: p.execute(*extend_command(key, token, ttl_ms)))
@@ -379,6 +401,8 @@ class NativeAsyncBackend:
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
         # Copies, as in acquire_many.
         keys, tokens = list(keys), list(tokens)
+        if self._config.wait_replicas:
+            return await self._extend_confirmed("extend_many", keys, tokens, ttl_ms)
         if self.dialect.lua_free and not by_script(tokens):
             sets: list[tuple[bytes | int, ...]] = [
                 extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)

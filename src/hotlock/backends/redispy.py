@@ -54,7 +54,7 @@ from .._scripts import (
     held_value,
 )
 from .._sentinel import PrimaryWatch
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
 from .wakeup import slot, wait
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
@@ -464,10 +464,24 @@ class RedisPyBackend:
 
     def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
-        # same write as the acquires it confirms: no extra round trip, no other connection.
-        if self._wait_replicas and script in _ACQUIRES:
+        # same write as the acquires or extends it confirms: no extra round trip, no other
+        # connection.
+        if self._wait_replicas and script in _CONFIRMED:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
+
+    def _renewed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[bool], wait_reply: list[Any]
+    ) -> list[bool]:
+        """Under wait_replicas: the extends' results, or Unreplicated when too few replicas
+        confirmed the ones that ran, released first (as _confirmed undoes acquires)."""
+        if not wait_reply or wait_reply[0] >= self._wait_replicas or not any(results):
+            return results
+        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            self.release_many([k for k, _ in held], [t for _, t in held])
+        raise unconfirmed_extends(what, results, wait_reply[0], self._wait_replicas, self._wait_ms)
 
     def _confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
@@ -481,8 +495,7 @@ class RedisPyBackend:
             with contextlib.suppress(CacheError):
                 self.release_many([k for k, _ in held], [t for _, t in held])
         raise cache_error(
-            f"{what} undone: {wait_reply[0]} of {self._wait_replicas} replicas confirmed it "
-            f"within {self._wait_ms} ms (wait_replicas)",
+            unreplicated(what, wait_reply[0], self._wait_replicas, self._wait_ms),
             self.server,
             keys[0] if len(keys) == 1 else None,
         )
@@ -536,7 +549,9 @@ class RedisPyBackend:
         scripted: bool = False,
     ) -> list[bool]:
         keys, tokens = list(keys), list(tokens)  # as in acquire_many
-        if self.dialect.lua_free and not scripted and not by_script(tokens):
+        # Under wait_replicas by script: it takes a waiter's mark and permits as they are, so
+        # one write carries every extend and the one WAIT behind them.
+        if self.dialect.lua_free and not scripted and not by_script(tokens) and not self._wait_replicas:
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
@@ -550,7 +565,8 @@ class RedisPyBackend:
                 # by the script, which accepts the mark (only under contention, or when lost).
                 return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
+        replies = self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))
+        return self._renewed(what, keys, tokens, [bool(r) for r in replies[: len(calls)]], replies[len(calls) :])
 
     @staticmethod
     def _missed(
@@ -631,8 +647,8 @@ class RedisPyBackend:
         self._drop_all()
 
 
-# ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.
-_ACQUIRES = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
+# ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
+_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:

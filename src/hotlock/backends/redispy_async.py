@@ -56,7 +56,7 @@ from .redispy import (
     tls_hint,
     tls_refused,
 )
-from .retry_async import InFlight, info_fields, retry_until, unconfirmed, within
+from .retry_async import InFlight, info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
 from .wakeup_async import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
@@ -526,7 +526,7 @@ class RedisAsyncBackend:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one round trip."""
         config = self._config
-        wait = ("WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        wait = ("WAIT", config.wait_replicas, wait_ms(config))
         replies = await self._call(
             what,
             keys[0] if len(keys) == 1 else None,
@@ -545,7 +545,31 @@ class RedisAsyncBackend:
                 )
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
+    async def _extend_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        """Under wait_replicas: the extends and a WAIT behind them in one round trip, as for
+        the acquires; by script, as in hotlock.backends.native_async (one write, one WAIT).
+        Not resent: a lost reply is a CacheError."""
+        config = self._config
+        wait = ("WAIT", config.wait_replicas, wait_ms(config))
+        replies = await self._call(
+            what,
+            keys[0] if len(keys) == 1 else None,
+            lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms, trailer=wait),
+        )
+        results, confirmed = [bool(r) for r in replies[:-1]], replies[-1]
+        if confirmed >= config.wait_replicas or not any(results):
+            return results
+        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            await self._call(
+                "release", None, lambda: self._pipeline(RELEASE, [k for k, _ in held], [t for _, t in held])
+            )
+        raise unconfirmed_renewals(what, results, confirmed, config)
+
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self._config.wait_replicas:
+            return (await self._extend_confirmed("extend", [key], [token], ttl_ms))[0]
         if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
@@ -561,6 +585,8 @@ class RedisAsyncBackend:
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self._config.wait_replicas:
+            return await self._extend_confirmed("extend_many", list(keys), list(tokens), ttl_ms)
         if self.dialect.lua_free and not by_script(tokens):
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
