@@ -348,10 +348,23 @@ cdef struct _Retry:
     double limit  # > 0 once retrying: the timeout in effect for the retry's round trips
     bint resend  # the call's own commands may be sent twice
     bint spent  # the one retry has been used
+    int transient  # resends after a transient reply (hotlock._transient) so far
 
 
-cdef inline str _tried(str what, _Retry *rule):
-    return f"{what} (retried after a lost reply)" if rule.spent else what
+cdef str _tried(str what, _Retry *rule):
+    if rule.spent:
+        what = f"{what} (retried after a lost reply)"
+    if rule.transient:
+        # The same words as every other path's (hotlock._transient.Retrying.tried).
+        tried = _Retrying()
+        tried.attempts = rule.transient
+        what = tried.tried(what)
+    return what
+
+
+class _TransientReply(Exception):
+    """A handshake command (SCRIPT LOAD on a loading server, say) got a transient reply:
+    nothing of the call ran, and the connection is gone (see NativeBackend._reconnect)."""
 
 
 cdef class NativeBackend:
@@ -487,7 +500,34 @@ cdef class NativeBackend:
         rule.limit = 0.0
         rule.resend = resend
         rule.spent = False
+        rule.transient = 0
         return rule
+
+    cdef bint _transient_pause(self, _Conn conn, _Retry *rule, str text) except -1:
+        """After a transient reply (the command did not run; hotlock._transient): drop the
+        connection it came on (READONLY: every connection of this backend, the other
+        threads' included, which their calls drop as they end), sleep the backoff that
+        hotlock._transient gives, the GIL released, and cap the next round trips at what
+        is left. False when the call's own timeout leaves no time for another try."""
+        cdef double pause_ms
+        if text.startswith("the server replied READONLY"):
+            for other in list(self._conns):
+                if other is not conn:
+                    _close(<_Conn>other)
+        if conn.ctx is not NULL:
+            _drop(conn)
+        # Pauses end by the call's own timeout (rule.until less the one reply timeout
+        # kept for the last try), as on every path.
+        pause = _transient_pause(rule.transient, rule.until - self._timeout - _monotonic())
+        if pause is None:
+            return False
+        rule.transient += 1
+        pause_ms = <double>pause * 1000.0
+        with nogil:
+            _sleep_ms(pause_ms)
+        left = rule.until - _monotonic()
+        rule.limit = left if left < self._timeout else self._timeout
+        return True
 
     cdef bint _may_retry(self, _Retry *rule) noexcept:
         """After a lost reply: whether the call tries once more (see _Retry); if so, the
@@ -531,21 +571,31 @@ cdef class NativeBackend:
             # it is demoted, so no more on this connection.
             _drop(conn)
         if conn.ctx is NULL:
-            while True:
-                lost = self._connect(conn, _tried(what, rule), key, rule.limit)
-                if lost is None:
-                    break
-                # The handshake's reply was lost: it sent nothing of the call, so any call
-                # may connect again under its rule.
-                if not self._may_retry(rule):
-                    if self._ssl_ctx is NULL and not self._unix and rule.spent and (
-                            "reset by peer" in lost or "closed the connection" in lost):
-                        # A TLS port hangs up on plaintext at its first bytes, every time.
-                        lost += " (if that port speaks TLS, the url must be rediss://)"
-                    raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
+            self._reconnect(conn, what, key, rule)
         elif rule.limit > 0.0:
             redisSetTimeout(conn.ctx, _timeval(rule.limit))
         return 0
+
+    cdef int _reconnect(self, _Conn conn, str what, bytes key, _Retry *rule) except -1:
+        """Connect conn under the call's rule: a lost handshake reply and a transient reply
+        to the handshake (it sent nothing of the call) connect again while the rule allows."""
+        while True:
+            try:
+                lost = self._connect(conn, _tried(what, rule), key, rule.limit)
+            except _TransientReply as exc:
+                if self._transient_pause(conn, rule, exc.args[0]):
+                    continue
+                raise cache_error(f"{_tried(what, rule)} failed: {exc.args[1]}", self.server, key) from None
+            if lost is None:
+                return 0
+            # The handshake's reply was lost: it sent nothing of the call, so any call
+            # may connect again under its rule.
+            if not self._may_retry(rule):
+                if self._ssl_ctx is NULL and not self._unix and rule.spent and (
+                        "reset by peer" in lost or "closed the connection" in lost):
+                    # A TLS port hangs up on plaintext at its first bytes, every time.
+                    lost += " (if that port speaks TLS, the url must be rediss://)"
+                raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
 
     cdef str _connect(self, _Conn conn, str what, bytes key, double limit):
         """Connect and send the handshake. None when ready; the text of a lost handshake
@@ -652,6 +702,8 @@ cdef class NativeBackend:
                     # Unusable (wrong password, no such db, no SCRIPT permission): drop it
                     # so the next call starts from a fresh connect.
                     _drop(conn)
+                    if _transient_code(r.str[:r.len]) is not None:
+                        raise _TransientReply(text, f"{names[i]}: {text}")
                     raise cache_error(f"{what} failed: {names[i]}: {text}", self.server, key)
                 if i >= n - len(_SOURCES) and (
                     r.type != REDIS_REPLY_STRING or r.str[:r.len] != _SHAS[i - (n - len(_SOURCES))]
@@ -762,6 +814,7 @@ cdef class NativeBackend:
                         continue
                     raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, err_key)
                 error = None
+                transient = None
                 missing = 0
                 j = 0
                 for i in range(n):
@@ -777,6 +830,11 @@ cdef class NativeBackend:
                         todo[i] = 0
                     elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
                         missing += 1
+                    elif r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
+                        # It did not run: resent (todo[i] stays) after _transient_pause.
+                        if transient is None:
+                            transient = (f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}",
+                                         keys if single else keys[i])
                     elif error is None:
                         error = (self._reply_error(conn, r), keys if single else keys[i])
                     freeReplyObject(r)
@@ -789,10 +847,19 @@ cdef class NativeBackend:
                     freeReplyObject(r)
                 if error is not None:
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
+                if transient is not None:
+                    if not self._transient_pause(conn, &rule, transient[0]):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {transient[0]}", self.server, transient[1])
+                    continue  # on a new connection, whose handshake loads the scripts
                 if missing == 0:
                     break
                 reloaded = True
-                lost = self._send(conn, [], what, err_key)
+                try:
+                    lost = self._send(conn, [], what, err_key)
+                except _TransientReply as exc:
+                    if not self._transient_pause(conn, &rule, exc.args[0]):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {exc.args[1]}", self.server, err_key) from None
+                    continue
                 # A lost reload reply: the reconnect's handshake loads the scripts, and
                 # only the calls that did not run go again.
                 if lost is not None and not self._may_retry(&rule):
@@ -869,10 +936,20 @@ cdef class NativeBackend:
         cdef _Retry rule = self._rule(0.0, False)
         _enter(conn)
         try:
-            self._ready(conn, what, key, &rule)
-            _append_args(conn.ctx, args)
-            if _exchange(conn, &r, 1) != 0:
-                raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
+            while True:
+                self._ready(conn, what, key, &rule)
+                _append_args(conn.ctx, args)
+                if _exchange(conn, &r, 1) != 0:
+                    raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
+                if r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
+                    # It did not run, so even SET NX and INCRBY may go again (hotlock._transient).
+                    text = f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}"
+                    freeReplyObject(r)
+                    r = NULL
+                    if not self._transient_pause(conn, &rule, text):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, key)
+                    continue
+                break
             self._settle(conn, &rule)
             return self._py_command_reply(conn, r)
         finally:

@@ -70,11 +70,6 @@ def test_fenced_store_accepts_no_stale_write(fault: str) -> None:
     assert r.result.stale_accepted == 0, describe(r)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="wait_replicas confirms acquires only: an extend reaching the cut-off primary "
-    "renews a lease the promoted replica lets expire and grants again",
-)
 def test_wait_replicas_confirms_renewals() -> None:
     """The primary cut off with a lease held beside it: its renewals must be confirmed by
     a replica too, or the holder keeps a lease the promoted replica has handed on."""

@@ -14,9 +14,11 @@ goes where:
   the whole map before the next call (a MOVED usually means a reshard moved many slots);
 - ``ASK slot host:port`` (the slot is being migrated and this key is already gone):
   ``ASKING`` plus the command on that node, once, without touching the map;
-- ``TRYAGAIN`` (a multi-key operation during a migration) and ``CLUSTERDOWN`` (the cluster
-  lost a shard, or is electing a primary): sent again after a short sleep while the call's
-  time budget lasts, then CacheError;
+- a transient reply (hotlock._transient): ``TRYAGAIN`` (a multi-key operation during a
+  migration), ``CLUSTERDOWN`` (the cluster lost a shard, or is electing a primary),
+  ``BUSY`` (a long script on the node), ``LOADING``, ``MASTERDOWN`` and ``READONLY`` (a
+  demoted primary: the map is asked again): sent again after a jittered pause while the
+  call's own timeout lasts, then CacheError naming the reply;
 - ``NOSCRIPT`` from a node: load the scripts there and resend what did not run;
 - a lost reply (I/O error, timeout): the node's commands are sent once more with the same
   tokens, within the call's retry budget (the scripts count "already my token" as
@@ -31,7 +33,7 @@ one that does not, so a cluster half-way through a rolling upgrade serves both. 
 longer knows the command (it was downgraded, or renamed it away, in place) sends that key
 once more by script, as on one server; the last also keeps that node on the scripts.
 
-None of MOVED, ASK, TRYAGAIN, CLUSTERDOWN or NOSCRIPT means the command ran, so resending
+None of MOVED, ASK, NOSCRIPT or the transient replies means the command ran, so resending
 after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
 
 A batch (``acquire_many`` over keys on three shards) is grouped by node; every node's
@@ -66,6 +68,7 @@ from .._dialect import (
     script_serves,
 )
 from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from .._transient import TRANSIENT, Retrying
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
 
@@ -257,7 +260,6 @@ class SlotMap:
 
 _REDIRECTS = 8  # MOVED/ASK hops per key one call follows before it calls the map broken
 UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
-_PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
 
 
 def acquired(result: int) -> bool:
@@ -320,12 +322,17 @@ class Route:
         self._pending = list(range(len(keys)))
         self._asking: dict[int, Address] = {}
         self._retry_until = retry_until
-        self._budget_end = retry_until if retry_until is not None else time.monotonic() + cluster.timeout
+        # Transient replies are resent until the pauses would pass the call's own timeout:
+        # its retry budget less the one reply timeout kept for the last try.
+        self._pause_end = (
+            retry_until - cluster.timeout if retry_until is not None else time.monotonic() + cluster.timeout
+        )
         self.override: float | None = None  # reply timeout of the one retry after a lost reply
         self._retried = False
         self._resent = False  # the one resend after a node could not be connected to
         self._redirects = 0
-        self._pause = _PAUSE_S
+        self._transient = Retrying()
+        self._transient_reply: tuple[str, bytes] | None = None  # the first, for the error
         self._wait = wait
         self.replicas: list[tuple[Address, int]] = []
         # Under wait_replicas, each key's confirmation: its node, and the replica count of
@@ -436,9 +443,13 @@ class Route:
                 if self._redirects > _REDIRECTS * len(self.keys):
                     self._fail(f"{self.what} failed: redirected {self._redirects} times ({reply})", self.keys[i])
                 self._again.append(i)
-            elif code in ("TRYAGAIN", "CLUSTERDOWN"):
+            elif code in TRANSIENT:
+                # The command did not run (hotlock._transient): again after a pause.
                 self._later.append(i)
-                if code == "CLUSTERDOWN":
+                if self._transient_reply is None:
+                    self._transient_reply = (str(reply), self.keys[i])
+                if code in ("CLUSTERDOWN", "READONLY", "MASTERDOWN"):
+                    # An election, or a demoted primary: look at the map again.
                     self._cluster.map.stale = True
             elif code == "NOSCRIPT" and address not in self._reloaded:
                 # Restart, SCRIPT FLUSH, failover: load them there (once per call) and
@@ -446,8 +457,6 @@ class Route:
                 self.reload.add(address)
                 self._again.append(i)
             else:
-                if code == "READONLY":
-                    self._cluster.map.stale = True  # a demoted primary: look again
                 self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
 
     def _lua_free_reply(self, address: Address, i: int, reply: Any) -> bool:
@@ -518,14 +527,17 @@ class Route:
                     again.extend(idxs)
                 self._lost = []
         if self._later:
-            if time.monotonic() + self._pause > self._budget_end:
+            transient = self._transient.pause(self._pause_end - time.monotonic())
+            if transient is None:
+                assert self._transient_reply is not None
+                text, key = self._transient_reply
                 raise cache_error(
-                    f"{self.what} failed: the cluster kept replying TRYAGAIN/CLUSTERDOWN",
+                    f"{self._transient.tried(self.what)} failed: the server replied {text}",
                     server,
-                    self.keys[self._later[0]],
+                    key,
                 )
-            pause = self._pause
-            self._pause = min(self._pause * 2, 0.2)
+            pause = max(pause, transient)
+            self._transient_reply = None
             again.extend(self._later)
             self._later = []
         self._pending = sorted(again)

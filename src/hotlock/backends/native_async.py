@@ -18,6 +18,7 @@ from .._config import ServerConfig, tls_context
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
+from .._transient import Retrying, code, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .retry_async import info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
 from .wakeup_async import async_slot
@@ -34,6 +35,16 @@ class NotSent(ConnectionError):
     it needed lost its handshake's reply. Trying again cannot run anything twice."""
 
 
+class TransientHandshake(NotSent):
+    """A new connection's handshake (a SCRIPT LOAD on a loading server, say) got a
+    transient reply (hotlock._transient): nothing of the call ran, and the call resends
+    after a pause, as after a transient reply to its own command."""
+
+    def __init__(self, reply: ReplyError, proto: AioConnection) -> None:
+        super().__init__(reply)
+        self.proto = proto
+
+
 class AioConnection(Protocol):
     """What this module uses of ext/_aio.pxi's AioProtocol."""
 
@@ -41,6 +52,7 @@ class AioConnection(Protocol):
     def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
     def close(self) -> None: ...
+    def retire(self) -> None: ...
     def abort(self) -> None: ...
 
 
@@ -126,6 +138,8 @@ class NativeAsyncBackend:
         for sha, reply in zip(shas, replies, strict=True):
             if isinstance(reply, ReplyError):
                 proto.abort()
+                if code(str(reply)) is not None:
+                    raise TransientHandshake(reply, proto)
                 raise cache_error(f"connect failed: the server replied {reply}", self.server)
             if sha is not None and reply != sha:
                 # Not the SHA1 of what was sent: this is not a server that runs our scripts
@@ -182,34 +196,81 @@ class NativeAsyncBackend:
         try:
             if proto is None or self._watch is not None or not proto.usable():
                 proto = await self._live()
-            return await send(proto)
+            reply = await send(proto)
+        except TransientHandshake as exc:
+            return await self._again(what, key, send, retry_lost_reply, until, None, exc.proto, exc)
         except NotSent as exc:
             lost: BaseException = exc
         except _LOST as exc:
             if not retry_lost_reply:
                 raise self._error(what, key, exc) from exc
             lost = exc
-        return await self._retry_by(what, key, send, until, lost)
+        else:
+            if _transient(reply) is None:  # the common case: one type check per reply
+                return reply
+            return await self._again(what, key, send, retry_lost_reply, until, None, proto, reply)
+        return await self._again(what, key, send, retry_lost_reply, until, lost, None, None)
 
-    async def _retry_by(
-        self, what: str, key: bytes | None, send: Send, until: float | None, lost: BaseException
+    async def _again(
+        self,
+        what: str,
+        key: bytes | None,
+        send: Send,
+        retry_lost_reply: bool,
+        until: float | None,
+        lost: BaseException | None,
+        proto: AioConnection | None,
+        reply: Any,
     ) -> Any:
-        """The one retry after a lost reply, reconnect included, cut off at ``until``
-        (else after one reply timeout)."""
+        """After a lost reply (``lost``) or a transient reply (``reply``, on ``proto``):
+        the one retry after a lost reply, reconnect included, and resends after transient
+        replies (hotlock._transient: the protocol retired, a pause, a new connection) while
+        the call's own timeout lasts; all cut off at ``until`` (else two reply timeouts
+        from now, of which the pauses take at most the first)."""
+        loop = asyncio.get_running_loop()
         timeout = self._config.timeout
-        left = timeout if until is None else min(timeout, until - asyncio.get_running_loop().time())
-        if left < 0.001:
-            raise self._error(what, key, lost) from lost
+        until = loop.time() + 2 * timeout if until is None else until
+        spent = False
+        transient = Retrying()
 
-        async def once() -> Any:
-            return await send(await self._live())
+        async def once() -> tuple[AioConnection, Any]:
+            live = await self._live()
+            return live, await send(live)
 
-        try:
-            # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
-            # connect in flight goes on for the next caller: cutting this short is safe.
-            return await within(once(), left)
-        except _LOST as again:
-            raise self._error(f"{what} (retried after a lost reply)", key, again) from again
+        while True:
+            if lost is not None:
+                left = min(timeout, until - loop.time())
+                if spent or left < 0.001:
+                    raise self._error(tried(what, spent, transient), key, lost) from lost
+                spent = True
+            else:
+                bad = _transient(reply)
+                assert proto is not None and bad is not None
+                proto.retire()  # every task's next command goes on a new connection
+                if isinstance(bad, Exception) and not isinstance(bad, ReplyError):
+                    bad = bad.args[0]  # a handshake's transient reply (TransientHandshake)
+                pause = transient.pause(until - timeout - loop.time())
+                if pause is None:
+                    raise cache_error(
+                        f"{tried(what, spent, transient)} failed: the server replied {bad}", self.server, key
+                    )
+                await asyncio.sleep(pause)
+                left = max(min(timeout, until - loop.time()), 0.001)
+            try:
+                # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
+                # connect in flight goes on for the next caller: cutting this short is safe.
+                proto, reply = await within(once(), left)
+            except TransientHandshake as exc:
+                proto, reply, lost = exc.proto, exc, None
+                continue
+            except _LOST as exc:
+                if not (retry_lost_reply or isinstance(exc, NotSent)):
+                    raise self._error(tried(what, spent, transient), key, exc) from exc
+                lost = exc
+                continue
+            if _transient(reply) is None:
+                return reply
+            lost = None
 
     async def _primary_moved(self) -> bool:
         """Whether the sentinels now name another primary than the live connection's
@@ -244,8 +305,9 @@ class NativeAsyncBackend:
 
     def _refused(self, what: str, key: bytes | None, reply: ReplyError) -> Exception:
         if str(reply).startswith("READONLY") and self._proto is not None:
-            # A demoted primary: drop the connection so the next call finds the new one.
-            self._proto.abort()
+            # A demoted primary: the next call goes on a new connection (the calls of
+            # other tasks already written on this one still get their replies).
+            self._proto.retire()
         return cache_error(f"{what} failed: the server replied {reply}", self.server, key)
 
     async def _script(
@@ -532,6 +594,18 @@ async def _connected(proto: AioConnection) -> None:
 
 def _script_serves(reply: object) -> bool:
     return isinstance(reply, ReplyError) and script_serves(str(reply))
+
+
+def _transient(reply: object) -> ReplyError | TransientHandshake | None:
+    """The transient reply (hotlock._transient) in a round trip's outcome, if any: the
+    reply itself, or one of a pipeline's, or a handshake's."""
+    if type(reply) is ReplyError or type(reply) is TransientHandshake:
+        return reply if type(reply) is TransientHandshake or code(str(reply)) is not None else None
+    if type(reply) is list:
+        for each in reply:
+            if type(each) is ReplyError and code(str(each)) is not None:
+                return each
+    return None
 
 
 def _noscript(reply: object) -> bool:

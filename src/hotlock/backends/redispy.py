@@ -19,15 +19,15 @@ from typing import Any, TypeVar
 import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    BusyLoadingError,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
-    ReadOnlyError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -54,6 +54,7 @@ from .._scripts import (
     held_value,
 )
 from .._sentinel import PrimaryWatch
+from .._transient import Retrying, code, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
 from .wakeup import slot, wait
 
@@ -209,6 +210,8 @@ def _handshake(conn: Any) -> None:
     reply to the call's command."""
     try:
         conn.on_connect()
+    except BusyLoadingError:
+        raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
@@ -351,6 +354,7 @@ class RedisPyBackend:
         generation = self._generation
         conn = pool.get_connection()
         complete = False
+        fresh = False  # a transient reply came: this connection is not used again
         framed = len(commands) > 1
         try:
             conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands))
@@ -360,8 +364,16 @@ class RedisPyBackend:
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
                     reply = conn.read_response(**kw)
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     replies.append(exc)
+                    word = transient_code(exc)
+                    if word is not None:
+                        # The command did not run; its resend goes on a fresh connection.
+                        fresh = True
+                        if word == "READONLY":
+                            # The endpoint reaches a replica now: no connection of this
+                            # cache to it takes another command, the other threads' included.
+                            self._drop_all()
                     continue
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
@@ -377,7 +389,7 @@ class RedisPyBackend:
             complete = True
             return replies
         finally:
-            if not complete or generation != self._generation:
+            if not complete or fresh or generation != self._generation:
                 # Interrupted between replies (KeyboardInterrupt, say), or a reply out of
                 # shape or beyond the count: replies may still be on their way, and the next
                 # user of this connection would read them. Or dropped (close(), a failover)
@@ -441,21 +453,38 @@ class RedisPyBackend:
         call was sent: any call), or after a lost reply to the call itself when ``resend``
         (same token: the scripts count "already my token" as success, and a release that
         ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
-        resent SET NX answers "not set" for the value this call set).
+        resent SET NX answers "not set" for the value this call set). A transient reply
+        (hotlock._transient: the command did not run) is resent, whatever the command,
+        until the pauses would pass the call's own timeout (``retry_until`` less one reply
+        timeout).
         """
-        try:
-            return fn(None)
-        except _AMBIGUOUS as exc:
-            until = self._retry_until() if retry_until is None else retry_until
-            left = min(self._timeout, until - time.monotonic())
-            if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)) or tls_refused(exc):
-                raise self._error(what, key, exc) from exc
+        limit: float | None = None  # the reply timeout of a retry: what is left of the budget
+        lost = False  # the one retry after a lost reply has been used
+        transient = Retrying()
+        until = retry_until
+        while True:
             try:
-                return fn(left)
-            except (RedisError, OSError) as again:
-                raise self._error(f"{what} (retried after a lost reply)", key, again) from again
-        except (RedisError, OSError) as exc:
-            raise self._error(what, key, exc) from exc
+                return fn(limit)
+            except (RedisError, OSError) as exc:
+                failure = exc
+            if transient_code(failure) is not None:
+                # The command did not run: resent on a fresh connection (_send dropped it;
+                # READONLY dropped them all) after a pause, while the call's own timeout lasts.
+                until = self._retry_until() if until is None else until
+                pause = transient.pause(until - self._timeout - time.monotonic())
+                if pause is None:
+                    raise self._error(tried(what, lost, transient), key, failure) from failure
+                time.sleep(pause)
+                limit = min(self._timeout, until - time.monotonic())
+            elif isinstance(failure, _AMBIGUOUS):
+                until = self._retry_until() if until is None else until
+                left = min(self._timeout, until - time.monotonic())
+                if lost or left < 0.001 or not (resend or isinstance(failure, HandshakeLost)) or tls_refused(failure):
+                    raise self._error(tried(what, lost, transient), key, failure) from failure
+                lost = True
+                limit = left
+            else:
+                raise self._error(tried(what, lost, transient), key, failure) from failure
 
     def _retry_until(self, wait_ms: int = 0) -> float:
         """Until when a lost reply may still be retried: a call that may wait ``wait_ms``
@@ -501,17 +530,11 @@ class RedisPyBackend:
         )
 
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
-        if isinstance(exc, ReadOnlyError):
-            # A demoted primary: drop every connection so the next call finds the new one.
-            self._drop_all()
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
         # Loading twice changes nothing: a lost reply is resent.
-        replies = self._call("SCRIPT LOAD", None, lambda t: self._send(SCRIPT_LOADS, SCRIPT_LOADED, t), True)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise self._error("SCRIPT LOAD", None, reply) from reply
+        self._call("SCRIPT LOAD", None, lambda t: _raised(self._send(SCRIPT_LOADS, SCRIPT_LOADED, t)), True)
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -706,7 +729,7 @@ class RedisPyLink:
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
                     replies.append(conn.read_response(**kw))
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
             if stray(conn):
@@ -732,6 +755,22 @@ def reply_serves_script(exc: CacheError) -> bool:
     """_dialect.script_serves for a Lua-free command's CacheError (redis-py drops the OOM
     code from the message, and keeps it in the exception's type)."""
     return isinstance(exc.__cause__, OutOfMemoryError) or script_serves(str(exc.__cause__))
+
+
+def _raised(replies: list[Any]) -> list[Any]:
+    """``replies``, or the first error reply among them raised (to _call, which decides)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def transient_code(exc: BaseException) -> str | None:
+    """hotlock._transient.code of a redis-py error reply (redis-py keeps the code of some
+    replies in the exception's type, and the rest in its text). Shared with redispy_async."""
+    if not isinstance(exc, ResponseError | BusyLoadingError):
+        return None
+    return code(ERROR_CODES.get(type(exc)) or str(exc))
 
 
 def describe(exc: BaseException) -> str:
