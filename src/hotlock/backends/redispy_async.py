@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -18,17 +17,19 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    AuthenticationError,
+    MaxClientsReachedError,
     NoPermissionError,
     NoScriptError,
     ReadOnlyError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._config import ServerConfig, redispy_tls_kwargs
+from .._config import KEEPALIVE_OPTIONS, ServerConfig, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -52,9 +53,10 @@ from .redispy import (
     is_int,
     is_ok_or_nil,
     is_text,
+    naming_kwargs,
+    refused,
     reply_serves_script,
     tls_hint,
-    tls_refused,
 )
 from .retry_async import InFlight, info_fields, retry_until, unconfirmed, within
 from .wakeup_async import async_slot
@@ -72,6 +74,8 @@ async def _handshake(conn: Connection) -> None:
     lost reply to the call's command, as in the sync backend."""
     try:
         await conn.on_connect()
+    except (AuthenticationError, MaxClientsReachedError):
+        raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
@@ -187,7 +191,22 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
-class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+class _SSLConnection(SSLConnection):
+    """redis.asyncio's SSLConnection, with ssl_server_name: the name the certificate is
+    checked against and sent as SNI, in place of the host connected to."""
+
+    def __init__(self, *, ssl_server_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._server_name = ssl_server_name
+
+    def _connection_arguments(self) -> Any:
+        kwargs = dict(super()._connection_arguments())
+        if self._server_name is not None:
+            kwargs["server_hostname"] = self._server_name
+        return kwargs
+
+
+class _PrimarySSLConnection(_PrimaryConnection, _SSLConnection):
     """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
     checked against that announced address."""
 
@@ -205,12 +224,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         "protocol": 2,
         # As in sync: the handshake's lost reply told apart from the call's (HandshakeLost).
         "redis_connect_func": _handshake,
+        # As in sync: CLIENT SETNAME and CLIENT SETINFO lib-name hotlock, lib-ver.
+        **naming_kwargs(config, aioredis.Redis.__init__),
     }
-    # As in the sync backend: no CLIENT SETINFO round trip on every connect.
-    if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
-        kwargs["driver_info"] = None
-    else:
-        kwargs["lib_name"] = kwargs["lib_version"] = None
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
@@ -224,7 +240,7 @@ class RedisAsyncLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
-        kind = SSLConnection if config.tls else Connection
+        kind = _SSLConnection if config.tls else Connection
         self._pool: Any = aioredis.BlockingConnectionPool(
             max_connections=MAX_CONNECTIONS,
             timeout=None,
@@ -232,6 +248,7 @@ class RedisAsyncLink:
             host=config.host,
             port=config.port,
             socket_keepalive=True,
+            socket_keepalive_options=KEEPALIVE_OPTIONS,
             **_connection_kwargs(config),
         )
 
@@ -309,10 +326,12 @@ class RedisAsyncBackend:
             # connection once the sentinels name another primary.
             self._watch = PrimaryWatch(config.primary)
             connection_class = _PrimarySSLConnection if config.tls else _PrimaryConnection
-            kwargs.update(primary=self._watch, socket_keepalive=True)
+            kwargs.update(primary=self._watch, socket_keepalive=True, socket_keepalive_options=KEEPALIVE_OPTIONS)
         else:
-            connection_class = SSLConnection if config.tls else Connection
-            kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
+            connection_class = _SSLConnection if config.tls else Connection
+            kwargs.update(
+                host=config.host, port=config.port, socket_keepalive=True, socket_keepalive_options=KEEPALIVE_OPTIONS
+            )
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them.
         self._inflight = InFlight(config.display)
@@ -350,7 +369,7 @@ class RedisAsyncBackend:
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or tls_refused(exc) or self._closing:
+            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or refused(exc) or self._closing:
                 raise await self._error(what, key, exc) from exc
             left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
             if left < 0.001:
