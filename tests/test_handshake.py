@@ -624,3 +624,45 @@ def test_a_ca_rotated_on_disk_is_read_by_the_next_connection(redis_backend: str,
                 cache.close()
     finally:
         server.stop()
+
+
+# -- Sentinel: the primary's connections, named alike ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sentinel_topology() -> Iterator[Any]:
+    from .test_sentinel import start_topology
+
+    topo = start_topology("valkey")
+    yield topo
+    topo.stop()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
+def test_connections_to_a_sentinel_primary_are_named_and_kept_alive(
+    redis_backend: str, aio: bool, sentinel_topology: Any
+) -> None:
+    url = named_url(sentinel_topology.url, "under-sentinel")
+    primary = sentinel_topology.node(sentinel_topology.primary_port())
+    look = lambda: clients([primary], "under-sentinel")  # noqa: E731
+    if aio:
+
+        async def main() -> list[dict[str, Any]]:
+            cache = await hotlock.aio.connect(url, backend=redis_backend)
+            try:
+                await contend_async(cache, "sentinel")
+                found = await asyncio.to_thread(wait_for, look, lambda f: any("P" in c["flags"] for c in f))
+                await asyncio.to_thread(assert_named_and_kept_alive, found, "valkey")
+                return found
+            finally:
+                await cache.close()
+
+        assert run("asyncio", main())
+    else:
+        cache = hotlock.connect(url, backend=redis_backend)
+        try:
+            contend_sync(cache, "sentinel")
+            found = wait_for(look, lambda f: any("P" in c["flags"] for c in f))
+            assert_named_and_kept_alive(found, "valkey")
+        finally:
+            cache.close()
