@@ -532,6 +532,11 @@ def test_ssl_server_name_reaches_every_node_of_a_cluster_announced_by_ip(
                 locks = await cache.lock_many(keys, ttl=5)
                 assert all(lock is not None for lock in locks)
                 await contend_async(cache, "tls")
+                # The node's sharded subscriber, connected (over TLS, checked by name) before close().
+                found = await asyncio.to_thread(
+                    wait_for, lambda: clients(sides, "c"), lambda f: any("P" in c["flags"] for c in f)
+                )
+                assert any("P" in c["flags"] for c in found), found
             finally:
                 await cache.close()
 
