@@ -8,6 +8,7 @@ library owns its retries, so a blackholed server costs one reply timeout, not te
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import os
@@ -217,15 +218,29 @@ def tls_hint(config: ServerConfig, exc: BaseException) -> str:
     return ""
 
 
+# While a call retries after a lost reply: the time.monotonic() by which it must be done.
+# A new connection's handshake (AUTH, CLIENT SETINFO...) reads under what is left of it
+# rather than a whole reply timeout, as the native client's handshake does.
+_RETRY_UNTIL: contextvars.ContextVar[float | None] = contextvars.ContextVar("hotlock_retry_until", default=None)
+
+
 def _handshake(conn: Any) -> None:
     """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
-    reply to the call's command."""
+    reply to the call's command, and bounded by a retrying call's budget (_RETRY_UNTIL)."""
+    until = _RETRY_UNTIL.get()
+    sock = conn._sock
+    if until is not None and sock is not None:
+        sock.settimeout(max(until - time.monotonic(), 0.001))
     try:
         conn.on_connect()
     except _REFUSALS:
         raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    finally:
+        if until is not None and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(conn.socket_timeout)
 
 
 class _Addressed(redis.Connection):
@@ -507,10 +522,13 @@ class RedisPyBackend:
             left = min(self._timeout, until - time.monotonic())
             if left < 0.001 or not (resend or isinstance(exc, HandshakeLost)) or refused(exc):
                 raise self._error(what, key, exc) from exc
+            token = _RETRY_UNTIL.set(time.monotonic() + left)
             try:
                 return fn(left)
             except (RedisError, OSError) as again:
                 raise self._error(f"{what} (retried after a lost reply)", key, again) from again
+            finally:
+                _RETRY_UNTIL.reset(token)
         except (RedisError, OSError) as exc:
             raise self._error(what, key, exc) from exc
 
