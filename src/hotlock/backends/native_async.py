@@ -42,6 +42,7 @@ class AioConnection(Protocol):
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
     def close(self) -> None: ...
     def abort(self) -> None: ...
+    def lost(self) -> asyncio.Future[None]: ...
 
 
 Send = Callable[[AioConnection], Awaitable[Any]]
@@ -506,9 +507,18 @@ class NativeAsyncBackend:
             await self.wake_slot.close()
         if self._connecting is not None:
             self._connecting.cancel()
-        if self._proto is not None:
-            self._proto.close()
-            self._proto = None
+        proto, self._proto = self._proto, None
+        if proto is not None:
+            live = proto.usable()  # not in a forked child: its close leaves the parent's socket alone
+            proto.close()
+            if live and self._config.tls:
+                # A TLS transport closes after its close_notify exchange, a round trip
+                # later: wait for it (within one reply timeout, then drop it), or a loop
+                # that ends right after close() leaves the socket to the garbage collector.
+                try:
+                    await within(asyncio.shield(proto.lost()), self._config.timeout)
+                except TimeoutError:
+                    proto.abort()
 
 
 async def _connected(proto: AioConnection) -> None:

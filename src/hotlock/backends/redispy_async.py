@@ -193,13 +193,20 @@ class _PrimaryConnection(Connection):
 
 class _SSLConnection(SSLConnection):
     """redis.asyncio's SSLConnection, with ssl_server_name: the name the certificate is
-    checked against and sent as SNI, in place of the host connected to."""
+    checked against and sent as SNI, in place of the host connected to; and certificate
+    files read again when they change."""
 
     def __init__(self, *, ssl_server_name: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._server_name = ssl_server_name
 
     def _connection_arguments(self) -> Any:
+        # redis.asyncio keeps the SSL context a connection object first made for the
+        # object's life, and a pooled object connects again and again: forget it, so each
+        # connect asks anew (redis-py shares one context per version of the certificate
+        # files, so a rotated file is read by the next connection and an unchanged one not
+        # at all; an older redis-py makes a context per connect).
+        self.ssl_context.context = None
         kwargs = dict(super()._connection_arguments())
         if self._server_name is not None:
             kwargs["server_hostname"] = self._server_name
