@@ -697,7 +697,8 @@ cdef class NativeBackend:
                     # Unusable (wrong password, no such db, no SCRIPT permission): drop it
                     # so the next call starts from a fresh connect.
                     _drop(conn)
-                    raise cache_error(f"{what} failed: {names[i]}: {text}", self.server, key)
+                    refusal = "authentication failed: " if names[i] == "AUTH" else ""
+                    raise cache_error(f"{what} failed: {refusal}{names[i]}: {text}", self.server, key)
                 if i >= n - len(_SOURCES) and (
                     r.type != REDIS_REPLY_STRING or r.str[:r.len] != _SHAS[i - (n - len(_SOURCES))]
                 ):

@@ -285,8 +285,7 @@ def test_a_wrong_password_is_an_authentication_failure(
     text = str(caught.value)
     assert "lost reply" not in text
     assert "WRONGPASS" in text
-    if redis_backend == "redis-py":
-        assert "authentication failed" in text
+    assert "authentication failed" in text
 
 
 # -- the wake-up subscriber: a refusal said once ----------------------------------------------

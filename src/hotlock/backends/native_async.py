@@ -136,7 +136,12 @@ class NativeAsyncBackend:
                 continue
             if isinstance(reply, ReplyError):
                 proto.abort()
-                raise cache_error(f"connect failed: the server replied {reply}", self.server)
+                # Say what was refused: "authentication failed: AUTH: ...", "CLIENT SETNAME: ...".
+                name = " ".join(str(c, "ascii") if isinstance(c, bytes) else str(c) for c in command[:2])
+                if command[0] != b"CLIENT":
+                    name = name.split(" ")[0]
+                refusal = "authentication failed: " if command[0] == b"AUTH" else ""
+                raise cache_error(f"connect failed: {refusal}{name}: the server replied {reply}", self.server)
             if sha is not None and reply != sha:
                 # Not the SHA1 of what was sent: this is not a server that runs our scripts
                 # as sent, or the replies are not the ones these commands got.
