@@ -56,11 +56,13 @@ from .._waiting import FIRST, Step, Waiting, poll
 
 __all__ = [
     "LINGER_S",
+    "UNREAD",
     "ClusterWakeups",
     "ConnectTrouble",
     "Entry",
     "Refused",
     "Slot",
+    "Unread",
     "Waiter",
     "Wakeups",
     "cluster_slot",
@@ -146,6 +148,14 @@ class Entry:
 
 def resp_command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+class Unread:
+    """In a subscriber's queue of replies due: one to a handshake command sent without
+    waiting (CLIENT SETINFO), skipped as it comes, whatever it is."""
+
+
+UNREAD = Unread()
 
 
 class Refused(ConnectionError):
@@ -238,6 +248,7 @@ class Wakeups:
         # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
         self._watch = PrimaryWatch(config.primary) if config.sentinels else None
         self._epoch = 0
+        self._unread = 0  # handshake replies the next _serve skips (see _connect)
         self._ctl_r, self._ctl_w = os.pipe()
         os.set_blocking(self._ctl_r, False)
         os.set_blocking(self._ctl_w, False)
@@ -369,6 +380,13 @@ class Wakeups:
             sock.settimeout(config.timeout)
             commands = handshake(config)
             sock.sendall(b"".join(resp_command(*c) for c in commands))
+            self._unread = 0
+            if all(naming_optional(c) for c in commands):
+                # Nothing here can be refused (a refused CLIENT SETINFO is ignored): the
+                # replies are skipped as they come, ahead of the first SUBSCRIBE's, and the
+                # handshake costs no round trip of its own.
+                self._unread = len(commands)
+                return sock, sock.close
             reader = hiredis.Reader()
             replies: list[Any] = []
             while len(replies) < len(commands):
@@ -390,7 +408,7 @@ class Wakeups:
         reader = hiredis.Reader()
         # The commands sent whose reply is due, in order: an Entry for a SUBSCRIBE, a channel
         # (bytes) for an UNSUBSCRIBE. Each has one reply (its push, or an error).
-        pending: collections.deque[Entry | bytes] = collections.deque()
+        pending: collections.deque[Entry | bytes | Unread] = collections.deque([UNREAD] * self._unread)
         with self._lock:
             self._outbox = list(self._entries.values())  # after a reconnect: all of them again
         next_tick = time.monotonic() + TICK_S
@@ -426,7 +444,7 @@ class Wakeups:
                     pending.extend(idle)
                     sock.sendall(b"".join(resp_command(self._unsub, ch) for ch in idle))
 
-    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes]) -> bool:
+    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes | Unread]) -> bool:
         """Handle one reply or message; False when wake-ups are now off."""
         import hiredis
 
@@ -450,6 +468,8 @@ class Wakeups:
             return True
         # Otherwise the reply to the oldest command sent.
         sent = pending.popleft() if pending else None
+        if sent is UNREAD:
+            return True
         if isinstance(reply, hiredis.ReplyError):
             if isinstance(sent, Entry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
                 # The channel's slot is not (or not yet) this node's: as a moved slot.

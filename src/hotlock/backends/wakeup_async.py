@@ -23,10 +23,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._config import ServerConfig, keepalive, tls_context
+from .._config import ServerConfig, keepalive, naming_optional, tls_context
 from .._sentinel import PrimaryWatch
 from .retry_async import within
-from .wakeup import LINGER_S, TICK_S, ConnectTrouble, check_handshake, current_pid, handshake, resp_command
+from .wakeup import (
+    LINGER_S,
+    TICK_S,
+    UNREAD,
+    ConnectTrouble,
+    Unread,
+    check_handshake,
+    current_pid,
+    handshake,
+    resp_command,
+)
 
 __all__ = [
     "AsyncClusterWakeups",
@@ -95,7 +105,8 @@ class AsyncWakeups:
         self._server = config.display
         self._entries: dict[bytes, AsyncEntry] = {}
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: collections.deque[AsyncEntry | bytes] = collections.deque()
+        self._pending: collections.deque[AsyncEntry | bytes | Unread] = collections.deque()
+        self._unread = 0  # handshake replies the next _serve skips (see _connect)
         self._closed = False
         # Under Sentinel, as in sync: reconnect to the new primary after a failover.
         self._watch = PrimaryWatch(config.primary) if config.sentinels else None
@@ -187,6 +198,11 @@ class AsyncWakeups:
         commands = handshake(config)
         try:
             writer.write(b"".join(resp_command(*c) for c in commands))
+            self._unread = 0
+            if all(naming_optional(c) for c in commands):
+                # As in sync: nothing here can be refused; _serve skips the replies.
+                self._unread = len(commands)
+                return reader, writer
             parse = hiredis.Reader()
             replies: list[Any] = []
             while len(replies) < len(commands):
@@ -207,6 +223,7 @@ class AsyncWakeups:
 
         parse = hiredis.Reader()
         self._pending.clear()
+        self._pending.extend([UNREAD] * self._unread)
         self._writer = writer
         for entry in self._entries.values():  # after a reconnect: all of them again
             self._subscribe(entry)
@@ -258,6 +275,8 @@ class AsyncWakeups:
             self._forget(reply[1])
             return True
         sent = self._pending.popleft() if self._pending else None
+        if sent is UNREAD:
+            return True
         if isinstance(reply, error_type):
             if isinstance(sent, AsyncEntry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
                 self._forget(sent.channel)  # the channel's slot is not (or not yet) this node's
