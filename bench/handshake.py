@@ -4,8 +4,14 @@ Each path's cache talks to a private redis-server through a counting proxy. The 
 warmed (one lock), its connections are killed from the side, and the next ``lock`` makes a
 new connection: the proxy counts that connection's round trips (a turn from the client
 writing to the server answering) and the commands it carried, minus the lock's own one
-round trip and one command. The wake-up subscriber is counted on its own connection.
-With ``--password`` the server requires one (redis-py authenticates in a round trip of its own).
+round trip and one command. The wake-up subscriber is counted on its own connection (less
+its SUBSCRIBE's). With ``--password`` the server requires one (redis-py authenticates in a
+round trip of its own).
+
+A turn is counted from the wire, so a reply the client does not wait for still counts when
+the client's next write comes after it: the subscriber writes its CLIENT SETINFO without
+waiting when nothing in its handshake can be refused (no password, no client_name), and its
+first SUBSCRIBE goes out whenever a waiter joins, usually after those replies came.
 """
 
 from __future__ import annotations
