@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -37,6 +38,13 @@ T = TypeVar("T")
 
 REDIS_BACKENDS = [b for b in BACKENDS if b != "memory"]
 NAME = "billing-worker-7"
+
+
+def fresh(name: str) -> str:
+    """A client name no earlier test used: a connection a previous test closed may still be
+    listed by CLIENT LIST for a moment (the server has not read its EOF yet), and its socket
+    is gone from this process."""
+    return f"{name}-{secrets.token_hex(4)}"
 
 
 def run(loop: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -139,10 +147,11 @@ def named_url(url: str, name: str = NAME) -> str:
 def test_every_sync_connection_is_named_and_kept_alive(
     backend: str, topology: str, server_kind: str, server_url: str, nodes: list[redis.Redis]
 ) -> None:
-    cache = hotlock.connect(named_url(server_url), backend=backend)
+    name = fresh(NAME)
+    cache = hotlock.connect(named_url(server_url, name), backend=backend)
     try:
         contend_sync(cache, "named")
-        found = wait_for(lambda: clients(nodes, NAME), lambda f: any("P" in c["flags"] for c in f))
+        found = wait_for(lambda: clients(nodes, name), lambda f: any("P" in c["flags"] for c in f))
         assert_named_and_kept_alive(found, server_kind)
     finally:
         cache.close()
@@ -154,14 +163,16 @@ def test_every_sync_connection_is_named_and_kept_alive(
 def test_every_async_connection_is_named_and_kept_alive(
     backend: str, loop: str, topology: str, server_kind: str, server_url: str, nodes: list[redis.Redis]
 ) -> None:
+    name = fresh(NAME)
+
     async def main() -> list[dict[str, Any]]:
-        cache = await hotlock.aio.connect(named_url(server_url), backend=backend)
+        cache = await hotlock.aio.connect(named_url(server_url, name), backend=backend)
         try:
             await contend_async(cache, "named")
             deadline = time.monotonic() + 10
             while True:
                 # Looked at from a thread: the side client blocks, the loop must go on.
-                found = await asyncio.to_thread(clients, nodes, NAME)
+                found = await asyncio.to_thread(clients, nodes, name)
                 if any("P" in c["flags"] for c in found) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.02)
@@ -203,7 +214,8 @@ def test_a_refused_client_setinfo_is_ignored(
 ) -> None:
     """An ACL without CLIENT SETINFO (or a server before 7.2) costs nothing: the name is
     still set, every lock works, the subscriber too."""
-    url = named_url(no_setinfo_user)
+    name = fresh(NAME)
+    url = named_url(no_setinfo_user, name)
     if aio:
 
         async def main() -> None:
@@ -222,7 +234,7 @@ def test_a_refused_client_setinfo_is_ignored(
             contend_sync(cache, "acl")
             with cache.lock("acl2", ttl=1):
                 pass
-            found = wait_for(lambda: clients([redis_server.client()], NAME), lambda f: len(f) >= 2)
+            found = wait_for(lambda: clients([redis_server.client()], name), lambda f: len(f) >= 2)
             assert found and all(c["user"] == "nosetinfo" and not c.get("lib-name") for c in found), found
         finally:
             cache.close()
@@ -485,7 +497,8 @@ def test_without_ssl_server_name_a_node_announced_by_ip_fails_its_check(
 def test_ssl_server_name_is_checked_in_place_of_the_ip(redis_backend: str, aio: bool, internal: TLSServer) -> None:
     """The server is reached by IP; its certificate is checked against ssl_server_name, on
     the data connections and the subscriber alike; a name it does not carry is refused."""
-    url = with_tls(tls_ip_url(internal), internal.ca, ssl_server_name=INTERNAL, client_name="by-name")
+    name = fresh("by-name")
+    url = with_tls(tls_ip_url(internal), internal.ca, ssl_server_name=INTERNAL, client_name=name)
     side = internal.plain.client()
     if aio:
 
@@ -494,7 +507,7 @@ def test_ssl_server_name_is_checked_in_place_of_the_ip(redis_backend: str, aio: 
             try:
                 await contend_async(cache, "tls")
                 found = await asyncio.to_thread(
-                    wait_for, lambda: clients([side], "by-name"), lambda f: any("P" in c["flags"] for c in f)
+                    wait_for, lambda: clients([side], name), lambda f: any("P" in c["flags"] for c in f)
                 )
                 assert any("P" in c["flags"] for c in found), found
             finally:
@@ -505,7 +518,7 @@ def test_ssl_server_name_is_checked_in_place_of_the_ip(redis_backend: str, aio: 
         cache = hotlock.connect(url, backend=redis_backend)
         try:
             contend_sync(cache, "tls")
-            found = wait_for(lambda: clients([side], "by-name"), lambda f: any("P" in c["flags"] for c in f))
+            found = wait_for(lambda: clients([side], name), lambda f: any("P" in c["flags"] for c in f))
             assert any("P" in c["flags"] for c in found), found
         finally:
             cache.close()
@@ -520,7 +533,8 @@ def test_ssl_server_name_reaches_every_node_of_a_cluster_announced_by_ip(
 ) -> None:
     for node in internal_cluster.nodes:
         node.plain.client().flushall()
-    url = internal_cluster.url(ssl_ca_certs=str(internal_cluster.ca), ssl_server_name=INTERNAL, client_name="c")
+    name = fresh("c")
+    url = internal_cluster.url(ssl_ca_certs=str(internal_cluster.ca), ssl_server_name=INTERNAL, client_name=name)
     sides = [node.plain.client() for node in internal_cluster.nodes]
     keys = [f"k{i}" for i in range(30)]
     if aio:
@@ -533,7 +547,7 @@ def test_ssl_server_name_reaches_every_node_of_a_cluster_announced_by_ip(
                 await contend_async(cache, "tls")
                 # The node's sharded subscriber, connected (over TLS, checked by name) before close().
                 found = await asyncio.to_thread(
-                    wait_for, lambda: clients(sides, "c"), lambda f: any("P" in c["flags"] for c in f)
+                    wait_for, lambda: clients(sides, name), lambda f: any("P" in c["flags"] for c in f)
                 )
                 assert any("P" in c["flags"] for c in found), found
             finally:
@@ -547,7 +561,7 @@ def test_ssl_server_name_reaches_every_node_of_a_cluster_announced_by_ip(
             assert all(lock is not None for lock in locks)
             assert all(side.dbsize() > 0 for side in sides)  # every primary reached
             contend_sync(cache, "tls")
-            found = wait_for(lambda: clients(sides, "c"), lambda f: any("P" in c["flags"] for c in f))
+            found = wait_for(lambda: clients(sides, name), lambda f: any("P" in c["flags"] for c in f))
             assert any("P" in c["flags"] for c in found), found  # the node's sharded subscriber
         finally:
             cache.close()
@@ -644,9 +658,10 @@ def sentinel_topology() -> Iterator[Any]:
 def test_connections_to_a_sentinel_primary_are_named_and_kept_alive(
     redis_backend: str, aio: bool, sentinel_topology: Any
 ) -> None:
-    url = named_url(sentinel_topology.url, "under-sentinel")
+    name = fresh("under-sentinel")
+    url = named_url(sentinel_topology.url, name)
     primary = sentinel_topology.node(sentinel_topology.primary_port())
-    look = lambda: clients([primary], "under-sentinel")  # noqa: E731
+    look = lambda: clients([primary], name)  # noqa: E731
     if aio:
 
         async def main() -> list[dict[str, Any]]:
