@@ -144,6 +144,7 @@ cdef class AioCore:
     cdef Py_ssize_t _unflushed  # how many waiters at the tail of _waiters are still in _wbuf
     cdef bint _flush_scheduled
     cdef object _timer
+    cdef object _lost  # a future, done at connection_lost (see lost())
     cdef double _timeout
     cdef double _progress_at
     cdef bint _closed
@@ -166,6 +167,7 @@ cdef class AioCore:
             raise MemoryError()
         hotlock_reader_bound(self._reader, AIO_MAX_ELEMENTS)
         self._loop = loop
+        self._lost = loop.create_future()
         self._timeout = timeout
         self._reply_error = reply_error
         self._not_sent = not_sent
@@ -343,6 +345,8 @@ cdef class AioCore:
         cdef Py_ssize_t i, written
         cdef _AioWaiter w
         self._closed = True
+        if not self._lost.done():
+            self._lost.set_result(None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -393,6 +397,11 @@ cdef class AioCore:
         self._closed = True
         if self._transport is not None:
             self._transport.close()
+
+    def lost(self):
+        """A future done once the transport has let go of its socket (connection_lost): a
+        TLS close is over only after its close_notify exchange, a round trip later."""
+        return self._lost
 
     cdef _forget(self, str why):
         """Fail every waiter as not sent and drop the queue, touching no socket."""

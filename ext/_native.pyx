@@ -28,6 +28,7 @@ from posix.unistd cimport close, getpid, read
 from hiredis cimport *
 
 from hotlock import _backoff
+from hotlock._config import naming_commands, naming_optional, tls_files_stamp
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script
 from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel
@@ -61,6 +62,7 @@ cdef extern from "tls.h" nogil:
     void *hotlock_tls_context(const char *ca, int ca_is_dir, const char *cert, const char *key, int verify,
                               char *err, size_t cap)
     void hotlock_tls_context_free(void *ctx)
+    void hotlock_tls_context_ref(void *ctx)
     int hotlock_tls_handshake(redisContext *c, void *ctx, const char *host, int check_host, void **ssl_out,
                               char *err, size_t cap)
     int hotlock_tls_idle_data(void *ssl, int fd)

@@ -351,6 +351,13 @@ cdef struct _Retry:
     int transient  # resends after a transient reply (hotlock._transient) so far
 
 
+cdef str _command_name(tuple command):
+    """AUTH, SELECT, CLIENT SETNAME...: how an error names a handshake command."""
+    if command[0] == b"CLIENT":
+        return f"CLIENT {command[1].decode()}"
+    return command[0].decode()
+
+
 cdef str _tried(str what, _Retry *rule):
     if rule.spent:
         what = f"{what} (retried after a lost reply)"
@@ -380,6 +387,7 @@ cdef class NativeBackend:
     cdef object _watch  # under Sentinel, the PrimaryWatch asked at each connect; else None
     cdef tuple _auth  # the AUTH command, or None
     cdef tuple _select  # the SELECT command, or None
+    cdef list _naming  # CLIENT SETNAME / SETINFO (hotlock._config.naming_commands)
     cdef timeval _connect_tv
     cdef timeval _reply_tv
     cdef double _timeout
@@ -400,8 +408,11 @@ cdef class NativeBackend:
     # write carries every extend of a call and the one WAIT behind them.
     cdef int _extend_as
     cdef readonly object _wakeups  # hotlock.backends.wakeup.Slot (the wake-up subscriber), or None: wakeups=False
-    cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
-    cdef bint _check_host  # rediss://: the certificate must name the host connected to
+    cdef void *_ssl_ctx  # rediss://: the SSL_CTX every new connection's handshake uses; else NULL
+    cdef bint _check_host  # rediss://: the certificate must name the host connected to (or _server_name)
+    cdef bytes _server_name  # rediss:// with ssl_server_name: the name checked and sent as SNI; else None
+    cdef object _tls_options  # rediss://: the TLSOptions _ssl_ctx was made from
+    cdef object _tls_stamp  # rediss://: their files' tls_files_stamp when _ssl_ctx was made
 
     def __dealloc__(self):
         hotlock_tls_context_free(self._ssl_ctx)
@@ -427,6 +438,7 @@ cdef class NativeBackend:
             # An ACL user with nopass still authenticates by name.
             self._auth = (b"AUTH", config.username.encode(), b"")
         self._select = (b"SELECT", str(config.db).encode()) if config.db else None
+        self._naming = naming_commands(config)
         self._connect_tv = _timeval(config.connect_timeout)
         self._reply_tv = _timeval(config.timeout)
         self._timeout = config.timeout
@@ -454,19 +466,49 @@ cdef class NativeBackend:
 
     cdef int _tls_setup(self, object options, str server, char *err) except -1:
         """The SSL_CTX of options (hotlock._config.TLSOptions), before any I/O."""
+        cdef void *made
+        stamp = tls_files_stamp(options)
+        made = self._tls_context(options, err)
+        if made is NULL:
+            raise cache_error(f"connect failed: {(<bytes>err).decode('utf-8', 'replace')}", server)
+        self._ssl_ctx = made
+        self._tls_options = options
+        self._tls_stamp = stamp
+        self._check_host = options.check_host
+        self._server_name = options.server_name.encode("idna") if options.server_name is not None else None
+        return 0
+
+    cdef void *_tls_current(self) except? NULL:
+        """The SSL_CTX for a new connection, made again first when ssl_ca_certs, ssl_certfile
+        or ssl_keyfile changed on disk since (a rotated certificate is picked up by the next
+        connection, no restart; three stat() per new connection, no reload when unchanged).
+        Files caught half-written (a key that does not match its certificate yet) leave the
+        current context in use, and the next connection looks again. Runs with the GIL, so
+        two threads never swap it at once; the caller takes its own reference (a connect in
+        progress on the old one keeps it alive)."""
+        cdef char err[256]
+        cdef void *made
+        cdef void *old
+        stamp = tls_files_stamp(self._tls_options)
+        if stamp != self._tls_stamp:
+            made = self._tls_context(self._tls_options, err)
+            if made is not NULL:
+                old = self._ssl_ctx
+                self._ssl_ctx = made
+                self._tls_stamp = stamp
+                hotlock_tls_context_free(old)
+        return self._ssl_ctx
+
+    cdef void *_tls_context(self, object options, char *err) except? NULL:
         cdef bytes ca = os.fsencode(options.ca_certs) if options.ca_certs is not None else None
         cdef bytes cert = os.fsencode(options.certfile) if options.certfile is not None else None
         cdef bytes key = os.fsencode(options.keyfile) if options.keyfile is not None else None
         cdef bint ca_dir = ca is not None and os.path.isdir(ca)
-        self._ssl_ctx = hotlock_tls_context(
+        return hotlock_tls_context(
             <const char *>ca if ca is not None else NULL, ca_dir,
             <const char *>cert if cert is not None else NULL,
             <const char *>key if key is not None else NULL,
             options.verify, err, 256)
-        if self._ssl_ctx is NULL:
-            raise cache_error(f"connect failed: {(<bytes>err).decode('utf-8', 'replace')}", server)
-        self._check_host = options.check_host
-        return 0
 
     # -- connections --------------------------------------------------------------------
 
@@ -609,10 +651,13 @@ cdef class NativeBackend:
             host_bytes = address[0].encode("idna")
             port = address[1]
         cdef const char *host = host_bytes
+        # The name the certificate must carry, sent as SNI: ssl_server_name, else the host.
+        cdef bytes name_bytes = self._server_name if self._server_name is not None else host_bytes
+        cdef const char *name = name_bytes
         cdef bint unix = self._unix
         cdef timeval ctv = self._connect_tv
         cdef timeval rtv = self._reply_tv
-        cdef void *ssl_ctx = self._ssl_ctx
+        cdef void *ssl_ctx = self._tls_current() if self._ssl_ctx is not NULL else NULL
         cdef bint check_host = self._check_host
         cdef void *ssl = NULL
         cdef int tls = HOTLOCK_TLS_OK
@@ -622,6 +667,7 @@ cdef class NativeBackend:
                 rtv = _timeval(limit)
             if limit < <double>ctv.tv_sec + <double>ctv.tv_usec * 1e-6:
                 ctv = _timeval(limit)
+        hotlock_tls_context_ref(ssl_ctx)  # dropped below: another thread may replace it meanwhile
         with nogil:
             if unix:
                 ctx = redisConnectUnixWithTimeout(host, ctv)
@@ -631,7 +677,7 @@ cdef class NativeBackend:
                 # The handshake runs under the connect timeout (on every read and write
                 # of the socket), the name to verify and send as SNI set beforehand.
                 redisSetTimeout(ctx, ctv)
-                tls = hotlock_tls_handshake(ctx, ssl_ctx, host, check_host, &ssl, tls_err, 256)
+                tls = hotlock_tls_handshake(ctx, ssl_ctx, name, check_host, &ssl, tls_err, 256)
             if ctx is not NULL and not ctx.err and tls == HOTLOCK_TLS_OK:
                 # A reply timeout on every read and write (SO_RCVTIMEO/SO_SNDTIMEO), so no
                 # nogil section blocks forever on a blackholed server.
@@ -641,6 +687,7 @@ cdef class NativeBackend:
                     # Notice a peer that vanished without a FIN (a dead host, a dropped
                     # NAT entry) on connections that sit idle between locks.
                     redisEnableKeepAlive(ctx)
+        hotlock_tls_context_free(ssl_ctx)  # the SSL object, if made, holds a reference of its own
         if ctx is NULL:
             raise MemoryError()
         if tls != HOTLOCK_TLS_OK:
@@ -663,11 +710,12 @@ cdef class NativeBackend:
         conn.gen = _fork_gen
         if self._watch is not None:
             conn.epoch = self._watch.epoch
-        # AUTH, SELECT and every SCRIPT LOAD in one round trip, so the first EVALSHA after a
-        # (re)connect or a failover never pays for a NOSCRIPT.
+        # AUTH, the connection's name, SELECT and every SCRIPT LOAD in one round trip, so
+        # the first EVALSHA after a (re)connect or a failover never pays for a NOSCRIPT.
         commands = []
         if self._auth is not None:
             commands.append(self._auth)
+        commands += self._naming
         if self._select is not None:
             commands.append(self._select)
         return self._send(conn, commands, what, key)
@@ -678,7 +726,7 @@ cdef class NativeBackend:
         cdef Py_ssize_t n, i
         cdef redisReply **replies
         cdef redisReply *r
-        cdef list names = [c[0].decode() for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
+        cdef list names = [_command_name(c) for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
         try:
             for args in commands:
                 _append_args(conn.ctx, args)
@@ -697,6 +745,8 @@ cdef class NativeBackend:
                 return f"{names[0]}: {self._lost(conn)}"
             for i in range(n):
                 r = replies[i]
+                if r.type == REDIS_REPLY_ERROR and i < len(commands) and naming_optional(commands[i]):
+                    continue  # CLIENT SETINFO on a server before 7.2, or an ACL without it
                 if r.type == REDIS_REPLY_ERROR:
                     text = self._reply_error(conn, r)
                     # Unusable (wrong password, no such db, no SCRIPT permission): drop it
@@ -704,7 +754,8 @@ cdef class NativeBackend:
                     _drop(conn)
                     if _transient_code(r.str[:r.len]) is not None:
                         raise _TransientReply(text, f"{names[i]}: {text}")
-                    raise cache_error(f"{what} failed: {names[i]}: {text}", self.server, key)
+                    refusal = "authentication failed: " if names[i] == "AUTH" else ""
+                    raise cache_error(f"{what} failed: {refusal}{names[i]}: {text}", self.server, key)
                 if i >= n - len(_SOURCES) and (
                     r.type != REDIS_REPLY_STRING or r.str[:r.len] != _SHAS[i - (n - len(_SOURCES))]
                 ):

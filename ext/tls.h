@@ -113,6 +113,13 @@ static inline void hotlock_tls_context_free(void *ctx) {
         SSL_CTX_free((SSL_CTX *)ctx);
 }
 
+/* One more reference to ctx, dropped by hotlock_tls_context_free: a connect in progress
+ * keeps the context it started with alive while another thread replaces it. */
+static inline void hotlock_tls_context_ref(void *ctx) {
+    if (ctx != NULL)
+        SSL_CTX_up_ref((SSL_CTX *)ctx);
+}
+
 /* The end of the stream without close_notify, which OpenSSL 3 reports as an error. */
 static int hotlock_tls_eof(unsigned long e) {
 #ifdef SSL_R_UNEXPECTED_EOF_WHILE_READING
@@ -259,6 +266,7 @@ static inline void *hotlock_tls_context(const char *ca, int ca_is_dir, const cha
     return NULL;
 }
 static inline void hotlock_tls_context_free(void *ctx) { (void)ctx; }
+static inline void hotlock_tls_context_ref(void *ctx) { (void)ctx; }
 static inline int hotlock_tls_handshake(redisContext *c, void *ctx, const char *host, int check_host, void **ssl_out,
                                         char *err, size_t cap) {
     (void)c; (void)ctx; (void)host; (void)check_host; (void)ssl_out;

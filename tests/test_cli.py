@@ -285,6 +285,15 @@ def test_doctor_fails_on_an_acl_missing_one_command(redis_server: RedisServer, a
     assert missing in found["acl"]["advice"]
 
 
+def test_doctor_names_client_setname_when_the_url_names_connections(acl_url: str) -> None:
+    """?client_name= makes every connection send CLIENT SETNAME, which this ACL lacks."""
+    named = acl_url + "?client_name=billing"
+    found = checks(cli("doctor", "--json", url=named))
+    assert found["acl"]["status"] == "fail", found["acl"]
+    assert "+client|setname" in found["acl"]["detail"], found["acl"]
+    assert checks(cli("doctor", "--json", url=acl_url))["acl"]["status"] == "ok"
+
+
 def test_doctor_on_a_replica_fails_the_topology(redis_server: RedisServer, scratch_server: RedisServer) -> None:
     scratch_server.client().execute_command("REPLICAOF", "127.0.0.1", str(redis_server.port))
     try:

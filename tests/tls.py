@@ -187,11 +187,12 @@ class TLSCluster:
             node.stop()
 
 
-def start_tls_cluster(pki: Pki, primaries: int = 3) -> TLSCluster:
+def start_tls_cluster(pki: Pki, primaries: int = 3, sans: str = "IP:127.0.0.1") -> TLSCluster:
+    """Nodes announced (and seeded) as 127.0.0.1, their certificate for ``sans``."""
     cli = shutil.which("redis-cli")
     if cli is None:
         pytest.fail("redis-cli is needed (make test installs it)")
-    cert, key = pki.leaf("node", "IP:127.0.0.1", usage="serverAuth,clientAuth")
+    cert, key = pki.leaf("node", sans, usage="serverAuth,clientAuth")
     nodes: list[TLSServer] = []
     try:
         for _ in range(primaries):

@@ -245,7 +245,7 @@ class _Server:
             out = bytearray()
             while (command := reader.gets()) is not False:
                 name = command[0].upper()
-                if name in (b"AUTH", b"SELECT"):
+                if name in (b"AUTH", b"SELECT", b"CLIENT"):  # CLIENT SETINFO / SETNAME: the connection's name
                     out += b"+OK\r\n"
                 elif name == b"SCRIPT":
                     sha = hashlib.sha1(command[2]).hexdigest().encode()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._sentinel import SCHEMES as SENTINEL_SCHEMES
@@ -17,12 +18,20 @@ from ._sentinel import parse_sentinel_netloc, primary_address
 
 __all__ = [
     "CLUSTER_SCHEMES",
+    "KEEPALIVE_OPTIONS",
+    "LIB_NAME",
     "SSL_CERT_REQS",
     "ServerConfig",
     "TLSOptions",
+    "check_client_name",
+    "keepalive",
+    "lib_version",
+    "naming_commands",
+    "naming_optional",
     "parse_url",
     "redispy_tls_kwargs",
     "tls_context",
+    "tls_files_stamp",
 ]
 
 if TYPE_CHECKING:
@@ -41,7 +50,9 @@ class TLSOptions:
     it, OpenSSL's default paths, which honour SSL_CERT_FILE and SSL_CERT_DIR). certfile and
     keyfile: a client certificate and its key, for servers that require one (mutual TLS).
     cert_reqs "none" turns certificate verification off, check_hostname False the host
-    check alone; both are on by default.
+    check alone; both are on by default. server_name: the name the server's certificate
+    must carry and the one sent as SNI, in place of the host connected to (cluster nodes or
+    a Sentinel primary announced by IP behind a certificate for a name).
     """
 
     ca_certs: str | None = None
@@ -49,6 +60,7 @@ class TLSOptions:
     keyfile: str | None = None
     cert_reqs: str = "required"
     check_hostname: bool = True
+    server_name: str | None = None
 
     @property
     def verify(self) -> bool:
@@ -59,12 +71,27 @@ class TLSOptions:
         return self.verify and self.check_hostname
 
 
+def tls_files_stamp(options: TLSOptions) -> tuple[tuple[int, int, int] | None, ...]:
+    """What tells a rewritten ssl_ca_certs, ssl_certfile or ssl_keyfile from the one loaded
+    (mtime, size and inode: a rotation by rename changes the inode, one in place the mtime):
+    compared at each new connection, so a rotated certificate is picked up without a
+    restart while an unchanged one is not loaded again. None for a file not given or gone."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for path in (options.ca_certs, options.certfile, options.keyfile):
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:
+            st = None
+        stamps.append(None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(stamps)
+
+
 @functools.lru_cache(maxsize=16)
-def _cached_tls_context(options: TLSOptions, cert_file: str | None) -> ssl.SSLContext:
-    """tls_context(options), made once: the sentinels are asked every PrimaryWatch.REFRESH_S,
-    and loading a CA store each time costs milliseconds (cert_file is SSL_CERT_FILE, part
-    of what the context trusts)."""
-    del cert_file
+def _cached_tls_context(options: TLSOptions, cert_file: str | None, stamp: object) -> ssl.SSLContext:
+    """tls_context(options), made once per version of its files: the sentinels are asked
+    every PrimaryWatch.REFRESH_S, and loading a CA store each time costs milliseconds
+    (cert_file is SSL_CERT_FILE, part of what the context trusts; stamp is tls_files_stamp)."""
+    del cert_file, stamp
     return tls_context(options)
 
 
@@ -87,7 +114,8 @@ def tls_context(options: TLSOptions) -> ssl.SSLContext:
 
 
 def redispy_tls_kwargs(options: TLSOptions) -> dict[str, object]:
-    """redis-py's SSLConnection arguments for these settings (sync and asyncio alike)."""
+    """redis-py's SSLConnection arguments for these settings (sync and asyncio alike); with
+    server_name, ssl_server_name, which only hotlock's own connection classes take."""
     kwargs: dict[str, object] = {
         "ssl_cert_reqs": options.cert_reqs,
         "ssl_check_hostname": options.check_host,
@@ -98,10 +126,19 @@ def redispy_tls_kwargs(options: TLSOptions) -> dict[str, object]:
         kwargs["ssl_ca_path"] = options.ca_certs
     else:
         kwargs["ssl_ca_certs"] = options.ca_certs
+    if options.server_name is not None:
+        kwargs["ssl_server_name"] = options.server_name
     return kwargs
 
 
-TLS_QUERY_NAMES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+TLS_QUERY_NAMES = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_server_name",
+)
 
 
 def _tls_options(query: dict[str, list[str]], scheme: str, tls: bool) -> TLSOptions:
@@ -126,13 +163,99 @@ def _tls_options(query: dict[str, list[str]], scheme: str, tls: bool) -> TLSOpti
     check = given.get("ssl_check_hostname", "true").lower()
     if check not in ("true", "false", "1", "0", "yes", "no"):
         raise ValueError(f"{scheme}:// url: ssl_check_hostname must be true or false, not {check!r}")
+    server_name = given.get("ssl_server_name")
+    if server_name is not None and not (
+        len(server_name) <= 253 and all(ch.isascii() and (ch.isalnum() or ch in "-._:") for ch in server_name)
+    ):
+        raise ValueError(f"{scheme}:// url: ssl_server_name must be a DNS name (or an IP address), not {server_name!r}")
     return TLSOptions(
         ca_certs=given.get("ssl_ca_certs"),
         certfile=given.get("ssl_certfile"),
         keyfile=given.get("ssl_keyfile"),
         cert_reqs="required" if reqs == "optional" else reqs,
         check_hostname=check in ("true", "1", "yes"),
+        server_name=server_name,
     )
+
+
+# -- naming the connection -----------------------------------------------------------------
+# Every connection says what opened it (CLIENT SETINFO, shown by CLIENT LIST and in the
+# server's slowlog) and, with ?client_name=, the application's own name (CLIENT SETNAME).
+
+LIB_NAME = "hotlock"
+
+
+@functools.cache
+def lib_version() -> str | None:
+    """hotlock's version as the installed metadata says it, or None (not installed): read
+    at the first connect, never at import (importlib.metadata costs an import of its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version(LIB_NAME)
+    except PackageNotFoundError:
+        return None
+    # The server refuses a lib-ver with a space or a control character.
+    return found if all("!" <= ch <= "~" for ch in found) else None
+
+
+def check_client_name(name: str, scheme: str) -> str:
+    """?client_name=, checked before any I/O as the server checks CLIENT SETNAME (printable
+    ASCII, no space: the name is one field of CLIENT LIST's space-separated lines)."""
+    if not name or len(name) > 256 or not all("!" <= ch <= "~" for ch in name):
+        raise ValueError(
+            f"{scheme}:// url: client_name must be 1 to 256 printable ASCII characters without spaces or newlines"
+        )
+    return name
+
+
+def naming_commands(config: ServerConfig) -> list[tuple[bytes, ...]]:
+    """What every new connection sends after AUTH: CLIENT SETNAME (with ?client_name=),
+    then CLIENT SETINFO lib-name and lib-ver, in the same write as the rest of the handshake.
+    A refused CLIENT SETINFO (a server before 7.2, an ACL without it) is ignored
+    (naming_optional); a refused CLIENT SETNAME fails the connect, as in redis-py."""
+    commands: list[tuple[bytes, ...]] = []
+    if config.client_name is not None:
+        commands.append((b"CLIENT", b"SETNAME", config.client_name.encode()))
+    commands.append((b"CLIENT", b"SETINFO", b"LIB-NAME", LIB_NAME.encode()))
+    version = lib_version()
+    if version is not None:
+        commands.append((b"CLIENT", b"SETINFO", b"LIB-VER", version.encode()))
+    return commands
+
+
+def _keepalive_options() -> dict[int, int]:
+    # libhiredis's settings (redisEnableKeepAlive), so every path notices a dead peer alike:
+    # probes after 15 s idle, every 5 s, the connection given up after 3 unanswered (about
+    # 30 s), where the system default waits two hours before its first probe.
+    options = {}
+    for name, value in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            options[getattr(socket, name)] = value
+    if not options and hasattr(socket, "TCP_KEEPALIVE"):  # macOS: the idle time alone
+        options[socket.TCP_KEEPALIVE] = 15
+    return options
+
+
+# socket option -> value under IPPROTO_TCP, for the platform's names (redis-py's socket_keepalive_options).
+KEEPALIVE_OPTIONS = _keepalive_options()
+
+
+def keepalive(sock: Any) -> None:
+    """TCP keepalive on a connection's socket (a socket.socket, or what an event loop's
+    transport hands out as its "socket"): a peer that vanished without a FIN (a dead host,
+    a NAT or load balancer that dropped the flow) is noticed on a connection idle between
+    locks, or on a subscriber that only listens (KEEPALIVE_OPTIONS)."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in KEEPALIVE_OPTIONS.items():
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def naming_optional(command: tuple[bytes | int, ...]) -> bool:
+    """Whether an error reply to this handshake command is ignored (CLIENT SETINFO)."""
+    return command[:2] == (b"CLIENT", b"SETINFO")
 
 
 # redis+cluster://seed[,seed...] and its TLS twin: the seeds are any nodes of the cluster.
@@ -167,6 +290,8 @@ class ServerConfig:
     wakeups: bool = True
     # rediss://: how the server's certificate is checked, and the client's certificate.
     ssl: TLSOptions = field(default_factory=TLSOptions)
+    # ?client_name=: CLIENT SETNAME on every connection (naming_commands).
+    client_name: str | None = None
 
     def primary(self) -> tuple[str, int]:
         """The (host, port) to connect to now: under Sentinel, whatever the sentinels name
@@ -180,7 +305,9 @@ class ServerConfig:
             self.service,
             self.connect_timeout,
             self.display,
-            _cached_tls_context(self.ssl, os.environ.get("SSL_CERT_FILE")) if self.tls else None,
+            _cached_tls_context(self.ssl, os.environ.get("SSL_CERT_FILE"), tls_files_stamp(self.ssl))
+            if self.tls
+            else None,
             self.sentinel_password,
         )
 
@@ -225,8 +352,10 @@ def parse_url(
     waiting = {"wait_replicas": wait_replicas, "wait_timeout": wait_timeout}
     if parts.scheme in CLUSTER_SCHEMES:
         query = parse_qs(parts.query)
-        if parts.fragment or set(query) - set(TLS_QUERY_NAMES):
-            raise ValueError(f"{parts.scheme}:// url takes no #fragment and no ?query but the ssl_* settings")
+        if parts.fragment or set(query) - {"client_name", *TLS_QUERY_NAMES}:
+            raise ValueError(
+                f"{parts.scheme}:// url takes no #fragment and no ?query but client_name and the ssl_* settings"
+            )
         username, password, seeds = parse_sentinel_netloc(parts.netloc, parts.scheme, 6379)
         # A cluster has database 0 only; "/" and "/0" are accepted as the plain URL's habit.
         if _db_number(parts.path.strip("/")) != 0:
@@ -242,12 +371,13 @@ def parse_url(
             connect_timeout=connect_timeout,
             timeout=timeout,
             seeds=seeds,
+            client_name=_client_name(query, parts.scheme),
             **waiting,  # type: ignore[arg-type]
         )
     if parts.scheme in SENTINEL_SCHEMES:
         tls = parts.scheme == SENTINEL_SCHEMES[1]
         query = parse_qs(parts.query)
-        unknown = sorted(set(query) - {"sentinel_password", *TLS_QUERY_NAMES})
+        unknown = sorted(set(query) - {"sentinel_password", "client_name", *TLS_QUERY_NAMES})
         if unknown:
             raise ValueError(f"{parts.scheme}:// url: unknown setting {unknown[0]}")
         username, password, sentinels = parse_sentinel_netloc(parts.netloc, parts.scheme)
@@ -268,6 +398,7 @@ def parse_url(
             tls=tls,
             ssl=_tls_options(query, parts.scheme, tls),
             sentinel_password=query["sentinel_password"][-1] if "sentinel_password" in query else None,
+            client_name=_client_name(query, parts.scheme),
             **waiting,  # type: ignore[arg-type]
         )
     query = parse_qs(parts.query)
@@ -283,6 +414,7 @@ def parse_url(
         "db": _db_number(db_text),
         "connect_timeout": connect_timeout,
         "timeout": timeout,
+        "client_name": _client_name(query, parts.scheme),
         **waiting,
     }
     if parts.scheme == "unix":
@@ -301,6 +433,11 @@ def parse_url(
         ssl=_tls_options(query, parts.scheme, parts.scheme == "rediss"),
         **common,  # type: ignore[arg-type]
     )
+
+
+def _client_name(query: dict[str, list[str]], scheme: str) -> str | None:
+    names = query.get("client_name")
+    return None if names is None else check_client_name(names[-1], scheme)
 
 
 def _db_number(text: str) -> int:

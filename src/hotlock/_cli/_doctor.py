@@ -346,6 +346,10 @@ def check_acl(target: Target) -> list[Check]:
     config = target.config
     if config is not None and config.db:
         probes.append(("select", lambda: client.execute_command("SELECT", config.db), True))
+    if config is not None and config.client_name is not None:
+        # ?client_name=: every connection sends CLIENT SETNAME, and a refusal fails the connect.
+        name = config.client_name
+        probes.append(("client|setname", lambda: client.execute_command("CLIENT", "SETNAME", name), True))
     refused: dict[str, str] = {}
     optional_refused: list[str] = []
     inside: str | None = None  # a refusal from inside a script, which does not name the command

@@ -82,6 +82,7 @@ __all__ = [
     "SlotMap",
     "acquired",
     "crc16",
+    "endpoint",
     "key_slot",
     "needs_slots",
     "parse_shards",
@@ -151,8 +152,21 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_shards(reply: list[Any], tls: bool = False) -> list[tuple[int, int, Address]]:
-    """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges.
+# What a node announces when it does not know the address clients should use for a node
+# (cluster-preferred-endpoint-type unknown-endpoint, a hostname type with no hostname set, a
+# node that never learnt its own IP): nil, "" or "?". It means the address the client asked
+# (the Redis Cluster spec; redis-py does the same), as "MOVED 3999 :6381" does.
+_UNKNOWN_ENDPOINTS = (None, b"", "", b"?", "?")
+
+
+def endpoint(announced: object, asked: str) -> str:
+    """The host to connect to for a node announced as ``announced`` by the node at ``asked``."""
+    return asked if announced in _UNKNOWN_ENDPOINTS else _text(announced)
+
+
+def parse_shards(reply: list[Any], tls: bool = False, asked: str = "") -> list[tuple[int, int, Address]]:
+    """``CLUSTER SHARDS`` -> (first slot, last slot, primary) ranges; an unknown endpoint
+    (endpoint()) is ``asked``, the host of the node that answered.
 
     A primary the answering node flags ``fail`` keeps its slots, as in CLUSTER SLOTS: a
     node clears that flag on a primary with slots only two node timeouts after setting it,
@@ -163,13 +177,13 @@ def parse_shards(reply: list[Any], tls: bool = False) -> list[tuple[int, int, Ad
     Over TLS a node's address is its tls-port (a node may listen on both)."""
     return [
         (first, last, address)
-        for slots, primaries in _shards(reply, tls)
+        for slots, primaries in _shards(reply, tls, asked)
         for address in primaries
         for first, last in zip(slots[::2], slots[1::2], strict=True)
     ]
 
 
-def _shards(reply: list[Any], tls: bool) -> list[tuple[list[int], list[Address]]]:
+def _shards(reply: list[Any], tls: bool, asked: str = "") -> list[tuple[list[int], list[Address]]]:
     """Each shard of a ``CLUSTER SHARDS`` reply: its slot bounds and the nodes it lists as primary."""
     shards = []
     for shard in reply:
@@ -180,7 +194,10 @@ def _shards(reply: list[Any], tls: bool) -> list[tuple[list[int], list[Address]]
             info = dict(zip(map(_text, node[::2]), node[1::2], strict=True))
             if _text(info.get("role")) != "master":
                 continue
-            host = _text(info.get("endpoint") or info.get("ip"))
+            announced = info.get("endpoint")
+            if announced in _UNKNOWN_ENDPOINTS and "endpoint" not in info:
+                announced = info.get("ip")  # a server that lists no endpoint field
+            host = endpoint(announced, asked)
             if tls and info.get("tls-port"):
                 port = int(info["tls-port"])
             else:
@@ -204,9 +221,10 @@ def needs_slots(reply: Any) -> bool:
     return any(slots and len(primaries) > 1 for slots, primaries in _shards(reply, False))
 
 
-def parse_slots(reply: list[Any]) -> list[tuple[int, int, Address]]:
-    """``CLUSTER SLOTS`` -> (first slot, last slot, primary) ranges (the first node is the primary)."""
-    return [(int(r[0]), int(r[1]), (_text(r[2][0]), int(r[2][1]))) for r in reply]
+def parse_slots(reply: list[Any], asked: str = "") -> list[tuple[int, int, Address]]:
+    """``CLUSTER SLOTS`` -> (first slot, last slot, primary) ranges (the first node is the
+    primary); an unknown endpoint (endpoint()) is ``asked``, the host of the node that answered."""
+    return [(int(r[0]), int(r[1]), (endpoint(r[2][0], asked), int(r[2][1]))) for r in reply]
 
 
 class SlotMap:
@@ -431,7 +449,7 @@ class Route:
                 self._redirects += 1
                 _, slot, target = str(reply).split(" ")
                 host, _, port = target.rpartition(":")
-                to = (host or address[0], int(port))
+                to = (endpoint(host, address[0]), int(port))
                 if code == "MOVED":
                     self._cluster.map.moved(int(slot), to)
                 elif asked:
@@ -740,15 +758,17 @@ class ClusterCore:
         return merged
 
 
-def map_ranges(reply: Any, fallback: Callable[[], Any], tls: bool = False) -> list[tuple[int, int, Address]]:
+def map_ranges(
+    reply: Any, fallback: Callable[[], Any], tls: bool = False, asked: str = ""
+) -> list[tuple[int, int, Address]]:
     """The ranges of a CLUSTER SHARDS reply, or of CLUSTER SLOTS (``fallback()``) where
-    SHARDS cannot say (``needs_slots``)."""
+    SHARDS cannot say (``needs_slots``), as told by the node at host ``asked``."""
     if needs_slots(reply):
         slots = fallback()
         if isinstance(slots, ReplyError):
             raise slots
-        return parse_slots(slots)
-    return parse_shards(reply, tls)
+        return parse_slots(slots, asked)
+    return parse_shards(reply, tls, asked)
 
 
 MAP_ERRORS = (LinkLost, ReplyError, CacheError, ValueError, IndexError, TypeError, KeyError)
@@ -800,6 +820,7 @@ class ClusterBackend(ClusterCore):
                     self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
                     lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
                     self.config.tls,
+                    address[0],
                 )
             except MAP_ERRORS as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")

@@ -94,7 +94,7 @@ class AsyncClusterBackend(ClusterCore):
                 slots = None
                 if needs_slots(shards):
                     slots = (await link.link_call([(b"CLUSTER", b"SLOTS")], None))[0]
-                ranges = map_ranges(shards, lambda slots=slots: slots, self.config.tls)  # type: ignore[misc]
+                ranges = map_ranges(shards, lambda slots=slots: slots, self.config.tls, address[0])  # type: ignore[misc]
             except MAP_ERRORS as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
                 continue

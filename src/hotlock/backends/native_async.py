@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .._config import ServerConfig, tls_context
+from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -54,6 +54,7 @@ class AioConnection(Protocol):
     def close(self) -> None: ...
     def retire(self) -> None: ...
     def abort(self) -> None: ...
+    def lost(self) -> asyncio.Future[None]: ...
 
 
 Send = Callable[[AioConnection], Awaitable[Any]]
@@ -108,19 +109,25 @@ class NativeAsyncBackend:
                 host, port = await loop.run_in_executor(None, self._watch.address)
                 self._epoch = self._watch.epoch
             # The loop's transport does TLS, so rediss:// needs nothing from hiredis.
+            # A context per connection: rotated certificate files are read by the next one.
             tls = tls_context(config.ssl) if config.tls else None
-            opening = loop.create_connection(factory, host, port, ssl=tls)
+            # The name checked and sent as SNI: ssl_server_name, else the host connected to.
+            name = (config.ssl.server_name or host) if tls else None
+            opening = loop.create_connection(factory, host, port, ssl=tls, server_hostname=name)
         try:
-            _, proto = await within(opening, config.connect_timeout)
+            transport, proto = await within(opening, config.connect_timeout)
         except (OSError, TimeoutError) as exc:
             why = "no answer within the connect timeout" if isinstance(exc, TimeoutError) else str(exc)
             raise cache_error(f"connect failed: {why}", self.server) from exc
-        # AUTH and SELECT go first, pipelined with the script loads: one round trip, and
-        # the scripts are there before the first EVALSHA.
+        if config.unix_path is None:
+            keepalive(transport.get_extra_info("socket"))
+        # AUTH, the connection's name and SELECT go first, pipelined with the script loads:
+        # one round trip, and the scripts are there before the first EVALSHA.
         setup: list[tuple[bytes | int, ...]] = []
         if config.password is not None:
             user = () if config.username is None else (config.username.encode(),)
             setup.append((b"AUTH", *user, config.password.encode()))
+        setup += naming_commands(config)
         if config.db:
             setup.append((b"SELECT", config.db))
         setup += [(b"SCRIPT", b"LOAD", script.source) for script in SCRIPTS]
@@ -133,14 +140,22 @@ class NativeAsyncBackend:
                 # it may connect again under its lost-reply rule (_roundtrip).
                 raise NotSent(f"handshake: {_describe(exc)}") from exc
             raise
-        # Each SCRIPT LOAD must answer the SHA1 of its source; AUTH and SELECT anything but an error.
+        # Each SCRIPT LOAD must answer the SHA1 of its source; AUTH, CLIENT SETNAME and
+        # SELECT anything but an error; CLIENT SETINFO anything (a server before 7.2 refuses it).
         shas: list[bytes | None] = [None] * (len(setup) - len(SCRIPTS)) + [script.sha for script in SCRIPTS]
-        for sha, reply in zip(shas, replies, strict=True):
+        for command, sha, reply in zip(setup, shas, replies, strict=True):
+            if isinstance(reply, ReplyError) and naming_optional(command):
+                continue
             if isinstance(reply, ReplyError):
                 proto.abort()
                 if code(str(reply)) is not None:
                     raise TransientHandshake(reply, proto)
-                raise cache_error(f"connect failed: the server replied {reply}", self.server)
+                # Say what was refused: "authentication failed: AUTH: ...", "CLIENT SETNAME: ...".
+                name = " ".join(str(c, "ascii") if isinstance(c, bytes) else str(c) for c in command[:2])
+                if command[0] != b"CLIENT":
+                    name = name.split(" ")[0]
+                refusal = "authentication failed: " if command[0] == b"AUTH" else ""
+                raise cache_error(f"connect failed: {refusal}{name}: the server replied {reply}", self.server)
             if sha is not None and reply != sha:
                 # Not the SHA1 of what was sent: this is not a server that runs our scripts
                 # as sent, or the replies are not the ones these commands got.
@@ -583,9 +598,18 @@ class NativeAsyncBackend:
             await self.wake_slot.close()
         if self._connecting is not None:
             self._connecting.cancel()
-        if self._proto is not None:
-            self._proto.close()
-            self._proto = None
+        proto, self._proto = self._proto, None
+        if proto is not None:
+            live = proto.usable()  # not in a forked child: its close leaves the parent's socket alone
+            proto.close()
+            if live and self._config.tls:
+                # A TLS transport closes after its close_notify exchange, a round trip
+                # later: wait for it (within one reply timeout, then drop it), or a loop
+                # that ends right after close() leaves the socket to the garbage collector.
+                try:
+                    await within(asyncio.shield(proto.lost()), self._config.timeout)
+                except TimeoutError:
+                    proto.abort()
 
 
 async def _connected(proto: AioConnection) -> None:

@@ -8,6 +8,7 @@ library owns its retries, so a blackholed server costs one reply timeout, not te
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import os
@@ -20,7 +21,9 @@ import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AuthenticationError,
     BusyLoadingError,
+    MaxClientsReachedError,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
@@ -31,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .._config import ServerConfig, redispy_tls_kwargs
+from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, redispy_tls_kwargs
 from .._dialect import (
     COMMAND_PROBE,
     UNDETECTED,
@@ -188,6 +191,17 @@ def tls_refused(exc: BaseException) -> bool:
     return False
 
 
+# Error replies that redis-py raises as ConnectionError: the server answered (no reply was
+# lost) and refused the connection, as it will refuse the same connect again.
+_REFUSALS = (AuthenticationError, MaxClientsReachedError)
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal, not a lost reply: a wrong password, no room for one more
+    client, a TLS failure (tls_refused). Never retried. Shared with aio/_redispy."""
+    return isinstance(exc, _REFUSALS) or tls_refused(exc)
+
+
 def tls_hint(config: ServerConfig, exc: BaseException) -> str:
     """What to add to a failure over TLS without a client certificate that ended in a
     stream cut short (SSLEOFError, a reset): a server that requires one judges it after the
@@ -205,18 +219,52 @@ def tls_hint(config: ServerConfig, exc: BaseException) -> str:
     return ""
 
 
+# While a call retries after a lost reply: the time.monotonic() by which it must be done.
+# A new connection's handshake (AUTH, CLIENT SETINFO...) reads under what is left of it
+# rather than a whole reply timeout, as the native client's handshake does.
+_RETRY_UNTIL: contextvars.ContextVar[float | None] = contextvars.ContextVar("hotlock_retry_until", default=None)
+
+
 def _handshake(conn: Any) -> None:
     """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
-    reply to the call's command."""
+    reply to the call's command, and bounded by a retrying call's budget (_RETRY_UNTIL)."""
+    until = _RETRY_UNTIL.get()
+    sock = conn._sock
+    if until is not None and sock is not None:
+        sock.settimeout(max(until - time.monotonic(), 0.001))
     try:
         conn.on_connect()
     except BusyLoadingError:
         raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
+    except _REFUSALS:
+        raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    finally:
+        if until is not None and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(conn.socket_timeout)
 
 
-class _PrimaryConnection(redis.Connection):
+class _Addressed(redis.Connection):
+    """The TCP connect to ``_address`` while ``host`` holds the TLS server name
+    (ssl_server_name): redis-py checks the certificate against, and sends as SNI, the host
+    it connects to. Sits between SSLConnection and Connection (TLSConnection's bases), so
+    SSLConnection's TCP connect comes here and its TLS wrap sees the name."""
+
+    _address: str | None = None
+
+    def _connect(self) -> Any:
+        if self._address is None:
+            return super()._connect()  # type: ignore[no-untyped-call]
+        name, self.host = self.host, self._address
+        try:
+            return super()._connect()  # type: ignore[no-untyped-call]
+        finally:
+            self.host = name
+
+
+class _PrimaryConnection(_Addressed):
     """A connection to whichever primary the sentinels name at the moment it connects."""
 
     def __init__(self, *, primary: PrimaryWatch, **kwargs: Any) -> None:
@@ -224,11 +272,15 @@ class _PrimaryConnection(redis.Connection):
         self._primary = primary
 
     def _connect(self) -> Any:
-        self.host, self.port = self._primary.address()
-        return super()._connect()  # type: ignore[no-untyped-call]
+        host, self.port = self._primary.address()
+        if getattr(self, "_server_name", None) is not None:
+            self._address = host  # TLS checks the name (_Addressed)
+        else:
+            self.host = host
+        return super()._connect()
 
 
-class TLSConnection(redis.SSLConnection):
+class TLSConnection(redis.SSLConnection, _Addressed):
     """TLS that is not mistaken for a dirty connection.
 
     The pool asks can_read() before handing out a connection and drops one that has data.
@@ -236,7 +288,16 @@ class TLSConnection(redis.SSLConnection):
     session tickets, sent just after the handshake, make it readable with no reply in it:
     a fresh connection then fails "Connection not ready" about one time in seven. Reading
     without blocking lets OpenSSL take the tickets; only a reply (stale data) or EOF count.
+
+    With ssl_server_name, the certificate is checked against that name (sent as SNI) while
+    the TCP connect goes to the host (_Addressed).
     """
+
+    def __init__(self, *, ssl_server_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._server_name = ssl_server_name
+        if ssl_server_name is not None:
+            self._address, self.host = self.host, ssl_server_name
 
     def can_read(self, timeout: float = 0) -> bool:
         parser = self._parser
@@ -251,6 +312,21 @@ class PrimaryTLSConnection(_PrimaryConnection, TLSConnection):
     checked against that announced address."""
 
 
+def naming_kwargs(config: ServerConfig, client: Callable[..., object]) -> dict[str, Any]:
+    """redis-py's own handshake arguments that name a connection as the native client
+    names its own (_config.naming_commands: CLIENT SETNAME, CLIENT SETINFO lib-name hotlock
+    and lib-ver, whose refusal redis-py ignores too); ``client`` is redis.Redis.__init__ or
+    redis.asyncio.Redis.__init__. Shared with aio/_redispy."""
+    kwargs: dict[str, Any] = {"client_name": config.client_name}
+    if "driver_info" in inspect.signature(client).parameters:  # redis-py 7+
+        from redis.driver_info import DriverInfo
+
+        kwargs["driver_info"] = DriverInfo(name=LIB_NAME, lib_version=lib_version())
+    else:
+        kwargs["lib_name"], kwargs["lib_version"] = LIB_NAME, lib_version()
+    return kwargs
+
+
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
     kwargs: dict[str, Any] = {
@@ -260,6 +336,7 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         "socket_timeout": config.timeout,
         "socket_connect_timeout": config.connect_timeout,
         "socket_keepalive": True,
+        "socket_keepalive_options": KEEPALIVE_OPTIONS,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
         # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
@@ -267,13 +344,8 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         "protocol": 2,
         # The handshake's lost reply told apart from the call's (HandshakeLost): any call may retry it.
         "redis_connect_func": _handshake,
+        **naming_kwargs(config, redis.Redis.__init__),
     }
-    # CLIENT SETINFO on every connect is a round trip (and an ACL permission) we don't
-    # need; redis-py 7+ turns it off with driver_info=None, older ones with lib_name=None.
-    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters:
-        kwargs["driver_info"] = None
-    else:
-        kwargs["lib_name"] = kwargs["lib_version"] = None
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
@@ -462,29 +534,36 @@ class RedisPyBackend:
         lost = False  # the one retry after a lost reply has been used
         transient = Retrying()
         until = retry_until
-        while True:
-            try:
-                return fn(limit)
-            except (RedisError, OSError) as exc:
-                failure = exc
-            if transient_code(failure) is not None:
-                # The command did not run: resent on a fresh connection (_send dropped it;
-                # READONLY dropped them all) after a pause, while the call's own timeout lasts.
-                until = self._retry_until() if until is None else until
-                pause = transient.pause(until - self._timeout - time.monotonic())
-                if pause is None:
+        reset: contextvars.Token[float | None] | None = None
+        try:
+            while True:
+                try:
+                    return fn(limit)
+                except (RedisError, OSError) as exc:
+                    failure = exc
+                if transient_code(failure) is not None:
+                    # The command did not run: resent on a fresh connection (_send dropped it;
+                    # READONLY dropped them all) after a pause, while the call's own timeout lasts.
+                    until = self._retry_until() if until is None else until
+                    pause = transient.pause(until - self._timeout - time.monotonic())
+                    if pause is None:
+                        raise self._error(tried(what, lost, transient), key, failure) from failure
+                    time.sleep(pause)
+                    limit = min(self._timeout, until - time.monotonic())
+                elif isinstance(failure, _AMBIGUOUS):
+                    until = self._retry_until() if until is None else until
+                    left = min(self._timeout, until - time.monotonic())
+                    if lost or left < 0.001 or not (resend or isinstance(failure, HandshakeLost)) or refused(failure):
+                        raise self._error(tried(what, lost, transient), key, failure) from failure
+                    lost = True
+                    limit = left
+                    # The new connection's handshake reads under what is left, too (_handshake).
+                    reset = _RETRY_UNTIL.set(time.monotonic() + left)
+                else:
                     raise self._error(tried(what, lost, transient), key, failure) from failure
-                time.sleep(pause)
-                limit = min(self._timeout, until - time.monotonic())
-            elif isinstance(failure, _AMBIGUOUS):
-                until = self._retry_until() if until is None else until
-                left = min(self._timeout, until - time.monotonic())
-                if lost or left < 0.001 or not (resend or isinstance(failure, HandshakeLost)) or tls_refused(failure):
-                    raise self._error(tried(what, lost, transient), key, failure) from failure
-                lost = True
-                limit = left
-            else:
-                raise self._error(tried(what, lost, transient), key, failure) from failure
+        finally:
+            if reset is not None:
+                _RETRY_UNTIL.reset(reset)
 
     def _retry_until(self, wait_ms: int = 0) -> float:
         """Until when a lost reply may still be retried: a call that may wait ``wait_ms``
@@ -776,6 +855,11 @@ def transient_code(exc: BaseException) -> str | None:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
+    if isinstance(exc, _REFUSALS):
+        # Error replies redis-py raises as ConnectionError, code stripped: say what they refused.
+        code = getattr(exc, "status_code", None) or ERROR_CODES.get(type(exc))
+        replied = f"the server replied {code} {exc}" if code else f"the server replied {exc}"
+        return f"authentication failed: {replied}" if isinstance(exc, AuthenticationError) else replied
     if isinstance(exc, ResponseError):
         # redis-py strips the error code ("OOM", "NOPERM", "READONLY"...) off the text it
         # maps to a class; put it back, so the message reads as the server's reply did.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -19,7 +18,9 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AuthenticationError,
     BusyLoadingError,
+    MaxClientsReachedError,
     NoPermissionError,
     NoScriptError,
     RedisError,
@@ -28,7 +29,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._config import ServerConfig, redispy_tls_kwargs
+from .._config import KEEPALIVE_OPTIONS, ServerConfig, redispy_tls_kwargs
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -53,9 +54,10 @@ from .redispy import (
     is_int,
     is_ok_or_nil,
     is_text,
+    naming_kwargs,
+    refused,
     reply_serves_script,
     tls_hint,
-    tls_refused,
     transient_code,
 )
 from .retry_async import InFlight, info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
@@ -76,6 +78,8 @@ async def _handshake(conn: Connection) -> None:
         await conn.on_connect()
     except BusyLoadingError:
         raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
+    except (AuthenticationError, MaxClientsReachedError):
+        raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
@@ -206,7 +210,29 @@ class _PrimaryConnection(Connection):
         await super()._connect()  # type: ignore[no-untyped-call]
 
 
-class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+class _SSLConnection(SSLConnection):
+    """redis.asyncio's SSLConnection, with ssl_server_name: the name the certificate is
+    checked against and sent as SNI, in place of the host connected to; and certificate
+    files read again when they change."""
+
+    def __init__(self, *, ssl_server_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._server_name = ssl_server_name
+
+    def _connection_arguments(self) -> Any:
+        # redis.asyncio keeps the SSL context a connection object first made for the
+        # object's life, and a pooled object connects again and again: forget it, so each
+        # connect asks anew (redis-py shares one context per version of the certificate
+        # files, so a rotated file is read by the next connection and an unchanged one not
+        # at all; an older redis-py makes a context per connect).
+        self.ssl_context.context = None
+        kwargs = dict(super()._connection_arguments())
+        if self._server_name is not None:
+            kwargs["server_hostname"] = self._server_name
+        return kwargs
+
+
+class _PrimarySSLConnection(_PrimaryConnection, _SSLConnection):
     """rediss+sentinel://: TLS to whichever primary the sentinels name, its certificate
     checked against that announced address."""
 
@@ -224,12 +250,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
         "protocol": 2,
         # As in sync: the handshake's lost reply told apart from the call's (HandshakeLost).
         "redis_connect_func": _handshake,
+        # As in sync: CLIENT SETNAME and CLIENT SETINFO lib-name hotlock, lib-ver.
+        **naming_kwargs(config, aioredis.Redis.__init__),
     }
-    # As in the sync backend: no CLIENT SETINFO round trip on every connect.
-    if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
-        kwargs["driver_info"] = None
-    else:
-        kwargs["lib_name"] = kwargs["lib_version"] = None
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
@@ -243,7 +266,7 @@ class RedisAsyncLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
-        kind = SSLConnection if config.tls else Connection
+        kind = _SSLConnection if config.tls else Connection
         self._pool: Any = aioredis.BlockingConnectionPool(
             max_connections=MAX_CONNECTIONS,
             timeout=None,
@@ -251,6 +274,7 @@ class RedisAsyncLink:
             host=config.host,
             port=config.port,
             socket_keepalive=True,
+            socket_keepalive_options=KEEPALIVE_OPTIONS,
             **_connection_kwargs(config),
         )
 
@@ -328,10 +352,12 @@ class RedisAsyncBackend:
             # connection once the sentinels name another primary.
             self._watch = PrimaryWatch(config.primary)
             connection_class = _PrimarySSLConnection if config.tls else _PrimaryConnection
-            kwargs.update(primary=self._watch, socket_keepalive=True)
+            kwargs.update(primary=self._watch, socket_keepalive=True, socket_keepalive_options=KEEPALIVE_OPTIONS)
         else:
-            connection_class = SSLConnection if config.tls else Connection
-            kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
+            connection_class = _SSLConnection if config.tls else Connection
+            kwargs.update(
+                host=config.host, port=config.port, socket_keepalive=True, socket_keepalive_options=KEEPALIVE_OPTIONS
+            )
         self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
         # Acquires in flight, by token: a release of that token waits for them.
         self._inflight = InFlight(config.display)
@@ -391,7 +417,7 @@ class RedisAsyncBackend:
                 lost
                 or not isinstance(failure, _AMBIGUOUS)
                 or not (retry_lost_reply or isinstance(failure, HandshakeLost))
-                or tls_refused(failure)
+                or refused(failure)
                 or self._closing
             ):
                 raise await self._error(tried(what, lost, transient), key, failure) from failure

@@ -49,19 +49,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._config import ServerConfig, tls_context
+from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
 from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
 from .._waiting import FIRST, Step, Waiting, poll
 
 __all__ = [
     "LINGER_S",
+    "UNREAD",
     "ClusterWakeups",
+    "ConnectTrouble",
     "Entry",
+    "Refused",
     "Slot",
+    "Unread",
     "Waiter",
     "Wakeups",
     "cluster_slot",
+    "handshake",
+    "refused",
     "slot",
     "wait",
 ]
@@ -144,6 +150,82 @@ def resp_command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+class Unread:
+    """In a subscriber's queue of replies due: one to a handshake command sent without
+    waiting (CLIENT SETINFO), skipped as it comes, whatever it is."""
+
+
+UNREAD = Unread()
+
+
+class Refused(ConnectionError):
+    """The server refused the subscriber's handshake (AUTH, CLIENT SETNAME): the next try
+    meets the same answer until the server or the url changes."""
+
+
+def handshake(config: ServerConfig) -> list[tuple[bytes, ...]]:
+    """What a subscriber sends on connecting, in one write: AUTH when the url has
+    credentials, then the connection's name (_config.naming_commands). No SELECT: pub/sub
+    channels are not per database."""
+    commands: list[tuple[bytes, ...]] = []
+    if config.password is not None or config.username:
+        auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
+        auth.append((config.password or "").encode())
+        commands.append(tuple(auth))
+    return commands + naming_commands(config)
+
+
+def check_handshake(commands: list[tuple[bytes, ...]], replies: list[Any], error_type: type) -> None:
+    """Raise Refused for an error reply to any of ``commands`` but CLIENT SETINFO."""
+    for command, reply in zip(commands, replies, strict=True):
+        if isinstance(reply, error_type) and not naming_optional(command):
+            name = b" ".join(command[:2] if command[0] == b"CLIENT" else command[:1]).decode()
+            raise Refused(f"{name} refused: {reply}")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether a subscriber's failed connect will fail the same way until something is
+    changed: a handshake the server refused, a certificate that does not verify, a TLS
+    alert. A refused or reset TCP connect, a timeout, a TLS stream cut short: passing."""
+    import ssl
+
+    if isinstance(exc, Refused):
+        return True
+    return isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
+
+
+class ConnectTrouble:
+    """How a subscriber's failed connects are logged. It tries again every second at most,
+    for as long as the cache lives, so a refusal (a wrong password, a certificate that
+    does not verify) is said at WARNING once per distinct error and at DEBUG while it
+    repeats; passing failures (the server restarting) at DEBUG; a connect that succeeds
+    after a WARNING is said at INFO."""
+
+    __slots__ = ("_server", "_warned")
+
+    def __init__(self, server: str) -> None:
+        self._server = server
+        self._warned: str | None = None  # the text of the last refusal said at WARNING
+
+    def failed(self, exc: BaseException) -> None:
+        text = str(exc) or type(exc).__name__
+        if refused(exc) and text != self._warned:
+            self._warned = text
+            log.warning(
+                "wake-ups: cannot connect to %s: %s; lock_wait polls with backoff meanwhile, "
+                "and the subscriber keeps trying (said again only if the error changes)",
+                self._server,
+                text,
+            )
+        else:
+            log.debug("wake-ups: cannot connect to %s: %s", self._server, text)
+
+    def connected(self) -> None:
+        if self._warned is not None:
+            self._warned = None
+            log.info("wake-ups: connected to %s again", self._server)
+
+
 class Wakeups:
     """The subscriber of one cache (see the module docstring). Made by a backend on the
     first lock_wait that finds its key held; ``off`` tells why wake-ups stopped, if they did."""
@@ -166,6 +248,7 @@ class Wakeups:
         # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
         self._watch = PrimaryWatch(config.primary) if config.sentinels else None
         self._epoch = 0
+        self._unread = 0  # handshake replies the next _serve skips (see _connect)
         self._ctl_r, self._ctl_w = os.pipe()
         os.set_blocking(self._ctl_r, False)
         os.set_blocking(self._ctl_w, False)
@@ -229,14 +312,16 @@ class Wakeups:
         import hiredis  # here, not at import: the native path never pays for it unless it waits
 
         delay = 0.05
+        trouble = ConnectTrouble(self._server)
         while not self._closed and self.off is None:
             try:
                 sock, close = self._connect()
-            except Exception as exc:  # OSError, or redis-py's errors on its path: try again
-                log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
+            except Exception as exc:  # OSError, a refused handshake: try again
+                trouble.failed(exc)
                 self._nap(delay)
                 delay = min(delay * 2, 1.0)
                 continue
+            trouble.connected()
             delay = 0.05
             try:
                 self._serve(sock)
@@ -260,7 +345,7 @@ class Wakeups:
             os.read(self._ctl_r, 4096)
 
     def _connect(self) -> tuple[socket.socket, Callable[[], object]]:
-        """A connected, authenticated socket and how to close it, opened here rather than
+        """A connected, authenticated and named socket and how to close it, opened here rather than
         by redis-py (the native path must not pay its import on the first contended wait
         of a process). Under Sentinel, to whichever primary the sentinels name now."""
         import hiredis
@@ -282,30 +367,36 @@ class Wakeups:
         else:
             sock = socket.create_connection((host, port), timeout=config.connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            keepalive(sock)
             if config.tls:
                 # The url's TLS settings, checked as the backend's connections check them.
                 try:
-                    sock = tls_context(config.ssl).wrap_socket(sock, server_hostname=host)
+                    name = config.ssl.server_name or host  # checked and sent as SNI
+                    sock = tls_context(config.ssl).wrap_socket(sock, server_hostname=name)
                 except BaseException:
                     sock.close()
                     raise
         try:
             sock.settimeout(config.timeout)
-            if config.password is not None or config.username:
-                auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
-                auth.append((config.password or "").encode())
-                sock.sendall(resp_command(*auth))
-                reader = hiredis.Reader()
-                reply: Any = False
-                while reply is False:
-                    data = sock.recv(65536)
-                    if not data:
-                        raise ConnectionError("the server closed the connection during AUTH")
-                    reader.feed(data)
-                    reply = reader.gets()
-                if isinstance(reply, hiredis.ReplyError):
-                    raise ConnectionError(f"AUTH refused: {reply}")
+            commands = handshake(config)
+            sock.sendall(b"".join(resp_command(*c) for c in commands))
+            self._unread = 0
+            if all(naming_optional(c) for c in commands):
+                # Nothing here can be refused (a refused CLIENT SETINFO is ignored): the
+                # replies are skipped as they come, ahead of the first SUBSCRIBE's, and the
+                # handshake costs no round trip of its own.
+                self._unread = len(commands)
+                return sock, sock.close
+            reader = hiredis.Reader()
+            replies: list[Any] = []
+            while len(replies) < len(commands):
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection during the handshake")
+                reader.feed(data)
+                while len(replies) < len(commands) and (reply := reader.gets()) is not False:
+                    replies.append(reply)
+            check_handshake(commands, replies, hiredis.ReplyError)
         except BaseException:
             sock.close()
             raise
@@ -317,7 +408,7 @@ class Wakeups:
         reader = hiredis.Reader()
         # The commands sent whose reply is due, in order: an Entry for a SUBSCRIBE, a channel
         # (bytes) for an UNSUBSCRIBE. Each has one reply (its push, or an error).
-        pending: collections.deque[Entry | bytes] = collections.deque()
+        pending: collections.deque[Entry | bytes | Unread] = collections.deque([UNREAD] * self._unread)
         with self._lock:
             self._outbox = list(self._entries.values())  # after a reconnect: all of them again
         next_tick = time.monotonic() + TICK_S
@@ -353,7 +444,7 @@ class Wakeups:
                     pending.extend(idle)
                     sock.sendall(b"".join(resp_command(self._unsub, ch) for ch in idle))
 
-    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes]) -> bool:
+    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes | Unread]) -> bool:
         """Handle one reply or message; False when wake-ups are now off."""
         import hiredis
 
@@ -377,6 +468,8 @@ class Wakeups:
             return True
         # Otherwise the reply to the oldest command sent.
         sent = pending.popleft() if pending else None
+        if sent is UNREAD:
+            return True
         if isinstance(reply, hiredis.ReplyError):
             if isinstance(sent, Entry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
                 # The channel's slot is not (or not yet) this node's: as a moved slot.

@@ -23,10 +23,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._config import ServerConfig, tls_context
+from .._config import ServerConfig, keepalive, naming_optional, tls_context
 from .._sentinel import PrimaryWatch
 from .retry_async import within
-from .wakeup import LINGER_S, TICK_S, current_pid, resp_command
+from .wakeup import (
+    LINGER_S,
+    TICK_S,
+    UNREAD,
+    ConnectTrouble,
+    Unread,
+    check_handshake,
+    current_pid,
+    handshake,
+    resp_command,
+)
 
 __all__ = [
     "AsyncClusterWakeups",
@@ -95,7 +105,8 @@ class AsyncWakeups:
         self._server = config.display
         self._entries: dict[bytes, AsyncEntry] = {}
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: collections.deque[AsyncEntry | bytes] = collections.deque()
+        self._pending: collections.deque[AsyncEntry | bytes | Unread] = collections.deque()
+        self._unread = 0  # handshake replies the next _serve skips (see _connect)
         self._closed = False
         # Under Sentinel, as in sync: reconnect to the new primary after a failover.
         self._watch = PrimaryWatch(config.primary) if config.sentinels else None
@@ -147,14 +158,16 @@ class AsyncWakeups:
 
     async def _run(self) -> None:
         delay = 0.05
+        trouble = ConnectTrouble(self._server)
         while not self._closed and self.off is None:
             try:
                 reader, writer = await within(self._connect(), self._config.connect_timeout + self._config.timeout)
-            except (OSError, TimeoutError, ConnectionError) as exc:
-                log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
+            except (OSError, TimeoutError, ConnectionError) as exc:  # a refused handshake too: try again
+                trouble.failed(exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
+            trouble.connected()
             delay = 0.05
             try:
                 await self._serve(reader, writer)
@@ -179,22 +192,30 @@ class AsyncWakeups:
                 self._epoch = self._watch.epoch
             # The url's TLS settings, checked as the backend's connections check them.
             tls = tls_context(config.ssl) if config.tls else None
-            reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
-        if config.password is not None or config.username:
-            auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
-            auth.append((config.password or "").encode())
-            writer.write(resp_command(*auth))
+            name = (config.ssl.server_name or host) if tls else None  # checked and sent as SNI
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=name)
+            keepalive(writer.get_extra_info("socket"))
+        commands = handshake(config)
+        try:
+            writer.write(b"".join(resp_command(*c) for c in commands))
+            self._unread = 0
+            if all(naming_optional(c) for c in commands):
+                # As in sync: nothing here can be refused; _serve skips the replies.
+                self._unread = len(commands)
+                return reader, writer
             parse = hiredis.Reader()
-            reply: Any = False
-            while reply is False:
+            replies: list[Any] = []
+            while len(replies) < len(commands):
                 data = await within(reader.read(65536), config.timeout)
                 if not data:
-                    raise ConnectionError("the server closed the connection during AUTH")
+                    raise ConnectionError("the server closed the connection during the handshake")
                 parse.feed(data)
-                reply = parse.gets()
-            if isinstance(reply, hiredis.ReplyError):
-                writer.close()
-                raise ConnectionError(f"AUTH refused: {reply}")
+                while len(replies) < len(commands) and (reply := parse.gets()) is not False:
+                    replies.append(reply)
+            check_handshake(commands, replies, hiredis.ReplyError)
+        except BaseException:
+            writer.close()
+            raise
         return reader, writer
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -202,6 +223,7 @@ class AsyncWakeups:
 
         parse = hiredis.Reader()
         self._pending.clear()
+        self._pending.extend([UNREAD] * self._unread)
         self._writer = writer
         for entry in self._entries.values():  # after a reconnect: all of them again
             self._subscribe(entry)
@@ -253,6 +275,8 @@ class AsyncWakeups:
             self._forget(reply[1])
             return True
         sent = self._pending.popleft() if self._pending else None
+        if sent is UNREAD:
+            return True
         if isinstance(reply, error_type):
             if isinstance(sent, AsyncEntry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
                 self._forget(sent.channel)  # the channel's slot is not (or not yet) this node's
