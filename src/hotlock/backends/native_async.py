@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, tls_context
+from .._credentials import auth_command_async, is_auth_refusal
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -66,6 +67,10 @@ class NativeAsyncBackend:
         self._epoch = 0
         # One connect in flight at a time, shared by every task that needs the connection.
         self._connecting: asyncio.Task[AioConnection] | None = None
+        # reauth_interval (0: never): AUTH is sent again on the live connection once this
+        # long has passed (loop time) since the last (_reauthenticate).
+        self._reauth = config.reauth_interval
+        self._authed_at = 0.0
 
     @classmethod
     async def open(cls, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> NativeAsyncBackend:
@@ -104,11 +109,16 @@ class NativeAsyncBackend:
             why = "no answer within the connect timeout" if isinstance(exc, TimeoutError) else str(exc)
             raise cache_error(f"connect failed: {why}", self.server) from exc
         # AUTH and SELECT go first, pipelined with the script loads: one round trip, and
-        # the scripts are there before the first EVALSHA.
+        # the scripts are there before the first EVALSHA. The credentials are the
+        # provider's answer now, when there is one (a username alone is sent too).
         setup: list[tuple[bytes | int, ...]] = []
-        if config.password is not None:
-            user = () if config.username is None else (config.username.encode(),)
-            setup.append((b"AUTH", *user, config.password.encode()))
+        try:
+            auth = await auth_command_async(config)
+        except BaseException:
+            proto.abort()
+            raise
+        if auth is not None:
+            setup.append(auth)
         if config.db:
             setup.append((b"SELECT", config.db))
         setup += [(b"SCRIPT", b"LOAD", script.source) for script in SCRIPTS]
@@ -132,6 +142,7 @@ class NativeAsyncBackend:
                 # as sent, or the replies are not the ones these commands got.
                 proto.abort()
                 raise cache_error(f"connect failed: SCRIPT LOAD returned {_shown(reply)}", self.server)
+        self._authed_at = loop.time()
         conn: AioConnection = proto
         return conn
 
@@ -182,9 +193,17 @@ class NativeAsyncBackend:
         try:
             if proto is None or self._watch is not None or not proto.usable():
                 proto = await self._live()
-            return await send(proto)
+            if self._reauth:
+                await self._reauth_if_due(proto)
+            reply = await send(proto)
+            if type(reply) is int or not _auth_refused(reply):
+                return reply
+            # NOAUTH (the server no longer holds this connection authenticated): nothing
+            # ran. A new connection asks the credential provider again; once more on it.
+            self._retire(proto)
+            lost: BaseException = NotSent(f"the server replied {_first(reply)}")
         except NotSent as exc:
-            lost: BaseException = exc
+            lost = exc
         except _LOST as exc:
             if not retry_lost_reply:
                 raise self._error(what, key, exc) from exc
@@ -210,6 +229,40 @@ class NativeAsyncBackend:
             return await within(once(), left)
         except _LOST as again:
             raise self._error(f"{what} (retried after a lost reply)", key, again) from again
+
+    async def _reauth_if_due(self, proto: AioConnection) -> None:
+        """reauth_interval: AUTH again on the live connection, with what the provider says
+        now, once the interval has passed (no reconnect). Refused (WRONGPASS) or lost: the
+        connection is retired and NotSent raised, so the call goes on a new connection,
+        which asks the provider again."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._authed_at < self._reauth:
+            return
+        self._authed_at = loop.time()  # the other tasks of this moment do not send it too
+        command = await auth_command_async(self._config)
+        if command is None:
+            return
+        try:
+            reply = await proto.execute(*command)
+        except _LOST as exc:
+            raise NotSent(f"AUTH again: {_describe(exc)}") from exc
+        if isinstance(reply, ReplyError):
+            self._retire(proto)
+            raise NotSent(f"AUTH again: the server replied {reply}")
+
+    def _retire(self, proto: AioConnection) -> None:
+        """No new command on ``proto`` (its authentication was refused): the next call
+        connects anew. Closed once the replies already owed on it have come (a PING's
+        reply comes after them), so no other task's command in flight is cut off."""
+        if self._proto is proto:
+            self._proto = None
+
+        def closed(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: a connection already gone is no news
+            proto.close()
+
+        proto.execute(b"PING").add_done_callback(closed)
 
     async def _primary_moved(self) -> bool:
         """Whether the sentinels now name another primary than the live connection's
@@ -473,6 +526,8 @@ class NativeAsyncBackend:
         if proto is None or not proto.usable():
             proto = await self._connection()
         try:
+            if self._reauth:
+                await self._reauth_if_due(proto)
             pending = proto.pipeline(list(commands))
             return await (pending if timeout is None else within(pending, timeout))
         except _LOST as exc:  # NotSent included: one resend is safe either way
@@ -485,12 +540,20 @@ class NativeAsyncBackend:
         if proto is None or not proto.usable():
             proto = await self._connection()
         try:
+            if self._reauth:
+                await self._reauth_if_due(proto)
             return await proto.execute(*command)
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc
 
     async def link_close(self) -> None:
         await self.close()
+
+    async def link_drop(self) -> None:
+        """Route's answer to NOAUTH/WRONGPASS on this node: a new connection for the next
+        command, which asks the credential provider again."""
+        if self._proto is not None:
+            self._retire(self._proto)
 
     async def close(self) -> None:
         if self.wake_slot is not None:
@@ -504,6 +567,17 @@ class NativeAsyncBackend:
 
 async def _connected(proto: AioConnection) -> None:
     """What connect() sends once connected: nothing (the handshake was the round trip)."""
+
+
+def _auth_refused(reply: object) -> bool:
+    """Whether a reply (or a pipeline's first) says the connection is not authenticated:
+    then every command of the write was refused, none ran."""
+    first = _first(reply)
+    return type(first) is ReplyError and is_auth_refusal(str(first))
+
+
+def _first(reply: object) -> object:
+    return reply[0] if type(reply) is list and reply else reply
 
 
 def _script_serves(reply: object) -> bool:

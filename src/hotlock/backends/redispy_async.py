@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -18,17 +19,19 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    AuthenticationError,
     NoPermissionError,
     NoScriptError,
     ReadOnlyError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import ServerConfig, redispy_tls_kwargs
+from .._credentials import auth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -40,6 +43,7 @@ from .redispy import (
     SCRIPT_LOADED,
     SCRIPT_LOADS,
     SCRIPT_REPLY,
+    AskedProvider,
     HandshakeLost,
     Shape,
     StrayReply,
@@ -52,6 +56,8 @@ from .redispy import (
     is_int,
     is_ok_or_nil,
     is_text,
+    reauth_due,
+    refusal_text,
     reply_serves_script,
     tls_hint,
     tls_refused,
@@ -74,6 +80,20 @@ async def _handshake(conn: Connection) -> None:
         await conn.on_connect()
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    except CacheError:
+        # The credential provider failed: not left open unauthenticated in the pool.
+        await conn.disconnect(nowait=True)
+        raise
+    conn.hotlock_authed = time.monotonic()  # type: ignore[attr-defined]
+
+
+async def reauthenticate(conn: Any, config: ServerConfig) -> None:
+    """hotlock.backends.redispy.reauthenticate on a redis.asyncio connection."""
+    conn.hotlock_authed = time.monotonic()
+    command = await auth_command_async(config)
+    if command is not None:
+        await conn.send_command(*command)
+        await conn.read_response()
 
 
 def stray(conn: Any) -> bool:
@@ -120,9 +140,12 @@ class _Pool:
     of their own: the queue moves as fast as the commands ahead, each bounded by the reply
     timeout, and a long local queue is not a server failure to report as CacheError."""
 
-    def __init__(self, make: Callable[[], Any], limit: int) -> None:
+    def __init__(self, make: Callable[[], Any], limit: int, config: ServerConfig | None = None) -> None:
         self._make = make
         self._limit = limit
+        # reauth_interval: AUTH re-sent on a connection handed out that long after its last.
+        self._config = config
+        self._reauth = 0.0 if config is None else config.reauth_interval
         self._all: list[Any] = []
         self._idle: list[Any] = []
         self._waiters: deque[asyncio.Future[Any]] = deque()
@@ -147,6 +170,9 @@ class _Pool:
             if conn.is_connected and await self._stale(conn):
                 await conn.disconnect(nowait=True)
             await conn.connect()  # nothing to do when connected
+            if reauth_due(conn, self._reauth):
+                assert self._config is not None
+                await reauthenticate(conn, self._config)
         except BaseException:
             self.put(conn)
             raise
@@ -214,6 +240,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
+    if config.credential_provider is not None:
+        # Asked at each new connection (get_credentials_async), as in the sync backend.
+        kwargs["credential_provider"] = AskedProvider(config)
     return kwargs
 
 
@@ -224,6 +253,7 @@ class RedisAsyncLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._config = config
         kind = SSLConnection if config.tls else Connection
         self._pool: Any = aioredis.BlockingConnectionPool(
             max_connections=MAX_CONNECTIONS,
@@ -256,6 +286,12 @@ class RedisAsyncLink:
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         complete = False
         try:
+            if reauth_due(conn, self._config.reauth_interval):
+                try:
+                    await reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    # Refused (WRONGPASS): nothing was sent; Route asks for a new connection.
+                    return [ClusterReplyError(refusal_text(exc))] * len(commands)
             await conn.send_packed_command(conn.pack_commands(commands))
             loop = asyncio.get_running_loop()
             deadline = None if timeout is None else loop.time() + timeout
@@ -267,6 +303,10 @@ class RedisAsyncLink:
                 except ResponseError as exc:
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+                except AuthenticationError as exc:
+                    # NOAUTH, raised mid-read (the connection closed): every command behind
+                    # it was refused too, so each gets it as its reply, for Route.
+                    return replies + [ClusterReplyError(refusal_text(exc))] * (len(commands) - len(replies))
             if stray(conn):
                 raise StrayReply()
             complete = True
@@ -281,6 +321,11 @@ class RedisAsyncLink:
             await self._pool.release(conn)
 
     async def link_close(self) -> None:
+        await self._pool.disconnect()
+
+    async def link_drop(self) -> None:
+        """Route's answer to NOAUTH/WRONGPASS: every connection goes, so the next ones
+        connect and ask the credential provider again."""
         await self._pool.disconnect()
 
 
@@ -313,7 +358,7 @@ class RedisAsyncBackend:
         else:
             connection_class = SSLConnection if config.tls else Connection
             kwargs.update(host=config.host, port=config.port, socket_keepalive=True)
-        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
+        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS, config)
         # Acquires in flight, by token: a release of that token waits for them.
         self._inflight = InFlight(config.display)
         # Set by close(): a call then gets no second try, so the calls close() cancels end.
@@ -350,7 +395,10 @@ class RedisAsyncBackend:
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            if not (retry_lost_reply or isinstance(exc, HandshakeLost)) or tls_refused(exc) or self._closing:
+            # NOAUTH or WRONGPASS (AuthenticationError, the connection closed): nothing ran,
+            # and the new connection asks the credential provider again.
+            safe = retry_lost_reply or isinstance(exc, HandshakeLost | AuthenticationError)
+            if not safe or tls_refused(exc) or self._closing:
                 raise await self._error(what, key, exc) from exc
             left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
             if left < 0.001:

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import ServerConfig, tls_context
+from .._credentials import auth_command
 from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
 from .._waiting import FIRST, Step, Waiting, poll
@@ -292,9 +293,9 @@ class Wakeups:
                     raise
         try:
             sock.settimeout(config.timeout)
-            if config.password is not None or config.username:
-                auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
-                auth.append((config.password or "").encode())
+            # The url's credentials, or the provider's answer now (hotlock._credentials).
+            auth = auth_command(config)
+            if auth is not None:
                 sock.sendall(resp_command(*auth))
                 reader = hiredis.Reader()
                 reply: Any = False

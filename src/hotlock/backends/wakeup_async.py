@@ -24,7 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import ServerConfig, tls_context
+from .._credentials import auth_command_async
 from .._sentinel import PrimaryWatch
+from ..errors import CacheError
 from .retry_async import within
 from .wakeup import LINGER_S, TICK_S, current_pid, resp_command
 
@@ -150,7 +152,7 @@ class AsyncWakeups:
         while not self._closed and self.off is None:
             try:
                 reader, writer = await within(self._connect(), self._config.connect_timeout + self._config.timeout)
-            except (OSError, TimeoutError, ConnectionError) as exc:
+            except (OSError, TimeoutError, ConnectionError, CacheError) as exc:  # CacheError: the credential provider
                 log.debug("wake-ups: cannot connect to %s: %s", self._server, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -180,9 +182,13 @@ class AsyncWakeups:
             # The url's TLS settings, checked as the backend's connections check them.
             tls = tls_context(config.ssl) if config.tls else None
             reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
-        if config.password is not None or config.username:
-            auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
-            auth.append((config.password or "").encode())
+        # The url's credentials, or the provider's answer now (hotlock._credentials).
+        try:
+            auth = await auth_command_async(config)
+        except BaseException:
+            writer.close()
+            raise
+        if auth is not None:
             writer.write(resp_command(*auth))
             parse = hiredis.Reader()
             reply: Any = False
