@@ -1,0 +1,117 @@
+"""What a credential provider costs per new connection: ``python -m bench.credentials``.
+
+On a private server with an ACL user, each path (native and redis-py, sync and async)
+opens ``--n`` new connections one after another (the cache's connections dropped, then one
+lock and unlock, which reconnects first) with the password in the url, then with a
+``credential_provider`` answering the same user and password, then with the provider and
+``reauth_interval`` (long: never due here). Reported: the median over ``--runs`` runs of
+the time of one such reconnect-and-cycle, and of a warm cycle for reference; the
+difference between the url row and the provider row is the provider's cost (its
+get_credentials() call; the AUTH it answers rides in the same round trip as the url's
+would). Prints which backend each row measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import redis
+
+import hotlock
+import hotlock.aio
+
+from .server import start_redis
+
+USER, PASSWORD = "bench", "bench-password"
+
+
+class Provider:
+    def get_credentials(self) -> tuple[str, str]:
+        return (USER, PASSWORD)
+
+
+def _sync(url: str, backend: str, kwargs: dict[str, Any], n: int) -> tuple[float, float]:
+    cache = hotlock.connect(url, backend=backend, **kwargs)
+    try:
+        cache.lock("warm", 10).unlock()
+        started = time.perf_counter()
+        for _ in range(n):
+            cache.lock("warm", 10).unlock()
+        warm = (time.perf_counter() - started) / n
+        total = 0.0
+        for _ in range(n):
+            cache._backend.close()  # every connection dropped: the next call connects
+            started = time.perf_counter()
+            cache.lock("new", 10).unlock()
+            total += time.perf_counter() - started
+        return total / n, warm
+    finally:
+        cache.close()
+
+
+async def _aio(url: str, backend: str, kwargs: dict[str, Any], n: int) -> tuple[float, float]:
+    cache = await hotlock.aio.connect(url, backend=backend, **kwargs)
+    try:
+        await (await cache.lock("warm", 10)).unlock()
+        started = time.perf_counter()
+        for _ in range(n):
+            await (await cache.lock("warm", 10)).unlock()
+        warm = (time.perf_counter() - started) / n
+        total = 0.0
+        for _ in range(n):
+            await cache._backend.close()
+            started = time.perf_counter()
+            await (await cache.lock("new", 10)).unlock()
+            total += time.perf_counter() - started
+        return total / n, warm
+    finally:
+        await cache.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="new connections per run (default 200)")
+    parser.add_argument("--runs", type=int, default=5, help="runs; the median is reported (default 5)")
+    parser.add_argument(
+        "--url-only", action="store_true", help="the url-password rows alone (to measure a build without providers)"
+    )
+    args = parser.parse_args()
+    server = start_redis()
+    try:
+        with redis.Redis(port=server.port) as admin:
+            admin.execute_command("ACL", "SETUSER", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all")
+        plain = f"redis://127.0.0.1:{server.port}/0"
+        with_password = f"redis://{USER}:{PASSWORD}@127.0.0.1:{server.port}/0"
+        modes: list[tuple[str, str, dict[str, Any]]] = [
+            ("url password", with_password, {}),
+            ("credential_provider", plain, {"credential_provider": Provider()}),
+            ("provider + reauth_interval=3600", plain, {"credential_provider": Provider(), "reauth_interval": 3600}),
+        ]
+        if args.url_only:
+            modes = modes[:1]
+        print(f"{'path':<14} {'credentials':<34} {'reconnect+cycle us':>19} {'warm cycle us':>14}")
+        for path in ("native", "redis-py", "aio-native", "aio-redis-py"):
+            backend = path.removeprefix("aio-")
+            for label, url, kwargs in modes:
+                new, warm = [], []
+                for _ in range(args.runs):
+                    if path.startswith("aio-"):
+                        a, w = asyncio.run(_aio(url, backend, kwargs, args.n))
+                    else:
+                        a, w = _sync(url, backend, kwargs, args.n)
+                    new.append(a)
+                    warm.append(w)
+                print(
+                    f"{path:<14} {label:<34} {statistics.median(new) * 1e6:>19.1f} "
+                    f"{statistics.median(warm) * 1e6:>14.1f}"
+                )
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
