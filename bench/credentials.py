@@ -5,10 +5,11 @@ opens ``--n`` new connections one after another (the cache's connections dropped
 lock and unlock, which reconnects first) with the password in the url, then with a
 ``credential_provider`` answering the same user and password, then with the provider and
 ``reauth_interval`` (long: never due here). Reported: the median over ``--runs`` runs of
-the time of one such reconnect-and-cycle, and of a warm cycle for reference; the
-difference between the url row and the provider row is the provider's cost (its
-get_credentials() call; the AUTH it answers rides in the same round trip as the url's
-would). Prints which backend each row measured.
+the time of one such reconnect-and-cycle, and of the reconnect alone (that minus a warm
+cycle of the same run); the difference between the url row and the provider row is the
+provider's cost (its get_credentials() call; the AUTH it answers rides in the same round
+trip as the url's would). Runs are interleaved across paths and modes. Each row names the
+backend it measured.
 """
 
 from __future__ import annotations
@@ -93,21 +94,27 @@ def main() -> None:
         ]
         if args.url_only:
             modes = modes[:1]
-        print(f"{'path':<14} {'credentials':<34} {'reconnect+cycle us':>19} {'warm cycle us':>14}")
-        for path in ("native", "redis-py", "aio-native", "aio-redis-py"):
-            backend = path.removeprefix("aio-")
-            for label, url, kwargs in modes:
-                new, warm = [], []
-                for _ in range(args.runs):
+        paths = ("native", "redis-py", "aio-native", "aio-redis-py")
+        # Interleaved: each run measures every path and mode once, so a load that comes and
+        # goes on a shared machine falls on all of them alike.
+        new: dict[tuple[str, str], list[float]] = {}
+        extra: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.runs):
+            for path in paths:
+                backend = path.removeprefix("aio-")
+                for label, url, kwargs in modes:
                     if path.startswith("aio-"):
                         a, w = asyncio.run(_aio(url, backend, kwargs, args.n))
                     else:
                         a, w = _sync(url, backend, kwargs, args.n)
-                    new.append(a)
-                    warm.append(w)
+                    new.setdefault((path, label), []).append(a)
+                    extra.setdefault((path, label), []).append(a - w)
+        print(f"{'path':<14} {'credentials':<34} {'reconnect+cycle us':>19} {'reconnect only us':>18}")
+        for path in paths:
+            for label, _, _ in modes:
                 print(
-                    f"{path:<14} {label:<34} {statistics.median(new) * 1e6:>19.1f} "
-                    f"{statistics.median(warm) * 1e6:>14.1f}"
+                    f"{path:<14} {label:<34} {statistics.median(new[path, label]) * 1e6:>19.1f} "
+                    f"{statistics.median(extra[path, label]) * 1e6:>18.1f}"
                 )
     finally:
         server.stop()

@@ -587,3 +587,19 @@ def test_sentinel_rotation_and_username_alone(path: str, server_kind: str) -> No
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def test_a_provider_sends_what_the_url_password_sends(path: str) -> None:
+    """Per new connection, a provider costs no command and no round trip: the server gets
+    the same commands, AUTH with the same arguments, as with the password in the url."""
+    seen = []
+    for kwargs, url_auth in (({}, "redis://u:p@"), ({"credential_provider": Provider("u", "p")}, "redis://")):
+        with FakeRedis() as fake:
+            driver = Driver(path, fake.url.replace("redis://", url_auth), **kwargs)
+            try:
+                driver.cycle("k")
+            finally:
+                driver.close()
+            seen.append([c if c[0].upper() == b"AUTH" else c[:1] for c in fake.received])
+    assert seen[0] == seen[1]
+    assert [b"AUTH", b"u", b"p"] in seen[0]
