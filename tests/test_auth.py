@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
+from redis.credentials import StreamingCredentialProvider, UsernamePasswordCredentialProvider
 
 import hotlock
 import hotlock.aio
@@ -603,3 +604,45 @@ def test_a_provider_sends_what_the_url_password_sends(path: str) -> None:
             seen.append([c if c[0].upper() == b"AUTH" else c[:1] for c in fake.received])
     assert seen[0] == seen[1]
     assert [b"AUTH", b"u", b"p"] in seen[0]
+
+
+class Streaming(StreamingCredentialProvider):
+    """A provider in redis-entraid's shape (a redis-py StreamingCredentialProvider with its
+    own get_credentials_async): hotlock asks it at each connection as any other."""
+
+    def __init__(self, username: str, password: str) -> None:
+        self.pair = (username, password)
+        self.asked_async = 0
+
+    def get_credentials(self) -> tuple[str, str]:
+        return self.pair
+
+    async def get_credentials_async(self) -> tuple[str, str]:
+        self.asked_async += 1
+        return self.pair
+
+    def on_next(self, callback: Callable[[Any], None]) -> None:
+        pass
+
+    def on_error(self, callback: Callable[[Exception], None]) -> None:
+        pass
+
+    def is_streaming(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("kind", ["redis-py", "streaming"])
+def test_redis_py_providers_work_as_they_are(path: str, kind: str, server: tuple[RedisServer, redis.Redis]) -> None:
+    """redis-py's own UsernamePasswordCredentialProvider, and a StreamingCredentialProvider
+    (redis-entraid's kind), passed unchanged; the async paths await get_credentials_async."""
+    srv, admin = server
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", *RIGHTS)
+    provider: Any = UsernamePasswordCredentialProvider("app", "pw") if kind == "redis-py" else Streaming("app", "pw")
+    driver = Driver(path, f"redis://127.0.0.1:{srv.port}", credential_provider=provider)
+    try:
+        driver.cycle("k")
+        assert set(users(admin)) == {"app"}
+        if kind == "streaming":
+            assert (provider.asked_async > 0) == is_aio(path)
+    finally:
+        driver.close()
