@@ -123,7 +123,11 @@ class Driver:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
             self._thread.start()
-            self.cache: Any = self.call(lambda: hotlock.aio.connect(url, backend=backend_of(path), **kwargs))
+            try:
+                self.cache: Any = self.call(lambda: hotlock.aio.connect(url, backend=backend_of(path), **kwargs))
+            except BaseException:
+                self._stop()
+                raise
         else:
             self.cache = hotlock.connect(url, backend=backend_of(path), **kwargs)
 
@@ -198,13 +202,18 @@ class Driver:
 
     def close(self) -> None:
         if self.aio:
-            assert self.loop is not None and self._thread is not None
-            self.call(self.cache.close)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
+            try:
+                self.call(self.cache.close)
+            finally:
+                self._stop()
         else:
             self.cache.close()
+
+    def _stop(self) -> None:
+        assert self.loop is not None and self._thread is not None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
 
 
 def rotate(
@@ -646,3 +655,19 @@ def test_redis_py_providers_work_as_they_are(path: str, kind: str, server: tuple
             assert (provider.asked_async > 0) == is_aio(path)
     finally:
         driver.close()
+
+
+class Misshapen:
+    """A provider answering a dict: not the shape, and it holds the secret."""
+
+    def get_credentials(self) -> Any:
+        return {"password": "s3cret-token"}
+
+
+def test_a_provider_answer_of_the_wrong_shape_is_a_cache_error_without_the_secret(path: str) -> None:
+    with (
+        FakeRedis() as fake,
+        pytest.raises(CacheError, match=r"Misshapen\.get_credentials\(\) returned a dict") as info,
+    ):
+        Driver(path, fake.url, credential_provider=Misshapen())
+    assert "s3cret" not in str(info.value)

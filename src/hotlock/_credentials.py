@@ -108,10 +108,12 @@ def _checked(provider: object, found: Any, server: str) -> tuple[str | None, str
         if len(found) == 1:
             return None, found[0]
         return found[0] or None, found[1]
-    # Never shown: it may hold the secret.
+    # Only its shape is shown: it may hold the secret.
+    shape = type(found).__name__
+    if isinstance(found, (tuple, list)):
+        shape += f" of {len(found)} ({', '.join(type(x).__name__ for x in found[:3])})"
     raise cache_error(
-        f"{_named(provider)}.get_credentials() returned a {type(found).__name__}, "
-        "not (username, password) or (password,)",
+        f"{_named(provider)}.get_credentials() returned a {shape}, not (username, password) or (password,) of str",
         server,
     )
 
