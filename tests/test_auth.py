@@ -671,3 +671,36 @@ def test_a_provider_answer_of_the_wrong_shape_is_a_cache_error_without_the_secre
     ):
         Driver(path, fake.url, credential_provider=Misshapen())
     assert "s3cret" not in str(info.value)
+
+
+def test_the_wakeup_subscriber_authenticates_with_the_provider(
+    path: str, server: tuple[RedisServer, redis.Redis]
+) -> None:
+    """A lock_wait that waits starts the wake-up subscriber: its connection asks the
+    provider too (the default user is off here, so it could not subscribe otherwise), and
+    the release wakes the waiter."""
+    srv, admin = server
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", *RIGHTS)
+    provider = Provider("app", "pw")
+    driver = Driver(path, f"redis://127.0.0.1:{srv.port}", credential_provider=provider)
+    try:
+        held = driver.call(lambda: driver.cache.lock("w", 30))
+        waited: list[Any] = []
+
+        def wait() -> None:
+            waited.append(driver.call(lambda: driver.cache.lock_wait("w", 30, wait=20)))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        subscribers: list[dict[str, Any]] = []
+        while not subscribers and time.monotonic() < deadline:
+            subscribers = [c for c in admin.client_list() if c["cmd"] in ("subscribe", "ssubscribe")]
+            time.sleep(0.02)
+        assert subscribers and {c["user"] for c in subscribers} == {"app"}
+        driver.call(held.unlock)
+        waiter.join(20)
+        assert len(waited) == 1
+        driver.call(waited[0].unlock)
+    finally:
+        driver.close()
