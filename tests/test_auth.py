@@ -469,6 +469,31 @@ def test_noauth_on_a_live_connection_asks_again_and_retries_once(path: str, comm
             driver.close()
 
 
+@pytest.mark.parametrize("command", ["set_nx", "incr"])
+def test_noauth_with_url_credentials_reconnects_and_succeeds(path: str, command: str) -> None:
+    """Without a provider, the url's credentials are sent again on the new connection: a
+    server that forgot a connection's authentication (a restart behind a proxy that kept
+    the socket) costs no error, where before every later call on it failed. set_nx and
+    incr, never resent after a lost reply, are resent after NOAUTH: it says they did not run."""
+    with FakeRedis() as fake:
+        driver = Driver(path, fake.url.replace("redis://", "redis://u:p@"), timeout=2.0)
+        try:
+            driver.cycle("warm")
+            conns = fake.connections
+            name = b"SET" if command == "set_nx" else b"INCRBY"
+            fake.on(name, reply=NOAUTH)
+            if command == "set_nx":
+                assert driver.call(lambda: driver.cache.set_nx("once", "1", ttl=10)) is True
+            else:
+                assert driver.call(lambda: driver.cache.incr("count", 5)) == 5
+            assert fake.pending() == 0
+            assert fake.connections == conns + 1
+            assert fake.count(b"AUTH", b"u", b"p") == fake.connections
+            driver.cycle("after")
+        finally:
+            driver.close()
+
+
 def test_wrongpass_on_a_resent_auth_asks_again_on_a_new_connection(path: str) -> None:
     """reauth_interval's AUTH refused (WRONGPASS): the call goes on a new connection whose
     handshake asks the provider again, and succeeds."""
