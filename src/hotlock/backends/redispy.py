@@ -207,6 +207,17 @@ def tls_hint(config: ServerConfig, exc: BaseException) -> str:
     return ""
 
 
+class AuthLost(RedisConnectionError):
+    """NOAUTH or WRONGPASS on a live connection (after its handshake): it is no longer
+    authenticated, so the command did not run, and the connection is closed. Not a refusal
+    at connect (redis-py's AuthenticationError, from the handshake): the call goes once
+    more on a new connection, which asks the credential provider again. Shared with
+    aio/_redispy."""
+
+    def __init__(self, exc: AuthenticationError) -> None:
+        super().__init__(f"the server replied {refusal_text(exc)}")
+
+
 def _handshake(conn: Any) -> None:
     """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
     reply to the call's command."""
@@ -408,7 +419,10 @@ class RedisPyBackend:
         framed = len(commands) > 1
         try:
             if reauth_due(conn, self._config.reauth_interval):
-                reauthenticate(conn, self._config)
+                try:
+                    reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
             conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands))
             deadline = None if timeout is None else time.monotonic() + timeout
             replies: list[Any] = []
@@ -419,6 +433,8 @@ class RedisPyBackend:
                 except ResponseError as exc:
                     replies.append(exc)
                     continue
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)
@@ -504,9 +520,9 @@ class RedisPyBackend:
         except _AMBIGUOUS as exc:
             until = self._retry_until() if retry_until is None else retry_until
             left = min(self._timeout, until - time.monotonic())
-            # NOAUTH or WRONGPASS (redis-py's AuthenticationError, the connection closed):
+            # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
             # nothing ran, and the new connection asks the credential provider again.
-            safe = resend or isinstance(exc, HandshakeLost | AuthenticationError)
+            safe = resend or isinstance(exc, HandshakeLost | AuthLost)
             if left < 0.001 or not safe or tls_refused(exc):
                 raise self._error(what, key, exc) from exc
             try:
@@ -820,8 +836,6 @@ def reply_serves_script(exc: CacheError) -> bool:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
-    if isinstance(exc, AuthenticationError) and getattr(exc, "status_code", None):
-        return f"the server replied {exc.status_code} {exc}"  # NOAUTH, WRONGPASS, as the server put it
     if isinstance(exc, ResponseError):
         # redis-py strips the error code ("OOM", "NOPERM", "READONLY"...) off the text it
         # maps to a class; put it back, so the message reads as the server's reply did.

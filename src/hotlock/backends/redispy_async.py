@@ -44,6 +44,7 @@ from .redispy import (
     SCRIPT_LOADS,
     SCRIPT_REPLY,
     AskedProvider,
+    AuthLost,
     HandshakeLost,
     Shape,
     StrayReply,
@@ -172,7 +173,11 @@ class _Pool:
             await conn.connect()  # nothing to do when connected
             if reauth_due(conn, self._reauth):
                 assert self._config is not None
-                await reauthenticate(conn, self._config)
+                try:
+                    await reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    await conn.disconnect(nowait=True)
+                    raise AuthLost(exc) from exc
         except BaseException:
             self.put(conn)
             raise
@@ -395,9 +400,9 @@ class RedisAsyncBackend:
         try:
             return await fn()
         except _AMBIGUOUS as exc:
-            # NOAUTH or WRONGPASS (AuthenticationError, the connection closed): nothing ran,
-            # and the new connection asks the credential provider again.
-            safe = retry_lost_reply or isinstance(exc, HandshakeLost | AuthenticationError)
+            # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
+            # nothing ran, and the new connection asks the credential provider again.
+            safe = retry_lost_reply or isinstance(exc, HandshakeLost | AuthLost)
             if not safe or tls_refused(exc) or self._closing:
                 raise await self._error(what, key, exc) from exc
             left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
@@ -455,7 +460,10 @@ class RedisAsyncBackend:
         conn = await self._pool.get()
         try:
             await conn.send_packed_command(conn.pack_command(*args), False)
-            reply = await conn.read_response()
+            try:
+                reply = await conn.read_response()
+            except AuthenticationError as exc:
+                raise AuthLost(exc) from exc
             if not shape(reply):
                 raise UnexpectedReply(args, reply)
             if stray(conn):
@@ -484,6 +492,8 @@ class RedisAsyncBackend:
                 except ResponseError as exc:
                     replies.append(exc)
                     continue
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)
