@@ -6,7 +6,8 @@ lock and unlock, which reconnects first) with the password in the url, then with
 ``credential_provider`` answering the same user and password, then with the provider and
 ``reauth_interval`` (long: never due here). Reported: the median over ``--runs`` runs of
 the time of one such reconnect-and-cycle, and of the reconnect alone (that minus a warm
-cycle of the same run); the difference between the url row and the provider row is the
+cycle of the same run), wall time and this process's CPU time (steadier on a loaded
+machine); the difference between the url row and the provider row is the
 provider's cost (its get_credentials() call; the AUTH it answers rides in the same round
 trip as the url's would). Runs are interleaved across paths and modes. Each row names the
 backend it measured.
@@ -35,40 +36,45 @@ class Provider:
         return (USER, PASSWORD)
 
 
-def _sync(url: str, backend: str, kwargs: dict[str, Any], n: int) -> tuple[float, float]:
+Timing = tuple[float, float, float, float]  # wall and CPU of a reconnect+cycle, then of a warm cycle
+
+
+def _sync(url: str, backend: str, kwargs: dict[str, Any], n: int) -> Timing:
     cache = hotlock.connect(url, backend=backend, **kwargs)
     try:
         cache.lock("warm", 10).unlock()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             cache.lock("warm", 10).unlock()
-        warm = (time.perf_counter() - started) / n
-        total = 0.0
+        warm, warm_cpu = (time.perf_counter() - started) / n, (time.process_time() - cpu) / n
+        total = total_cpu = 0.0
         for _ in range(n):
             cache._backend.close()  # every connection dropped: the next call connects
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             cache.lock("new", 10).unlock()
             total += time.perf_counter() - started
-        return total / n, warm
+            total_cpu += time.process_time() - cpu
+        return total / n, total_cpu / n, warm, warm_cpu
     finally:
         cache.close()
 
 
-async def _aio(url: str, backend: str, kwargs: dict[str, Any], n: int) -> tuple[float, float]:
+async def _aio(url: str, backend: str, kwargs: dict[str, Any], n: int) -> Timing:
     cache = await hotlock.aio.connect(url, backend=backend, **kwargs)
     try:
         await (await cache.lock("warm", 10)).unlock()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             await (await cache.lock("warm", 10)).unlock()
-        warm = (time.perf_counter() - started) / n
-        total = 0.0
+        warm, warm_cpu = (time.perf_counter() - started) / n, (time.process_time() - cpu) / n
+        total = total_cpu = 0.0
         for _ in range(n):
             await cache._backend.close()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             await (await cache.lock("new", 10)).unlock()
             total += time.perf_counter() - started
-        return total / n, warm
+            total_cpu += time.process_time() - cpu
+        return total / n, total_cpu / n, warm, warm_cpu
     finally:
         await cache.close()
 
@@ -99,22 +105,28 @@ def main() -> None:
         # goes on a shared machine falls on all of them alike.
         new: dict[tuple[str, str], list[float]] = {}
         extra: dict[tuple[str, str], list[float]] = {}
+        extra_cpu: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.runs):
             for path in paths:
                 backend = path.removeprefix("aio-")
                 for label, url, kwargs in modes:
                     if path.startswith("aio-"):
-                        a, w = asyncio.run(_aio(url, backend, kwargs, args.n))
+                        a, a_cpu, w, w_cpu = asyncio.run(_aio(url, backend, kwargs, args.n))
                     else:
-                        a, w = _sync(url, backend, kwargs, args.n)
+                        a, a_cpu, w, w_cpu = _sync(url, backend, kwargs, args.n)
                     new.setdefault((path, label), []).append(a)
                     extra.setdefault((path, label), []).append(a - w)
-        print(f"{'path':<14} {'credentials':<34} {'reconnect+cycle us':>19} {'reconnect only us':>18}")
+                    extra_cpu.setdefault((path, label), []).append(a_cpu - w_cpu)
+        print(
+            f"{'path':<14} {'credentials':<34} {'reconnect+cycle us':>19} {'reconnect only us':>18} "
+            f"{'reconnect client CPU us':>24}"
+        )
         for path in paths:
             for label, _, _ in modes:
                 print(
                     f"{path:<14} {label:<34} {statistics.median(new[path, label]) * 1e6:>19.1f} "
-                    f"{statistics.median(extra[path, label]) * 1e6:>18.1f}"
+                    f"{statistics.median(extra[path, label]) * 1e6:>18.1f} "
+                    f"{statistics.median(extra_cpu[path, label]) * 1e6:>24.1f}"
                 )
     finally:
         server.stop()
