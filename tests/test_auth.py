@@ -729,3 +729,16 @@ def test_the_wakeup_subscriber_authenticates_with_the_provider(
         driver.call(waited[0].unlock)
     finally:
         driver.close()
+
+
+def test_a_lazy_cache_asks_the_provider_at_its_first_call(path: str) -> None:
+    provider = Provider("app", "pw")
+    with FakeRedis() as fake:
+        driver = Driver(path, fake.url, credential_provider=provider, lazy=True)
+        try:
+            assert provider.asked == 0 and fake.connections == 0
+            driver.cycle("k")
+            assert provider.asked >= 1
+            assert fake.count(b"AUTH", b"app", b"pw") == fake.connections >= 1
+        finally:
+            driver.close()
