@@ -633,7 +633,7 @@ cdef class NativeBackend:
         then asks the provider again."""
         cdef redisReply *r = NULL
         conn.authed = _monotonic()
-        auth = auth_command(self._config)
+        auth = reauth_command(self._config)  # None also when the provider failed (logged)
         if auth is None:
             return 0
         _append_args(conn.ctx, auth)

@@ -742,3 +742,32 @@ def test_a_lazy_cache_asks_the_provider_at_its_first_call(path: str) -> None:
             assert fake.count(b"AUTH", b"app", b"pw") == fake.connections >= 1
         finally:
             driver.close()
+
+
+def test_a_provider_failing_at_a_reauth_fails_no_call(path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The provider down when AUTH is due again on a live connection: that connection is
+    still authenticated, so the calls go on; the failure is a WARNING naming the provider.
+    A new connection (the server closed the old one) then fails as CacheError."""
+    provider = Provider("app", "pw")
+    with FakeRedis() as fake:
+        driver = Driver(path, fake.url, credential_provider=provider, reauth_interval=0.05, timeout=2.0)
+        try:
+            driver.cycle("warm")
+            conns, auths = fake.connections, fake.count(b"AUTH")
+
+            def down() -> tuple[str, str]:
+                raise OSError("token service down")
+
+            provider.get_credentials = down  # type: ignore[method-assign]
+            with caplog.at_level("WARNING", logger="hotlock"):
+                for _ in range(3):
+                    time.sleep(0.08)
+                    driver.cycle("k")
+            assert fake.connections == conns and fake.count(b"AUTH") == auths
+            assert "AUTH not re-sent" in caplog.text and "credential_provider Provider" in caplog.text
+            fake.cut_all()
+            with pytest.raises(CacheError, match="credential_provider Provider"):
+                for _ in range(3):
+                    driver.cycle("k")
+        finally:
+            driver.close()

@@ -17,6 +17,7 @@ caller can tell which part failed.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Protocol
 
@@ -31,7 +32,12 @@ __all__ = [
     "auth_command_async",
     "check_credentials",
     "is_auth_refusal",
+    "reauth_command",
+    "reauth_command_async",
 ]
+
+
+log = logging.getLogger("hotlock")
 
 
 class CredentialProvider(Protocol):
@@ -174,3 +180,26 @@ async def auth_command_async(config: Credentialed) -> tuple[bytes, ...] | None:
     if config.credential_provider is not None:
         return auth_args(*await ask_async(config.credential_provider, config.display))
     return auth_args(config.username, config.password)
+
+
+def reauth_command(config: Credentialed) -> tuple[bytes, ...] | None:
+    """The AUTH command to send again on a live connection (reauth_interval), or None.
+
+    The provider failing here fails no call: the connection is still authenticated with
+    what it was given before, so the call goes on, and the failure is logged (a WARNING)
+    and tried again at the next interval. A new connection cannot do without the
+    provider's answer: there its failure is the call's CacheError (auth_command)."""
+    try:
+        return auth_command(config)
+    except CacheError as exc:
+        log.warning("AUTH not re-sent (the connection keeps its credentials): %s", exc)
+        return None
+
+
+async def reauth_command_async(config: Credentialed) -> tuple[bytes, ...] | None:
+    """reauth_command() in a coroutine."""
+    try:
+        return await auth_command_async(config)
+    except CacheError as exc:
+        log.warning("AUTH not re-sent (the connection keeps its credentials): %s", exc)
+        return None

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, tls_context
-from .._credentials import auth_command_async, is_auth_refusal
+from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -239,7 +239,7 @@ class NativeAsyncBackend:
         if loop.time() - self._authed_at < self._reauth:
             return
         self._authed_at = loop.time()  # the other tasks of this moment do not send it too
-        command = await auth_command_async(self._config)
+        command = await reauth_command_async(self._config)  # None also when the provider failed (logged)
         if command is None:
             return
         try:

@@ -34,7 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import ServerConfig, redispy_tls_kwargs
-from .._credentials import ask, ask_async, auth_command
+from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
     UNDETECTED,
@@ -269,7 +269,7 @@ def reauthenticate(conn: Any, config: ServerConfig) -> None:
     no reconnect. A refusal (WRONGPASS) is redis-py's AuthenticationError, which closes the
     connection; the call then goes once more on a new one, which asks again (_call)."""
     conn.hotlock_authed = time.monotonic()
-    command = auth_command(config)
+    command = reauth_command(config)  # None also when the provider failed (logged)
     if command is not None:
         conn.send_command(*command)
         conn.read_response()

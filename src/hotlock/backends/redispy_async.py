@@ -31,7 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import ServerConfig, redispy_tls_kwargs
-from .._credentials import auth_command_async
+from .._credentials import reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -91,7 +91,7 @@ async def _handshake(conn: Connection) -> None:
 async def reauthenticate(conn: Any, config: ServerConfig) -> None:
     """hotlock.backends.redispy.reauthenticate on a redis.asyncio connection."""
     conn.hotlock_authed = time.monotonic()
-    command = await auth_command_async(config)
+    command = await reauth_command_async(config)  # None also when the provider failed (logged)
     if command is not None:
         await conn.send_command(*command)
         await conn.read_response()
