@@ -771,3 +771,40 @@ def test_a_provider_failing_at_a_reauth_fails_no_call(path: str, caplog: pytest.
                     driver.cycle("k")
         finally:
             driver.close()
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[Any]:
+    """A TLS server (the sync native client on its TLS build, the others through Python's ssl)."""
+    import tempfile
+    from pathlib import Path
+
+    from .tls import Pki, start_tls_redis
+
+    with tempfile.TemporaryDirectory(prefix="hotlock-auth-pki-") as d:
+        server = start_tls_redis(Pki.make(Path(d)), "auth", "DNS:localhost")
+        yield server
+        server.stop()
+
+
+def test_over_tls_the_provider_and_reauth_work_alike(path: str, tls_server: Any) -> None:
+    """rediss://: the provider asked at each connection, AUTH re-sent on the live one, and a
+    rotation with the user's connections killed costs no error."""
+    admin = tls_server.plain.client()
+    admin.execute_command("ACL", "SETUSER", "tlsapp", "reset", "on", ">t-one", *RIGHTS)
+    provider = Provider("tlsapp", "t-one")
+    url = tls_server.url(ssl_ca_certs=str(tls_server.ca))
+    driver = Driver(path, url, credential_provider=provider, reauth_interval=0.05, timeout=2.0)
+    try:
+        driver.cycle("k")
+        auths = stat(admin, "auth")
+        time.sleep(0.1)
+        driver.cycle("k")
+        assert stat(admin, "auth") > auths
+        rotate(admin, provider, "tlsapp", "t-one", "t-two")
+        for _ in range(3):
+            driver.cycle("k")
+        assert "tlsapp" in {c["user"] for c in admin.client_list()}
+    finally:
+        driver.close()
+        admin.execute_command("ACL", "DELUSER", "tlsapp")
