@@ -24,7 +24,7 @@ TOOLS  := .venv-tools
 # packaging suites run on the main Python only (make test).
 BEHAVIOUR_TESTS := tests/test_behaviour.py tests/test_aio.py tests/test_validation.py tests/test_locked.py
 
-.PHONY: deps venv vendor tools compile test test-unit test-slow stress test-pure test-pythons dist dist-check lint docs bench demo clean
+.PHONY: deps venv vendor tools compile test test-unit test-slow stress failover test-pure test-pythons dist dist-check lint docs bench demo clean
 
 # System packages, only when something is missing (so a warm machine pays nothing).
 deps:
@@ -160,6 +160,17 @@ STRESS_SECONDS ?= 90
 stress: compile
 	HOTLOCK_REQUIRE_EXTENSIONS=1 HOTLOCK_STRESS_SECONDS=$(STRESS_SECONDS) HOTLOCK_TEST_SERVERS=redis \
 	  $(PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_races.py
+
+# The failover harness (tests/failover/, docs/caveats.md has its table): per cell (a fault,
+# a setting, a Sentinel detection time) a primary, replicas, three sentinels and clients on
+# both sides, each in a network namespace of its own, a seeded workload through the fault
+# and a checker over the histories; FAILOVER_SEEDS seeds per cell, then each setting's
+# acquire latency with no fault. Writes build/failover/table.md and results.json. Linux,
+# as root (ip netns); everything runs inside namespaces it creates and deletes. About 30
+# minutes. make test runs its short form (tests/test_failover.py).
+FAILOVER_SEEDS ?= 3
+failover: compile
+	HOTLOCK_REQUIRE_EXTENSIONS=1 $(PY) -m tests.failover --seeds $(FAILOVER_SEEDS) --out build/failover
 
 # The sans-IO cores (the cluster's Route, the renewer's Schedule, the wait machine) on
 # scripted replies and a fake clock: no server, no socket, no extension, about a second.

@@ -147,6 +147,7 @@ cdef class AioCore:
     cdef double _timeout
     cdef double _progress_at
     cdef bint _closed
+    cdef bint _retiring  # retire(): closed to new commands, open until the written ones have replies
     cdef bint _timed_out
     cdef str _why  # why this side gave up on the connection, when it did
     cdef object _reply_error
@@ -265,6 +266,8 @@ cdef class AioCore:
             if reply == NULL:
                 if hotlock_reader_pending(self._reader) > AIO_MAX_PENDING:
                     self._broken(f"a reply larger than {AIO_MAX_PENDING} bytes")
+                elif self._retiring and not self._waiters and self._transport is not None:
+                    self._transport.close()  # retired, and every written command answered
                 return
             try:
                 value = _aio_reply(<redisReply *>reply, self._reply_error, &alien)
@@ -300,7 +303,7 @@ cdef class AioCore:
 
     def _check_timeout(self):
         self._timer = None
-        if self._closed or not self._waiters:
+        if (self._closed and not self._retiring) or not self._waiters:
             return
         now = self._loop.time()
         if len(self._waiters) == self._unflushed:
@@ -404,6 +407,19 @@ cdef class AioCore:
         for w in waiters:
             if not w.fut.done():
                 w.fut.set_exception(self._not_sent(why))
+
+    def retire(self):
+        """Take no new command (a transient reply: the next goes on a new connection, see
+        hotlock._transient), and close once every command already queued has its reply:
+        the other tasks' calls on this connection lose nothing."""
+        if self._gen != _fork_gen:
+            self.close()
+            return
+        self._flush()
+        self._closed = True
+        self._retiring = True
+        if not self._waiters and self._transport is not None:
+            self._transport.close()
 
     def abort(self):
         """Drop the connection now (READONLY: a demoted primary is not to be used again)."""

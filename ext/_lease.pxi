@@ -452,6 +452,8 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
             ok = (<NativeBackend>owner)._extend(name, token, ms)
         else:
             ok = _router_of(owner)._extend(name, token, ms)
+    except Unreplicated as short:  # wait_replicas: the extend ran, too few replicas confirmed it
+        raise self._unreplicated(short, sent) from None
     except CacheError as error:
         if meter is not None:  # metrics hook
             meter.failed(self, "extend", error)

@@ -34,9 +34,12 @@ from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel
 from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, held_value
 from hotlock._sentinel import PrimaryWatch
+from hotlock._transient import Retrying as _Retrying
+from hotlock._transient import code as _transient_code
+from hotlock._transient import pause_s as _transient_pause
 from hotlock._waiting import POLL_FIRST
 from hotlock.backends.wakeup import slot as _wakeup_slot
-from hotlock.errors import CacheError, LinkLost, ReplyError, cache_error
+from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
 
 
 cdef extern from "compat.h" nogil:

@@ -349,10 +349,23 @@ cdef struct _Retry:
     double limit  # > 0 once retrying: the timeout in effect for the retry's round trips
     bint resend  # the call's own commands may be sent twice
     bint spent  # the one retry has been used
+    int transient  # resends after a transient reply (hotlock._transient) so far
 
 
-cdef inline str _tried(str what, _Retry *rule):
-    return f"{what} (retried after a lost reply)" if rule.spent else what
+cdef str _tried(str what, _Retry *rule):
+    if rule.spent:
+        what = f"{what} (retried after a lost reply)"
+    if rule.transient:
+        # The same words as every other path's (hotlock._transient.Retrying.tried).
+        tried = _Retrying()
+        tried.attempts = rule.transient
+        what = tried.tried(what)
+    return what
+
+
+class _TransientReply(Exception):
+    """A handshake command (SCRIPT LOAD on a loading server, say) got a transient reply:
+    nothing of the call ran, and the connection is gone (see NativeBackend._reconnect)."""
 
 
 cdef class NativeBackend:
@@ -385,6 +398,10 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
+    # What an extend passes _scripts as its plain: -1 (the dialect's), or _PLAIN_NONE under
+    # wait_replicas, where the script takes a waiter's mark and permits as they are, so one
+    # write carries every extend of a call and the one WAIT behind them.
+    cdef int _extend_as
     cdef readonly object _wakeups  # hotlock.backends.wakeup.Slot (the wake-up subscriber), or None: wakeups=False
     cdef void *_ssl_ctx  # rediss://: the SSL_CTX every connection's handshake uses; else NULL
     cdef bint _check_host  # rediss://: the certificate must name the host connected to
@@ -428,6 +445,7 @@ cdef class NativeBackend:
         self._conns = weakref.WeakSet()
         self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
         self._plain = _PLAIN_NONE
+        self._extend_as = _PLAIN_NONE if self._wait_replicas else -1
         self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
         cdef _Retry rule = self._rule(0.0, False)
@@ -483,7 +501,34 @@ cdef class NativeBackend:
         rule.limit = 0.0
         rule.resend = resend
         rule.spent = False
+        rule.transient = 0
         return rule
+
+    cdef bint _transient_pause(self, _Conn conn, _Retry *rule, str text) except -1:
+        """After a transient reply (the command did not run; hotlock._transient): drop the
+        connection it came on (READONLY: every connection of this backend, the other
+        threads' included, which their calls drop as they end), sleep the backoff that
+        hotlock._transient gives, the GIL released, and cap the next round trips at what
+        is left. False when the call's own timeout leaves no time for another try."""
+        cdef double pause_ms
+        if text.startswith("the server replied READONLY"):
+            for other in list(self._conns):
+                if other is not conn:
+                    _close(<_Conn>other)
+        if conn.ctx is not NULL:
+            _drop(conn)
+        # Pauses end by the call's own timeout (rule.until less the one reply timeout
+        # kept for the last try), as on every path.
+        pause = _transient_pause(rule.transient, rule.until - self._timeout - _monotonic())
+        if pause is None:
+            return False
+        rule.transient += 1
+        pause_ms = <double>pause * 1000.0
+        with nogil:
+            _sleep_ms(pause_ms)
+        left = rule.until - _monotonic()
+        rule.limit = left if left < self._timeout else self._timeout
+        return True
 
     cdef bint _may_retry(self, _Retry *rule) noexcept:
         """After a lost reply: whether the call tries once more (see _Retry); if so, the
@@ -531,21 +576,31 @@ cdef class NativeBackend:
             # connection is dropped, and the connect below asks the provider anew).
             self._reauthenticate(conn)
         if conn.ctx is NULL:
-            while True:
-                lost = self._connect(conn, _tried(what, rule), key, rule.limit)
-                if lost is None:
-                    break
-                # The handshake's reply was lost: it sent nothing of the call, so any call
-                # may connect again under its rule.
-                if not self._may_retry(rule):
-                    if self._ssl_ctx is NULL and not self._unix and rule.spent and (
-                            "reset by peer" in lost or "closed the connection" in lost):
-                        # A TLS port hangs up on plaintext at its first bytes, every time.
-                        lost += " (if that port speaks TLS, the url must be rediss://)"
-                    raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
+            self._reconnect(conn, what, key, rule)
         elif rule.limit > 0.0:
             redisSetTimeout(conn.ctx, _timeval(rule.limit))
         return 0
+
+    cdef int _reconnect(self, _Conn conn, str what, bytes key, _Retry *rule) except -1:
+        """Connect conn under the call's rule: a lost handshake reply and a transient reply
+        to the handshake (it sent nothing of the call) connect again while the rule allows."""
+        while True:
+            try:
+                lost = self._connect(conn, _tried(what, rule), key, rule.limit)
+            except _TransientReply as exc:
+                if self._transient_pause(conn, rule, exc.args[0]):
+                    continue
+                raise cache_error(f"{_tried(what, rule)} failed: {exc.args[1]}", self.server, key) from None
+            if lost is None:
+                return 0
+            # The handshake's reply was lost: it sent nothing of the call, so any call
+            # may connect again under its rule.
+            if not self._may_retry(rule):
+                if self._ssl_ctx is NULL and not self._unix and rule.spent and (
+                        "reset by peer" in lost or "closed the connection" in lost):
+                    # A TLS port hangs up on plaintext at its first bytes, every time.
+                    lost += " (if that port speaks TLS, the url must be rediss://)"
+                raise cache_error(f"{_tried(what, rule)} failed: {lost}", self.server, key)
 
     cdef str _connect(self, _Conn conn, str what, bytes key, double limit):
         """Connect and send the handshake. None when ready; the text of a lost handshake
@@ -677,6 +732,8 @@ cdef class NativeBackend:
                     # Unusable (wrong password, no such db, no SCRIPT permission): drop it
                     # so the next call starts from a fresh connect.
                     _drop(conn)
+                    if _transient_code(r.str[:r.len]) is not None:
+                        raise _TransientReply(text, f"{names[i]}: {text}")
                     raise cache_error(f"{what} failed: {names[i]}: {text}", self.server, key)
                 if i >= n - len(_SOURCES) and (
                     r.type != REDIS_REPLY_STRING or r.str[:r.len] != _SHAS[i - (n - len(_SOURCES))]
@@ -724,8 +781,8 @@ cdef class NativeBackend:
         the calls that did not run (a release that ran must not run twice). A lost reply
         follows the call's rule (see _Retry): a lost handshake or reload reply reconnects
         and goes on; a lost reply to the calls sends them once more as they were when
-        rule.resend. Under wait_replicas a WAIT rides in the same write as the acquires;
-        too few replicas undoes them.
+        rule.resend. Under wait_replicas a WAIT rides in the same write as the acquires
+        or the extends; too few replicas undoes them (see _undo).
 
         On a server with compare-and-set (self._plain), extend and release go as plain
         commands (_append_plain) through this same loop: the same batching and lost-reply
@@ -738,7 +795,9 @@ cdef class NativeBackend:
         cdef bint single = n == 1 and type(keys) is bytes
         # The acquire is ACQUIRE or one of its waiting forms: anything but extend and release.
         cdef bint acquire = sha is not _SHA_EXTEND and sha is not _SHA_RELEASE
-        cdef bint wait = self._wait_replicas > 0 and acquire
+        # WAIT confirms the writes made before it on its own connection: behind acquires and
+        # extends (a renewal the replicas never saw renews nothing after a failover).
+        cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
         cdef bint reauthed = False  # the one reconnect after NOAUTH/WRONGPASS is spent
         cdef long long replicas = 0
@@ -786,6 +845,7 @@ cdef class NativeBackend:
                         continue
                     raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, err_key)
                 error = None
+                transient = None
                 missing = 0
                 refused = 0
                 j = 0
@@ -804,6 +864,11 @@ cdef class NativeBackend:
                         missing += 1
                     elif not reauthed and _auth_refused(r):
                         refused += 1
+                    elif r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
+                        # It did not run: resent (todo[i] stays) after _transient_pause.
+                        if transient is None:
+                            transient = (f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}",
+                                         keys if single else keys[i])
                     elif error is None:
                         error = (self._reply_error(conn, r), keys if single else keys[i])
                     freeReplyObject(r)
@@ -823,10 +888,19 @@ cdef class NativeBackend:
                     reauthed = True
                     _drop(conn)
                     continue
+                if transient is not None:
+                    if not self._transient_pause(conn, &rule, transient[0]):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {transient[0]}", self.server, transient[1])
+                    continue  # on a new connection, whose handshake loads the scripts
                 if missing == 0:
                     break
                 reloaded = True
-                lost = self._send(conn, [], what, err_key)
+                try:
+                    lost = self._send(conn, [], what, err_key)
+                except _TransientReply as exc:
+                    if not self._transient_pause(conn, &rule, exc.args[0]):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {exc.args[1]}", self.server, err_key) from None
+                    continue
                 # A lost reload reply: the reconnect's handshake loads the scripts, and
                 # only the calls that did not run go again.
                 if lost is not None and not self._may_retry(&rule):
@@ -838,25 +912,34 @@ cdef class NativeBackend:
                 free(replies)
                 free(todo)
         if wait and replicas < self._wait_replicas:
-            self._undo(keys, tokens, n, values, replicas, what, err_key)
+            self._undo(keys, tokens, n, values, replicas, what, err_key, acquire)
         return 0
 
     cdef int _undo(self, object keys, object tokens, Py_ssize_t n, long long *values, long long replicas,
-                   str what, bytes err_key) except -1:
-        """Under wait_replicas: release what too few replicas confirmed, then raise."""
+                   str what, bytes err_key, bint acquire) except -1:
+        """Under wait_replicas: release what too few replicas confirmed, then raise: an
+        acquire's CacheError (the caller holds nothing), or Unreplicated for extends that
+        ran (their leases are lost; an extend that found the key gone wrote nothing to
+        confirm). Released rather than left to the TTL either way: the caller is told it
+        holds nothing, so nobody should wait for a key no one holds."""
         if n == 1 and type(keys) is bytes:
             keys = [keys]
             tokens = [tokens]
         held = [i for i in range(n) if values[i] > 0]
+        if not acquire and not held:
+            return 0
         if held:
             try:
                 # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
-                self.release_many([keys[i] for i in held], [held_value(tokens[i], values[i]) for i in held])
+                self.release_many([keys[i] for i in held],
+                                  [held_value(tokens[i], values[i]) if acquire else tokens[i] for i in held])
             except CacheError:
                 pass
-        raise cache_error(
-            f"{what} undone: {replicas} of {self._wait_replicas} replicas confirmed it "
-            f"within {self._wait_timeout_ms} ms (wait_replicas)", self.server, err_key)
+        if not acquire:
+            raise unconfirmed_extends(what, [values[i] > 0 for i in range(n)], replicas, self._wait_replicas,
+                                      self._wait_timeout_ms)
+        raise cache_error(unreplicated(what, replicas, self._wait_replicas, self._wait_timeout_ms),
+                          self.server, err_key)
 
     cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
                     int plain=-1):
@@ -908,8 +991,17 @@ cdef class NativeBackend:
                     r = NULL
                     _drop(conn)
                     continue
-                self._settle(conn, &rule)
-                return self._py_command_reply(conn, r)
+                if r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
+                    # It did not run, so even SET NX and INCRBY may go again (hotlock._transient).
+                    text = f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}"
+                    freeReplyObject(r)
+                    r = NULL
+                    if not self._transient_pause(conn, &rule, text):
+                        raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, key)
+                    continue
+                break
+            self._settle(conn, &rule)
+            return self._py_command_reply(conn, r)
         finally:
             if r is not NULL:
                 freeReplyObject(r)
@@ -1021,7 +1113,7 @@ cdef class NativeBackend:
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
-        cdef int plain = _PLAIN_NONE if _permit(token) else -1
+        cdef int plain = _PLAIN_NONE if _permit(token) else self._extend_as
         try:
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
         except CacheError as exc:
@@ -1037,7 +1129,7 @@ cdef class NativeBackend:
         return value != 0
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
-        plain = _PLAIN_NONE if _any_by_script(tokens) else -1
+        plain = _PLAIN_NONE if _any_by_script(tokens) else self._extend_as
         try:
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
         except CacheError as exc:

@@ -561,8 +561,16 @@ def test_killed_primary(redis_backend: str, spare_cluster: Cluster) -> None:
         # The replica had the old holder's key: it is still held, and still his.
         with pytest.raises(LockNotAcquired):
             cache.lock(dead_keys[0], ttl=5)
-        old_holder.extend(ttl=10)
-        assert old_holder.unlock() is True
+        assert cluster.client(cluster.owner_of(lock_name(dead_keys[0]))).get(lock_name(dead_keys[0])) == (
+            old_holder._token
+        )
+        # Renewals are confirmed as acquires are, and the promoted primary has no replica
+        # left to confirm one: the extend is a lost lease, and the key is released.
+        with pytest.raises(hotlock.LockLost, match="0 of 1 replicas"):
+            old_holder.extend(ttl=10)
+        assert old_holder.unlock() is False
+        with cache.lock(dead_keys[0], ttl=5):
+            pass
         cache.close()
         confirmed.close()
     finally:
@@ -832,6 +840,96 @@ def test_wait_replicas_waits_on_the_keys_own_shard(
             cache.lock_many(keys, ttl=10)
     for key in keys:
         assert redis_cluster.client(redis_cluster.owner_of(lock_name(key))).exists(lock_name(key)) == 0
+
+
+def _waits(cluster: Cluster, port: int) -> int:
+    """WAIT commands the node at ``port`` has run so far (INFO commandstats)."""
+    return int(cluster.client(port).info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def _acknowledged(cluster: Cluster, primary: int) -> None:
+    """Until the primary's replica is linked again and acknowledges a write."""
+    cluster.wait_synced()
+    side = cluster.client(primary)
+    deadline = time.monotonic() + 30
+    while int(side.wait(1, 100)) < 1:
+        assert time.monotonic() < deadline, "the replica did not come back"
+        side.set(b"hotlock-test-ack", 1)
+
+
+@contextlib.contextmanager
+def _one_shard_unconfirmed(cluster: Cluster) -> Iterator[tuple[int, int]]:
+    """(a primary whose replica is cut off while inside, another primary); afterwards the
+    replica runs, linked and caught up again."""
+    cluster.wait_synced()
+    primary, other = cluster.primary_ports()[:2]
+    replica = int(cluster.client(primary).info("replication")["slave0"]["port"])
+    try:
+        with _replica_cut_off(cluster, primary, replica):
+            yield primary, other
+    finally:
+        _acknowledged(cluster, primary)
+
+
+def test_wait_replicas_confirms_renewals_on_the_node_that_took_them(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """An extend is confirmed by a WAIT to the key's own primary, one per node per batch.
+    With one shard's replica cut off, the extends there are lost (LockLost, released) and
+    the other shard's stand."""
+    cluster = redis_cluster
+    primary, other = cluster.primary_ports()[:2]
+    cut, kept = keys_on(cluster, primary, 2, "rc"), keys_on(cluster, other, 1, "rk")
+    with hotlock.connect(cluster_url, backend=redis_backend, wait_replicas=1, wait_timeout=0.2, timeout=2) as cache:
+        one, batched = cache.lock(cut[0], ttl=30), cache.lock(cut[1], ttl=30)
+        elsewhere = cache.lock(kept[0], ttl=30)
+        before = {p: _waits(cluster, p) for p in (primary, other)}
+        assert cache.extend_many([one, batched, elsewhere], ttl=30) == [True, True, True]
+        assert {p: _waits(cluster, p) - before[p] for p in before} == {primary: 1, other: 1}
+        with _one_shard_unconfirmed(cluster):
+            with pytest.raises(hotlock.LockLost, match=rf"extend undone: 0 of 1 replicas of [\d.]+:{primary}"):
+                one.extend(30)
+            assert one.lost
+            assert cache.extend_many([batched, elsewhere], ttl=30) == [False, True]
+            assert batched.lost and not elsewhere.lost
+        for key in cut:
+            assert cluster.client(primary).exists(lock_name(key)) == 0  # released, not left to its TTL
+        assert cluster.client(other).pttl(lock_name(kept[0])) > 20_000
+        assert elsewhere.unlock() is True
+
+
+def test_async_wait_replicas_confirms_renewals_on_the_node_that_took_them(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    cluster = redis_cluster
+    if redis_backend == "native" and native_aio()[0] is None:
+        pytest.fail(f"the native async backend is not live: {native_aio()[1]}")
+    primary, other = cluster.primary_ports()[:2]
+    cut, kept = keys_on(cluster, primary, 2, "arc"), keys_on(cluster, other, 1, "ark")
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(
+            cluster_url,
+            backend=redis_backend,  # type: ignore[arg-type]
+            wait_replicas=1,
+            wait_timeout=0.2,
+            timeout=2,
+        ) as cache:
+            one, batched = await cache.lock(cut[0], ttl=30), await cache.lock(cut[1], ttl=30)
+            elsewhere = await cache.lock(kept[0], ttl=30)
+            before = {p: _waits(cluster, p) for p in (primary, other)}
+            assert await cache.extend_many([one, batched, elsewhere], ttl=30) == [True, True, True]
+            assert {p: _waits(cluster, p) - before[p] for p in before} == {primary: 1, other: 1}
+            with _one_shard_unconfirmed(cluster):
+                with pytest.raises(hotlock.LockLost, match=rf"extend undone: 0 of 1 replicas of [\d.]+:{primary}"):
+                    await one.extend(30)
+                assert await cache.extend_many([batched, elsewhere], ttl=30) == [False, True]
+                assert one.lost and batched.lost and not elsewhere.lost
+            assert await elsewhere.unlock() is True
+
+    asyncio.run(main())
+    for key in cut:
+        assert cluster.client(primary).exists(lock_name(key)) == 0
 
 
 def test_noscript_from_any_node_is_recovered(rcache: Cache, redis_cluster: Cluster) -> None:

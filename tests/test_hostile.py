@@ -147,6 +147,13 @@ SITES: dict[str, Site] = {
     "set_nx": Site((b"SET",), b"+OK\r\n", lambda c, _: c.set_nx("s", b"v", 5)),
     "incr": Site((b"INCRBY",), b":3\r\n", lambda c, _: c.incr("n", 3)),
     "wait_replicas": Site((b"WAIT",), ONE, lambda c, _: c.lock("k"), connect_kwargs={"wait_replicas": 1}),
+    "wait_replicas-extend": Site(
+        (b"WAIT",),
+        ONE,
+        lambda _, lock: lock.extend(5),
+        setup=lambda c: c.lock("k"),
+        connect_kwargs={"wait_replicas": 1},
+    ),
     "handshake-script-load": Site((b"SCRIPT", b"LOAD"), b"", lambda c, _: None, in_connect=True),
     "handshake-info": Site((b"INFO",), b"", lambda c, _: None, in_connect=True),
 }

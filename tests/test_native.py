@@ -662,16 +662,20 @@ def test_native_acl_user_password_and_db(server_kind: str) -> None:
 def test_native_readonly_is_a_cache_error_that_drops_the_connection(redis_server: RedisServer) -> None:
     replica = start_redis("--replicaof", "127.0.0.1", str(redis_server.port), kind=redis_server.kind)
     try:
-        cache = hotlock.connect(replica.url, backend="native")
+        cache = hotlock.connect(replica.url, backend="native", timeout=0.5)
         connections = connections_received(replica)
         with pytest.raises(CacheError, match="READONLY") as info:
             cache.lock("ro", ttl=5)
         assert not isinstance(info.value, LockNotAcquired)
+        # Resent on a new connection each time, for the call's timeout (hotlock._transient).
+        assert "retried" in str(info.value)
+        after = connections_received(replica)
+        assert after > connections + 1
         # The demoted server is promoted (as after a failover the address now leads to a
         # primary): the next call reconnects and succeeds.
         replica.client().execute_command("REPLICAOF", "NO", "ONE")
         lock = cache.lock("ro", ttl=5)
-        assert connections_received(replica) == connections + 1
+        assert connections_received(replica) == after + 1
         assert lock.unlock() is True
         cache.close()
     finally:

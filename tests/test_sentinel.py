@@ -17,13 +17,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import redis
 
 import hotlock
 import hotlock.aio
-from hotlock import CacheError, LockNotAcquired
+from hotlock import CacheError, LockLost, LockNotAcquired
 from hotlock._config import parse_url
 from hotlock.backends.native import native_aio
 
@@ -399,6 +400,52 @@ def test_wait_replicas_closes_the_simple_two_holder_window(redis_backend: str, p
                 b.lock("invoice-1", ttl=30)
         finally:
             b.close()
+    finally:
+        a.close()
+
+
+def test_wait_replicas_confirms_renewals_under_sentinel(redis_backend: str, proxied_topology: Topology) -> None:
+    """A lease confirmed before the replica's link is cut is not renewed past the cut:
+    the isolated primary's extend is unconfirmed, so its holder (sync and async) is told
+    the lease is lost, where it would otherwise go on renewing a lock the promoted replica
+    lets expire and grants to someone else."""
+    topo = proxied_topology
+    assert topo.proxy is not None
+    if redis_backend == "native" and native_aio()[0] is None:
+        pytest.fail(f"the native async backend is not live: {native_aio()[1]}")
+    settings: dict[str, Any] = {"timeout": TIMEOUT, "wait_replicas": 1, "wait_timeout": 0.2}
+    a = hotlock.connect(topo.url, backend=redis_backend, **settings)
+
+    ready, cut = threading.Event(), threading.Event()
+
+    async def extend_async() -> None:
+        async with await hotlock.aio.connect(topo.url, backend=redis_backend, **settings) as cache:
+            lock = await cache.lock("invoice-2", ttl=30)
+            await lock.extend(30)  # confirmed
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, cut.wait)
+            with pytest.raises(LockLost, match="extend undone: 0 of 1 replicas"):
+                await lock.extend(30)
+            assert lock.lost
+
+    try:
+        lock = a.lock("invoice-1", ttl=30)
+        lock.extend(30)  # confirmed: the replica has the new TTL
+        assert topo.node(topo.replica.port).pttl(lock_name(b"invoice-1")) > 20_000
+        aside = threading.Thread(target=lambda: asyncio.run(extend_async()))
+        aside.start()
+        assert ready.wait(30)
+        topo.proxy.blackhole(True)
+        cut.set()
+        started = time.monotonic()
+        with pytest.raises(LockLost, match="extend undone: 0 of 1 replicas"):
+            lock.extend(30)
+        assert time.monotonic() - started < 0.2 + TIMEOUT + 3.0
+        assert lock.lost
+        aside.join(30)
+        assert not aside.is_alive()
+        # Released on the primary: nothing of either lease is left there to be renewed.
+        assert topo.node(topo.primary.port).keys(lock_name(b"*")) == []
     finally:
         a.close()
 

@@ -94,8 +94,10 @@ def connect(
     the primary is looked up at each (re)connect, so the cache follows a failover.
     ``wait_replicas=N`` makes each acquire wait (``WAIT``, in the same round trip) until N
     replicas have the lock, up to ``wait_timeout`` seconds (default: half of ``timeout``);
-    if fewer confirm, the acquire is undone and raises CacheError. It narrows, not closes,
-    the two-holder window of a failover.
+    if fewer confirm, the acquire is undone and raises CacheError. Every extend (by hand or
+    by the renewer) waits the same way; one that fewer replicas confirm is a lost lease (LockLost,
+    ``lock.lost``), its key released. It narrows, not closes, the two-holder window of a
+    failover.
 
     ``scripts="auto"`` sends extend and release without Lua where the server compares and
     sets itself (Valkey 9: ``SET … IFEQ``, ``DELIFEQ``; Redis 8.4+: ``SET … IFEQ``,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 from ._decorate import Locking
 from ._ident import new_token, new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
-from ._lock import Lease, Lock, shown
+from ._lock import TAKEN, Lease, Lock, shown
 from ._renewer import Renewer
 from ._scripts import KIND_CONFLICT, permit_ask
 from ._validate import (
@@ -26,7 +26,7 @@ from ._validate import (
     value_bytes,
     wait_ms,
 )
-from .errors import LockNotAcquired
+from .errors import LockNotAcquired, Unreplicated
 
 if TYPE_CHECKING:
     from .backends import Backend, Named
@@ -330,16 +330,21 @@ class Cache(CacheBase[Lock]):
         """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
 
         ``None`` entries (as lock_many returns) and released or inherited locks are False
-        without a byte sent for them.
+        without a byte sent for them. Under wait_replicas an extend too few replicas
+        confirmed is False too: its lease is lost (and its key released).
         """
         items, live = self._live(locks)
         ms = ttl_ms(ttl)
         out = [False] * len(items)
         if live:
             sent = time.monotonic()
-            results = self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
-            for (i, lock), ok in zip(live, results, strict=True):
-                lock._extended(ok, ms, sent)
+            why: dict[int, str] = {}
+            try:
+                results = self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
+            except Unreplicated as short:
+                results, why = short.results, short.why
+            for j, ((i, lock), ok) in enumerate(zip(live, results, strict=True)):
+                lock._extended(ok, ms, sent, why.get(j, TAKEN))
                 if lock._auto is not None:
                     lock._auto.touch()
                 out[i] = ok

@@ -162,7 +162,7 @@ class ServerConfig:
     sentinel_password: str | None = field(default=None, repr=False)
     # redis+cluster://: the seed nodes asked for the slot map (any subset of the cluster).
     seeds: tuple[tuple[str, int], ...] = ()
-    # connect(wait_replicas=N): WAIT for N replicas after each acquire, up to wait_timeout s.
+    # connect(wait_replicas=N): WAIT for N replicas after each acquire and extend, up to wait_timeout s.
     wait_replicas: int = 0
     wait_timeout: float = 0.5
     # connect(wakeups=False): lock_wait polls only, no subscriber connection (_wakeup).

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from . import _ident
 from ._scripts import held_value
 from ._validate import Seconds, ttl_ms
-from .errors import CacheError, LockLost
+from .errors import CacheError, LockLost, Unreplicated
 
 if TYPE_CHECKING:
     from .backends import Backend, Named
@@ -141,9 +141,10 @@ class Lease:
         if not self._token:
             raise self._lost("was already released")
         why = self._loss_at(now)
-        if why is not None and (self._auto is not None or why == TAKEN):
-            # Lost for good: the work has been told (or the key is gone), so an extend
-            # that happened to find the key still ours must not make it held again.
+        if why is not None and (self._auto is not None or why is not UNCONFIRMED):
+            # Lost for good: the work has been told (or the key is gone: taken over, or
+            # released after too few replicas confirmed an extend), so an extend that
+            # happened to find the key still ours must not make it held again.
             raise self._lost(why)
         if self._auto is not None:
             ms = self._auto.capped(ms, now)
@@ -206,15 +207,26 @@ class Lease:
         key = shown(self.key)
         return LockLost(f"lock {key!r} {why} (server {self._backend.server})", key=key, server=self._backend.server)
 
-    def _extended(self, ok: bool, ms: int, sent: float) -> bool:
-        """Record an extend's outcome: a new deadline, or none left."""
+    def _extended(self, ok: bool, ms: int, sent: float, why: str = TAKEN) -> bool:
+        """Record an extend's outcome: a new deadline, or none left (lost for ``why``)."""
         if ok:
             self._ttl_ms = ms
             self._deadline = sent + ms / 1000.0
         else:
             self._deadline = sent
-            self._loss = TAKEN
+            self._loss = why
         return ok
+
+    def _unreplicated(self, short: Unreplicated, sent: float) -> LockLost:
+        """An extend() too few replicas confirmed (wait_replicas; the backend released the
+        key): recorded and counted as an extend that lost the lease; the LockLost to raise."""
+        why = short.why.get(0, TAKEN)
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, False)
+        self._extended(False, 0, sent, why)
+        if self._auto is not None:
+            self._auto.touch()  # a loss to tell
+        return self._lost(why)
 
     def _sendable(self) -> bool:
         """Not yet released, and taken by this process (a forked child sends nothing)."""
@@ -256,6 +268,8 @@ class Lock(Lease):
         ms = self._extend_ms(ttl, sent)
         try:
             ok = self._backend.extend(self._name, self._token, ms)
+        except Unreplicated as short:
+            raise self._unreplicated(short, sent) from None
         except CacheError as error:
             if self._meter is not None:  # metrics hook
                 self._meter.failed(self, "extend", error)

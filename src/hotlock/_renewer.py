@@ -27,12 +27,12 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from . import _ident
 from ._lock import TAKEN, UNCONFIRMED, past_max_hold, shown
-from .errors import CacheError
+from .errors import CacheError, Unreplicated
 
 if TYPE_CHECKING:
     from ._lock import Lease
@@ -236,8 +236,17 @@ class Schedule:
                 wake = heap[0][0]
         return wake
 
-    def applied(self, recs: Sequence[Held], results: Sequence[bool] | None, ms: int, sent: float, now: float) -> None:
-        """Record one extend_many's outcome (``results`` None: it failed, Redis unreachable)."""
+    def applied(
+        self,
+        recs: Sequence[Held],
+        results: Sequence[bool] | None,
+        ms: int,
+        sent: float,
+        now: float,
+        why: Mapping[int, str] | None = None,
+    ) -> None:
+        """Record one extend_many's outcome (``results`` None: it failed, Redis unreachable;
+        ``why``: the loss of each extend too few replicas confirmed, by index)."""
         for i, rec in enumerate(recs):
             rec.sending = False
             if rec.done:
@@ -254,7 +263,7 @@ class Schedule:
                     # Confirmed too late: the deadline passed first and the loss stands.
                     self._watch_at(rec, now)
             else:
-                lease._extended(False, ms, sent)
+                lease._extended(False, ms, sent, TAKEN if why is None else why.get(i, TAKEN))
                 self._watch_at(rec, now)
 
     def clear(self) -> None:
@@ -294,6 +303,15 @@ def split_live(chunk: list[Held], now: float) -> list[Send]:
         call[2].append(lease._name)
         call[3].append(lease._token)
     return list(calls.values())
+
+
+def outcome(error: Exception) -> tuple[list[bool] | None, dict[int, str] | None, Exception | None]:
+    """A failed extend_many's (results, why, failure) for Schedule.applied and metered: an
+    Unreplicated batch (wait_replicas) has results, its unconfirmed extends lost; any
+    other error is a round trip that failed (retried until the leases' deadlines)."""
+    if isinstance(error, Unreplicated):
+        return error.results, error.why, None
+    return None, None, error
 
 
 def warn_failed(recs: list[Held], error: BaseException) -> None:
@@ -482,14 +500,16 @@ class Renewer:
                 for ms, live, names, tokens in calls:
                     sent = time.monotonic()
                     results: list[bool] | None
+                    why: dict[int, str] | None = None
                     failure: Exception | None = None
                     try:
                         results = self._backend.extend_many(names, tokens, ms)
                     except Exception as error:
-                        results, failure = None, error
-                        warn_failed(live, error)
+                        results, why, failure = outcome(error)
+                        if failure is not None:
+                            warn_failed(live, failure)
                     with self._mutex:
-                        self._schedule.applied(live, results, ms, sent, time.monotonic())
+                        self._schedule.applied(live, results, ms, sent, time.monotonic(), why)
                         self._wake.notify()
                     metered(live, results, failure)
 

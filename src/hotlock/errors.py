@@ -6,7 +6,8 @@ servers are shown with their credentials stripped (see ``ServerConfig.display``)
 Below the public tree, the two exceptions every Redis backend raises inside itself (never
 to the caller): ReplyError, an error reply, and LinkLost, a reply that may never come. The
 backends turn them into CacheError with cache_error(), or act on them (a redirection, one
-retry with the same token).
+retry with the same token). A third, Unreplicated, goes from a backend to the lease: an
+extend too few replicas confirmed under wait_replicas, which the lease turns into its loss.
 """
 
 from __future__ import annotations
@@ -57,6 +58,39 @@ def cache_error(what: str, server: str, key: bytes | None = None) -> CacheError:
     shown = None if key is None else key.decode("utf-8", "backslashreplace")
     where = f" on key {shown!r}" if shown is not None else ""
     return CacheError(f"{what}{where} (server {server})", key=shown, server=server)
+
+
+def unreplicated(what: str, got: int, wanted: int, wait_ms: int, where: str = "") -> str:
+    """Under wait_replicas: why a write too few replicas confirmed was undone (an acquire's
+    CacheError, an extend's loss), in the same words on every backend. ``where`` names the
+    node on a cluster (" of host:port")."""
+    return f"{what} undone: {got} of {wanted} replicas{where} confirmed it within {wait_ms} ms (wait_replicas)"
+
+
+class Unreplicated(Exception):
+    """Under wait_replicas: extends the primary made that fewer replicas than asked
+    confirmed within the wait (a primary cut off from its replicas would otherwise go on
+    renewing a lock that a promoted replica has let expire). The backend has released
+    those keys, as it undoes an unconfirmed acquire, so nobody waits out a lease no one
+    holds; the lease records the loss and tells the work (LockLost, ``lock.lost``).
+
+    ``results`` is every extend's outcome in the caller's order, False for the unconfirmed
+    ones; ``why`` gives, by index, why each unconfirmed one's lease is lost.
+    """
+
+    def __init__(self, results: list[bool], why: dict[int, str]) -> None:
+        super().__init__(next(iter(why.values()), "unreplicated"))
+        self.results = results
+        self.why = why
+
+
+def unconfirmed_extends(
+    what: str, results: list[bool], got: int, wanted: int, wait_ms: int, where: str = ""
+) -> Unreplicated:
+    """The Unreplicated for a batch of extends behind one WAIT that confirmed ``got``:
+    every extend that ran (True) is unconfirmed. Its callers release those keys."""
+    text = f"is lost: {unreplicated(what, got, wanted, wait_ms, where)}"
+    return Unreplicated([False] * len(results), {i: text for i, ok in enumerate(results) if ok})
 
 
 class ReplyError(Exception):

@@ -82,8 +82,9 @@ class Listener(Protocol):
         """extend() or extend_many() set a new TTL (``ok``), or found the lock lost."""
 
     def lost(self, key: str | bytes, held_s: float) -> None:
-        """The lease was found lost (expired, taken over, or deleted by an operator):
-        an extend raised LockLost, the release found another token or none, or (for
+        """The lease was found lost (expired, taken over, deleted by an operator, or, under
+        wait_replicas, an extend too few replicas confirmed): an extend raised LockLost,
+        the release found another token or none, or (for
         auto_extend) the renewer told the loss: another token or none, its TTL run out
         unconfirmed, or max_hold passed. Once per lease, however many ways it is found;
         a lease told lost is not also reported released. ``held_s`` is the time from the

@@ -14,7 +14,7 @@ import hotlock.backends.cluster
 from hotlock._config import parse_url
 from hotlock._scripts import ACQUIRE, EXTEND, held_value
 from hotlock.backends.cluster import ClusterCore, Route, key_slot
-from hotlock.errors import CacheError, LinkLost, ReplyError
+from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated
 
 from .conftest import FakeClock, patch_clock
 
@@ -133,34 +133,56 @@ def test_redirects_are_bounded() -> None:
             assert hop < 50
 
 
-def test_tryagain_pauses_doubling_to_a_cap_then_fails_at_the_budget(
-    monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+@pytest.mark.parametrize("reply", ["TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING", "MASTERDOWN", "READONLY"])
+def test_a_transient_reply_pauses_within_the_budget_then_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, reply: str
 ) -> None:
     patch_clock(monkeypatch, hotlock.backends.cluster, clock)
     key = key_on(A)
     route = acquire(core(), [key], retry_until=None)  # the budget: one reply timeout (0.5 s)
     start, pauses = clock.now, []
-    with pytest.raises(CacheError, match="TRYAGAIN/CLUSTERDOWN"):
-        while len(pauses) < 100:
-            answer(route, sent(route), {A: [ReplyError("TRYAGAIN Multiple keys request during rehashing of slot")]})
+    with pytest.raises(
+        CacheError, match=rf"retried \d+ times within the call's timeout\) failed: the server replied {reply}"
+    ):
+        while len(pauses) < 1000:
+            answer(route, sent(route), {A: [ReplyError(f"{reply} something")]})
             pause = route.advance()
             assert pause is not None
             pauses.append(pause)
             clock.sleep(pause)
-    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.2]  # 0.5 s in all: the next would pass the budget
+    # hotlock._transient's schedule: each pause in the upper half of a ceiling doubling
+    # from 5 ms to 100 ms, the last one cut to what was left.
+    for n, pause in enumerate(pauses[:-1]):
+        ceiling = min(0.1, 0.005 * 2**n)
+        assert ceiling / 2 <= pause <= ceiling, (n, pause)
     # It gives up rather than sleep past the budget: never later than the reply timeout.
-    assert clock.now - start <= 0.5
+    assert clock.now - start <= 0.5 + 1e-9
+    assert clock.now - start >= 0.5 - 0.001
 
 
-def test_clusterdown_pauses_and_marks_the_map_stale() -> None:
+@pytest.mark.parametrize("reply", ["CLUSTERDOWN", "READONLY", "MASTERDOWN"])
+def test_an_election_or_a_demoted_primary_pauses_and_marks_the_map_stale(reply: str) -> None:
     cluster = core()
     key = key_on(B)
     route = acquire(cluster, [key])
-    answer(route, sent(route), {B: [ReplyError("CLUSTERDOWN The cluster is down")]})
-    assert route.advance() == 0.02
+    answer(route, sent(route), {B: [ReplyError(f"{reply} The cluster is down")]})
+    pause = route.advance()
+    assert pause is not None and 0.0025 <= pause <= 0.005
     assert cluster.map.stale
     answer(route, sent(route), {B: [3]})
     assert route.advance() is None and route.results == [3]
+
+
+@pytest.mark.parametrize("reply", ["TRYAGAIN", "BUSY", "LOADING"])
+def test_a_transient_reply_resends_only_what_did_not_run(reply: str) -> None:
+    keys = [key_on(A), key_on(A, 1)]
+    route = acquire(core(), keys)
+    answer(route, sent(route), {A: [7, ReplyError(f"{reply} wait")]})
+    assert route.advance() is not None
+    again = sent(route)
+    assert [c[3] for c in again[A]] == [keys[1]]  # the same command, same token
+    answer(route, again, {A: [8]})
+    assert route.advance() is None and route.results == [7, 8]
 
 
 def test_noscript_asks_for_a_reload_there_and_resends_once() -> None:
@@ -227,13 +249,12 @@ def test_a_node_that_could_not_be_reached_is_resent_without_spending_the_retry()
     assert route.advance() is None and route.results == [1]
 
 
-def test_readonly_fails_the_call_and_asks_for_the_map_again() -> None:
-    cluster = core()
-    route = acquire(cluster, [key_on(A)])
-    answer(route, sent(route), {A: [ReplyError("READONLY You can't write against a read only replica.")]})
-    with pytest.raises(CacheError, match="READONLY"):
+def test_a_reply_that_may_mean_the_command_ran_is_not_resent() -> None:
+    route = acquire(core(), [key_on(A)])
+    answer(route, sent(route), {A: [ReplyError("BUSYKEY Target key name already exists.")]})
+    with pytest.raises(CacheError, match="BUSYKEY") as info:
         route.advance()
-    assert cluster.map.stale
+    assert "retried" not in str(info.value)
 
 
 def test_a_slot_without_a_primary_is_a_cache_error_not_a_guess() -> None:
@@ -257,6 +278,38 @@ def test_wait_replicas_appends_wait_per_node_and_fails_short_confirmations() -> 
         route.advance()
     # What the caller undoes: both acquired keys, with the values the script stored.
     assert route.acquired_values() == (keys, [held_value(TOKEN, 4), held_value(TOKEN, 5)])
+
+
+def test_wait_replicas_confirms_extends_per_node() -> None:
+    """Extends: one WAIT per node behind them; a node's shortfall loses the extends that
+    ran there (Unreplicated, with the values to release), the other node's stand, and an
+    extend that found the key gone needs no confirmation."""
+    cluster = core(wait_replicas=1)
+    keys = [key_on(A), key_on(B), key_on(B, 1)]
+    values = [b"a" * 20, b"b" * 20, b"c" * 20]
+    route = cluster.route("extend_many", EXTEND, keys, [(v, b"30000") for v in values], None)
+    batches = sent(route)
+    assert {a: [c[0] for c in cmds] for a, cmds in batches.items()} == {
+        A: [b"EVALSHA", b"WAIT"],
+        B: [b"EVALSHA", b"EVALSHA", b"WAIT"],
+    }
+    answer(route, batches, {A: [1, 1], B: [1, 0, 0]})
+    with pytest.raises(Unreplicated) as info:
+        route.advance()
+    assert info.value.results == [True, False, False]
+    assert info.value.why == {
+        1: "is lost: extend_many undone: 0 of 1 replicas of 10.0.0.2:7000 confirmed it within 100 ms (wait_replicas)"
+    }
+    assert route.unconfirmed_values() == ([keys[1]], [values[1]])
+    # Every node confirmed: the results stand.
+    route = cluster.route("extend_many", EXTEND, keys, [(v, b"30000") for v in values], None)
+    answer(route, sent(route), {A: [1, 1], B: [1, 1, 1]})
+    assert route.advance() is None and route.results == [1, 1, 1]
+
+
+def test_without_wait_replicas_extends_send_no_wait() -> None:
+    route = core().route("extend", EXTEND, [key_on(A)], [(b"a" * 20, b"30000")], None)
+    assert [c[0] for c in sent(route)[A]] == [b"EVALSHA"]
 
 
 def test_only_acquired_keys_are_undone() -> None:

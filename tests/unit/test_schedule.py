@@ -102,6 +102,17 @@ def test_an_extend_that_finds_another_token_is_a_loss_told_at_once() -> None:
     assert schedule.take(5.0) == ([], [])  # told once
 
 
+def test_an_extend_too_few_replicas_confirmed_is_a_loss_told_at_once_with_its_reason() -> None:
+    schedule, one, two = Schedule(), held(3000, 0.0, key="a"), held(3000, 0.0, key="b")
+    schedule.add(one)
+    schedule.add(two)
+    assert schedule.take(1.0) == ([one, two], [])
+    why = "is lost: extend_many undone: 0 of 1 replicas confirmed it within 100 ms (wait_replicas)"
+    schedule.applied([one, two], [False, True], 3000, sent=1.0, now=1.1, why={0: why})
+    assert schedule.take(1.1) == ([], [one])
+    assert one.lease._loss == why and two.lease._loss is None
+
+
 def test_a_confirmation_after_the_deadline_does_not_undo_the_loss() -> None:
     schedule, rec = Schedule(), held(3000, 0.0)
     schedule.add(rec)

@@ -15,6 +15,7 @@ from .._cache import CacheBase
 from .._decorate import Locking
 from .._ident import new_token, new_tokens
 from .._keys import stored
+from .._lock import TAKEN
 from .._renewer import warn_unreleased
 from .._scripts import permit_ask
 from .._validate import (
@@ -31,6 +32,7 @@ from .._validate import (
 )
 from .._waiting import FIRST, Step, Waiting
 from ..backends.wakeup_async import AsyncSlot, AsyncWaiter, AsyncWakeups
+from ..errors import Unreplicated
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
 
@@ -297,24 +299,28 @@ class AsyncCache(CacheBase[AsyncLock]):
         """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
 
         ``None`` entries (as lock_many returns) and released or inherited locks are False
-        without a byte sent for them.
+        without a byte sent for them. Under wait_replicas an extend too few replicas
+        confirmed is False too: its lease is lost (and its key released).
         """
         items, live = self._live(locks)
         ms = ttl_ms(ttl)
         out = [False] * len(items)
         if live:
             sent = asyncio.get_running_loop().time()
+            why: dict[int, str] = {}
             try:
                 results = await self._backend.extend_many(
                     [lk._name for _, lk in live], [lk._token for _, lk in live], ms
                 )
+            except Unreplicated as short:
+                results, why = short.results, short.why
             except BaseException:
                 # As in AsyncLock.extend: a shorter TTL may be in force now.
                 for _, lock in live:
                     lock._deadline = min(lock._deadline, sent + ms / 1000.0)
                 raise
-            for (i, lock), ok in zip(live, results, strict=True):
-                lock._extended(ok, ms, sent)
+            for j, ((i, lock), ok) in enumerate(zip(live, results, strict=True)):
+                lock._extended(ok, ms, sent, why.get(j, TAKEN))
                 if lock._auto is not None:
                     lock._auto.touch()
                 out[i] = ok

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .._lock import TAKEN, Lease, shown
 from .._validate import Seconds
-from ..errors import CacheError
+from ..errors import CacheError, Unreplicated
 
 if TYPE_CHECKING:
     from ..backends import AsyncBackend
@@ -70,6 +70,8 @@ class AsyncLock(Lease):
         ms = self._extend_ms(ttl, sent)
         try:
             ok = await self._backend.extend(self._name, self._token, ms)
+        except Unreplicated as short:
+            raise self._unreplicated(short, sent) from None
         except BaseException as error:
             # Cancelled or failed after the extend may have run: a shorter TTL may now be
             # in force, so trust whichever deadline comes first.

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._renewer import Held, Schedule, metered, sendable, split_live, tell, warn_failed
+from .._renewer import Held, Schedule, metered, outcome, sendable, split_live, tell, warn_failed
 from ._lock import AsyncLock
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class AsyncRenewer:
                 for i, (ms, live, names, tokens) in enumerate(calls):
                     sent = loop.time()
                     results: list[bool] | None
+                    why: dict[int, str] | None = None
                     failure: Exception | None = None
                     try:
                         results = await self._backend.extend_many(names, tokens, ms)
@@ -122,9 +123,10 @@ class AsyncRenewer:
                                 rec.sending = False
                         raise
                     except Exception as error:
-                        results, failure = None, error
-                        warn_failed(live, error)
-                    self._schedule.applied(live, results, ms, sent, loop.time())
+                        results, why, failure = outcome(error)
+                        if failure is not None:
+                            warn_failed(live, failure)
+                    self._schedule.applied(live, results, ms, sent, loop.time(), why)
                     self._wake()
                     metered(live, results, failure)
 

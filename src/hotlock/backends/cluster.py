@@ -14,9 +14,11 @@ goes where:
   the whole map before the next call (a MOVED usually means a reshard moved many slots);
 - ``ASK slot host:port`` (the slot is being migrated and this key is already gone):
   ``ASKING`` plus the command on that node, once, without touching the map;
-- ``TRYAGAIN`` (a multi-key operation during a migration) and ``CLUSTERDOWN`` (the cluster
-  lost a shard, or is electing a primary): sent again after a short sleep while the call's
-  time budget lasts, then CacheError;
+- a transient reply (hotlock._transient): ``TRYAGAIN`` (a multi-key operation during a
+  migration), ``CLUSTERDOWN`` (the cluster lost a shard, or is electing a primary),
+  ``BUSY`` (a long script on the node), ``LOADING``, ``MASTERDOWN`` and ``READONLY`` (a
+  demoted primary: the map is asked again): sent again after a jittered pause while the
+  call's own timeout lasts, then CacheError naming the reply;
 - ``NOSCRIPT`` from a node: load the scripts there and resend what did not run;
 - a lost reply (I/O error, timeout): the node's commands are sent once more with the same
   tokens, within the call's retry budget (the scripts count "already my token" as
@@ -31,7 +33,7 @@ one that does not, so a cluster half-way through a rolling upgrade serves both. 
 longer knows the command (it was downgraded, or renamed it away, in place) sends that key
 once more by script, as on one server; the last also keeps that node on the scripts.
 
-None of MOVED, ASK, TRYAGAIN, CLUSTERDOWN or NOSCRIPT means the command ran, so resending
+None of MOVED, ASK, NOSCRIPT or the transient replies means the command ran, so resending
 after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
 
 A batch (``acquire_many`` over keys on three shards) is grouped by node; every node's
@@ -66,8 +68,9 @@ from .._dialect import (
     release_command,
     script_serves,
 )
-from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from .._transient import TRANSIENT, Retrying
+from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
 
 __all__ = [
@@ -260,7 +263,6 @@ class SlotMap:
 
 _REDIRECTS = 8  # MOVED/ASK hops per key one call follows before it calls the map broken
 UNSERVED_REFRESH_S = 0.1  # how often a call for an unserved slot may ask for the map again
-_PAUSE_S = 0.02  # sleep before resending after TRYAGAIN / CLUSTERDOWN, doubled up to 0.2 s
 
 
 def acquired(result: int) -> bool:
@@ -270,6 +272,8 @@ def acquired(result: int) -> bool:
 
 # The scripts whose call a node with compare-and-set takes as one plain command.
 _LUA_FREE_SHAS = (EXTEND.sha, RELEASE_SHARDED.sha)
+# What WAIT rides behind under wait_replicas: every form of the acquire, and the extend.
+_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
 
 
@@ -290,12 +294,14 @@ class Route:
     and the async cluster backends share every rule and differ only in how they wait.
 
     A round: ``batches()`` gives each node's commands (``ASKING`` before a key that was
-    sent ASK, a WAIT after the acquires under wait_replicas); the caller writes them all,
-    then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()`` then
-    says what is next: None (done: ``results``), or how long to sleep before the next
+    sent ASK, a WAIT after the acquires or extends under wait_replicas); the caller writes
+    them all, then hands each node's outcome to ``replies()`` or ``lost()``; ``advance()``
+    then says what is next: None (done: ``results``), or how long to sleep before the next
     round. It raises CacheError when the call has failed, after which the caller undoes
-    the acquires in ``acquired_values()``. Between rounds the caller loads the scripts on
-    ``reload`` nodes and, when ``refresh_avoiding`` is set, asks for the slot map.
+    the acquires in ``acquired_values()``, and Unreplicated when extends ran on a node
+    whose WAIT fell short, after which the caller releases ``unconfirmed_values()``.
+    Between rounds the caller loads the scripts on ``reload`` nodes and, when
+    ``refresh_avoiding`` is set, asks for the slot map.
     """
 
     def __init__(
@@ -319,14 +325,24 @@ class Route:
         self._pending = list(range(len(keys)))
         self._asking: dict[int, Address] = {}
         self._retry_until = retry_until
-        self._budget_end = retry_until if retry_until is not None else time.monotonic() + cluster.timeout
+        # Transient replies are resent until the pauses would pass the call's own timeout:
+        # its retry budget less the one reply timeout kept for the last try.
+        self._pause_end = (
+            retry_until - cluster.timeout if retry_until is not None else time.monotonic() + cluster.timeout
+        )
         self.override: float | None = None  # reply timeout of the one retry after a lost reply
         self._retried = False
         self._resent = False  # the one resend after a node could not be connected to
         self._redirects = 0
-        self._pause = _PAUSE_S
+        self._transient = Retrying()
+        self._transient_reply: tuple[str, bytes] | None = None  # the first, for the error
         self._wait = wait
         self.replicas: list[tuple[Address, int]] = []
+        # Under wait_replicas, each key's confirmation: its node, and the replica count of
+        # the WAIT behind the round that last sent it (a WAIT confirms the writes before it
+        # on its connection, so a key resent elsewhere is confirmed by that node's WAIT).
+        self._waited: dict[int, tuple[Address, int]] = {}
+        self.unconfirmed: list[int] = []
         self._groups: dict[Address, list[int]] = {}
         self._again: list[int] = []
         self._later: list[int] = []
@@ -401,6 +417,8 @@ class Route:
                 self._fail(f"WAIT on {address[0]}:{address[1]}: the server replied {reply}", None)
             else:
                 self.replicas.append((address, int(reply)))
+                for i in self._groups[address]:
+                    self._waited[i] = (address, int(reply))
         j = 0
         for i in self._groups[address]:
             asked = i in self._asking
@@ -431,9 +449,13 @@ class Route:
                 if self._redirects > _REDIRECTS * len(self.keys):
                     self._fail(f"{self.what} failed: redirected {self._redirects} times ({reply})", self.keys[i])
                 self._again.append(i)
-            elif code in ("TRYAGAIN", "CLUSTERDOWN"):
+            elif code in TRANSIENT:
+                # The command did not run (hotlock._transient): again after a pause.
                 self._later.append(i)
-                if code == "CLUSTERDOWN":
+                if self._transient_reply is None:
+                    self._transient_reply = (str(reply), self.keys[i])
+                if code in ("CLUSTERDOWN", "READONLY", "MASTERDOWN"):
+                    # An election, or a demoted primary: look at the map again.
                     self._cluster.map.stale = True
             elif is_auth_refusal(str(reply)) and address not in self._reauthed:
                 # NOAUTH/WRONGPASS: that node's connection is not authenticated (rotated
@@ -448,8 +470,6 @@ class Route:
                 self.reload.add(address)
                 self._again.append(i)
             else:
-                if code == "READONLY":
-                    self._cluster.map.stale = True  # a demoted primary: look again
                 self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
 
     def _lua_free_reply(self, address: Address, i: int, reply: Any) -> bool:
@@ -521,30 +541,53 @@ class Route:
                     again.extend(idxs)
                 self._lost = []
         if self._later:
-            if time.monotonic() + self._pause > self._budget_end:
+            transient = self._transient.pause(self._pause_end - time.monotonic())
+            if transient is None:
+                assert self._transient_reply is not None
+                text, key = self._transient_reply
                 raise cache_error(
-                    f"{self.what} failed: the cluster kept replying TRYAGAIN/CLUSTERDOWN",
+                    f"{self._transient.tried(self.what)} failed: the server replied {text}",
                     server,
-                    self.keys[self._later[0]],
+                    key,
                 )
-            pause = self._pause
-            self._pause = min(self._pause * 2, 0.2)
+            pause = max(pause, transient)
+            self._transient_reply = None
             again.extend(self._later)
             self._later = []
         self._pending = sorted(again)
         if not self._pending:
-            if self._wait:
+            if self._wait and self.commands and self.commands[0][1] == EXTEND.sha:
+                self._confirm_extends()
+            elif self._wait:
                 short = [(a, r) for a, r in self.replicas if r < self._cluster.wait_replicas]
                 if short:
                     (host, port), got = short[0]
                     raise cache_error(
-                        f"{self.what} undone: {got} of {self._cluster.wait_replicas} replicas of {host}:{port} "
-                        f"confirmed it within {self._cluster.wait_ms} ms (wait_replicas)",
+                        unreplicated(
+                            self.what, got, self._cluster.wait_replicas, self._cluster.wait_ms, f" of {host}:{port}"
+                        ),
                         server,
                         self.keys[0] if len(self.keys) == 1 else None,
                     )
             return None
         return pause
+
+    def _confirm_extends(self) -> None:
+        """Under wait_replicas: Unreplicated if an extend ran (1) on a node whose WAIT fell
+        short; the extends on the other nodes stand."""
+        wanted, ms = self._cluster.wait_replicas, self._cluster.wait_ms
+        why: dict[int, str] = {}
+        for i, (address, got) in self._waited.items():
+            if got < wanted and self.results[i] == 1:
+                text = unreplicated(self.what, got, wanted, ms, f" of {address[0]}:{address[1]}")
+                why[i] = f"is lost: {text}"
+        if why:
+            self.unconfirmed = sorted(why)
+            raise Unreplicated([r == 1 and i not in why for i, r in enumerate(self.results)], why)
+
+    def unconfirmed_values(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys whose extends too few replicas confirmed, and their held values, to release."""
+        return [self.keys[i] for i in self.unconfirmed], [self.commands[i][4] for i in self.unconfirmed]
 
     def acquired_values(self) -> tuple[list[bytes], list[bytes]]:
         """The keys this call acquired and their held values (token + fence), to undo."""
@@ -683,7 +726,12 @@ class ClusterCore:
         retry_until: float | None,
     ) -> Route:
         commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
-        return Route(self, what, keys, commands, retry_until, script is ACQUIRE and self.wait_replicas > 0)
+        return Route(self, what, keys, commands, retry_until, self.confirms(script))
+
+    def confirms(self, script: Script) -> bool:
+        """Whether WAIT rides behind ``script``'s calls: under wait_replicas, the acquires
+        (every form) and the extends."""
+        return self.wait_replicas > 0 and script in _CONFIRMED
 
     def info_summary(self, replies: list[tuple[Address, Any]]) -> dict[str, str] | None:
         """The first primary's INFO, plus ``cluster_primaries`` and, per primary with an
@@ -895,6 +943,12 @@ class ClusterBackend(ClusterCore):
             if keys:
                 with contextlib.suppress(CacheError):
                     self.release_many(keys, values)
+            raise
+        except Unreplicated:
+            # Extends too few replicas confirmed: released, as an unconfirmed acquire is.
+            keys, values = route.unconfirmed_values()
+            with contextlib.suppress(CacheError):
+                self.release_many(keys, values)
             raise
 
     def _load_scripts(self, address: Address, what: str) -> None:

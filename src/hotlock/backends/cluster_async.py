@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
 from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges, needs_slots
 from .retry_async import InFlight, retry_until
 from .wakeup_async import async_cluster_slot
@@ -197,6 +197,11 @@ class AsyncClusterBackend(ClusterCore):
                 with contextlib.suppress(CacheError):
                     await self.release_many(keys, values)
             raise
+        except Unreplicated:
+            keys, values = route.unconfirmed_values()
+            with contextlib.suppress(CacheError):
+                await self.release_many(keys, values)
+            raise
 
     async def _load_scripts(self, address: Address, what: str) -> None:
         try:
@@ -303,8 +308,7 @@ class AsyncClusterBackend(ClusterCore):
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)
-        wait = script is ACQUIRE and self.wait_replicas > 0  # as ClusterCore.route
-        return int(await self._fast("acquire", key, command, until, wait, token))
+        return int(await self._fast("acquire", key, command, until, self.confirms(script), token))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self._until(None, 0, self.timeout))
@@ -312,7 +316,7 @@ class AsyncClusterBackend(ClusterCore):
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         command = (b"EVALSHA", EXTEND.sha, b"1", key, token, b"%d" % ttl_ms)
-        return bool(await self._fast("extend", key, command, None, False, None))
+        return bool(await self._fast("extend", key, command, None, self.confirms(EXTEND), None))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
         return [bool(r) for r in await self._many("extend_many", EXTEND, keys, tokens, ttl_ms, None)]

@@ -19,8 +19,9 @@ from .._credentials import auth_command_async, is_auth_refusal, reauth_command_a
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
+from .._transient import Retrying, code, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
-from .retry_async import info_fields, retry_until, unconfirmed, within
+from .retry_async import info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
 from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
@@ -35,6 +36,16 @@ class NotSent(ConnectionError):
     it needed lost its handshake's reply. Trying again cannot run anything twice."""
 
 
+class TransientHandshake(NotSent):
+    """A new connection's handshake (a SCRIPT LOAD on a loading server, say) got a
+    transient reply (hotlock._transient): nothing of the call ran, and the call resends
+    after a pause, as after a transient reply to its own command."""
+
+    def __init__(self, reply: ReplyError, proto: AioConnection) -> None:
+        super().__init__(reply)
+        self.proto = proto
+
+
 class AioConnection(Protocol):
     """What this module uses of ext/_aio.pxi's AioProtocol."""
 
@@ -42,6 +53,7 @@ class AioConnection(Protocol):
     def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
     def close(self) -> None: ...
+    def retire(self) -> None: ...
     def abort(self) -> None: ...
 
 
@@ -136,6 +148,8 @@ class NativeAsyncBackend:
         for sha, reply in zip(shas, replies, strict=True):
             if isinstance(reply, ReplyError):
                 proto.abort()
+                if code(str(reply)) is not None:
+                    raise TransientHandshake(reply, proto)
                 raise cache_error(f"connect failed: the server replied {reply}", self.server)
             if sha is not None and reply != sha:
                 # Not the SHA1 of what was sent: this is not a server that runs our scripts
@@ -196,39 +210,86 @@ class NativeAsyncBackend:
             if self._reauth:
                 await self._reauth_if_due(proto)
             reply = await send(proto)
-            if type(reply) is int or not _auth_refused(reply):
-                return reply
-            # NOAUTH (the server no longer holds this connection authenticated): nothing
-            # ran. A new connection asks the credential provider again; once more on it.
-            self._retire(proto)
-            lost: BaseException = NotSent(f"the server replied {_first(reply)}")
+        except TransientHandshake as exc:
+            return await self._again(what, key, send, retry_lost_reply, until, None, exc.proto, exc)
         except NotSent as exc:
-            lost = exc
+            lost: BaseException = exc
         except _LOST as exc:
             if not retry_lost_reply:
                 raise self._error(what, key, exc) from exc
             lost = exc
-        return await self._retry_by(what, key, send, until, lost)
+        else:
+            if _transient(reply) is None:  # the common case: one type check per reply
+                if type(reply) is int or not _auth_refused(reply):
+                    return reply
+                # NOAUTH (the server no longer holds this connection authenticated): nothing
+                # ran. A new connection asks the credential provider again; once more on it.
+                self._retire(proto)
+                refusal = NotSent(f"the server replied {_first(reply)}")
+                return await self._again(what, key, send, retry_lost_reply, until, refusal, None, None)
+            return await self._again(what, key, send, retry_lost_reply, until, None, proto, reply)
+        return await self._again(what, key, send, retry_lost_reply, until, lost, None, None)
 
-    async def _retry_by(
-        self, what: str, key: bytes | None, send: Send, until: float | None, lost: BaseException
+    async def _again(
+        self,
+        what: str,
+        key: bytes | None,
+        send: Send,
+        retry_lost_reply: bool,
+        until: float | None,
+        lost: BaseException | None,
+        proto: AioConnection | None,
+        reply: Any,
     ) -> Any:
-        """The one retry after a lost reply, reconnect included, cut off at ``until``
-        (else after one reply timeout)."""
+        """After a lost reply (``lost``) or a transient reply (``reply``, on ``proto``):
+        the one retry after a lost reply, reconnect included, and resends after transient
+        replies (hotlock._transient: the protocol retired, a pause, a new connection) while
+        the call's own timeout lasts; all cut off at ``until`` (else two reply timeouts
+        from now, of which the pauses take at most the first)."""
+        loop = asyncio.get_running_loop()
         timeout = self._config.timeout
-        left = timeout if until is None else min(timeout, until - asyncio.get_running_loop().time())
-        if left < 0.001:
-            raise self._error(what, key, lost) from lost
+        until = loop.time() + 2 * timeout if until is None else until
+        spent = False
+        transient = Retrying()
 
-        async def once() -> Any:
-            return await send(await self._live())
+        async def once() -> tuple[AioConnection, Any]:
+            live = await self._live()
+            return live, await send(live)
 
-        try:
-            # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
-            # connect in flight goes on for the next caller: cutting this short is safe.
-            return await within(once(), left)
-        except _LOST as again:
-            raise self._error(f"{what} (retried after a lost reply)", key, again) from again
+        while True:
+            if lost is not None:
+                left = min(timeout, until - loop.time())
+                if spent or left < 0.001:
+                    raise self._error(tried(what, spent, transient), key, lost) from lost
+                spent = True
+            else:
+                bad = _transient(reply)
+                assert proto is not None and bad is not None
+                proto.retire()  # every task's next command goes on a new connection
+                if isinstance(bad, Exception) and not isinstance(bad, ReplyError):
+                    bad = bad.args[0]  # a handshake's transient reply (TransientHandshake)
+                pause = transient.pause(until - timeout - loop.time())
+                if pause is None:
+                    raise cache_error(
+                        f"{tried(what, spent, transient)} failed: the server replied {bad}", self.server, key
+                    )
+                await asyncio.sleep(pause)
+                left = max(min(timeout, until - loop.time()), 0.001)
+            try:
+                # A cancelled waiter still takes its reply off the wire (FIFO holds), and a
+                # connect in flight goes on for the next caller: cutting this short is safe.
+                proto, reply = await within(once(), left)
+            except TransientHandshake as exc:
+                proto, reply, lost = exc.proto, exc, None
+                continue
+            except _LOST as exc:
+                if not (retry_lost_reply or isinstance(exc, NotSent)):
+                    raise self._error(tried(what, spent, transient), key, exc) from exc
+                lost = exc
+                continue
+            if _transient(reply) is None:
+                return reply
+            lost = None
 
     async def _reauth_if_due(self, proto: AioConnection) -> None:
         """reauth_interval: AUTH again on the live connection, with what the provider says
@@ -252,17 +313,11 @@ class NativeAsyncBackend:
 
     def _retire(self, proto: AioConnection) -> None:
         """No new command on ``proto`` (its authentication was refused): the next call
-        connects anew. Closed once the replies already owed on it have come (a PING's
-        reply comes after them), so no other task's command in flight is cut off."""
+        connects anew; it closes once the replies already owed on it have come, so no other
+        task's command in flight is cut off (AioCore.retire)."""
         if self._proto is proto:
             self._proto = None
-
-        def closed(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled():
-                fut.exception()  # retrieved: a connection already gone is no news
-            proto.close()
-
-        proto.execute(b"PING").add_done_callback(closed)
+        proto.retire()
 
     async def _primary_moved(self) -> bool:
         """Whether the sentinels now name another primary than the live connection's
@@ -297,8 +352,9 @@ class NativeAsyncBackend:
 
     def _refused(self, what: str, key: bytes | None, reply: ReplyError) -> Exception:
         if str(reply).startswith("READONLY") and self._proto is not None:
-            # A demoted primary: drop the connection so the next call finds the new one.
-            self._proto.abort()
+            # A demoted primary: the next call goes on a new connection (the calls of
+            # other tasks already written on this one still get their replies).
+            self._proto.retire()
         return cache_error(f"{what} failed: the server replied {reply}", self.server, key)
 
     async def _script(
@@ -403,7 +459,7 @@ class NativeAsyncBackend:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one write."""
         config = self._config
-        wait = (b"WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        wait = (b"WAIT", config.wait_replicas, wait_ms(config))
         *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
         results = [self._int(what, None, r) for r in replies]
         confirmed = self._int(f"{what} (WAIT)", None, confirmed)
@@ -416,7 +472,29 @@ class NativeAsyncBackend:
                 await self.release_many([k for k, _ in held], [t for _, t in held])
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
+    async def _extend_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        """Under wait_replicas: the extends and a WAIT behind them in one write, as for the
+        acquires. By script whatever the dialect: it takes a waiter's mark and permits as
+        they are, so a batch is one write with one WAIT (SET IFEQ would send the marked ones
+        again, with a WAIT of their own). Not resent: a lost reply is a CacheError."""
+        config = self._config
+        wait = (b"WAIT", config.wait_replicas, wait_ms(config))
+        *replies, confirmed = await self._script_many(what, EXTEND, keys, tokens, ttl_ms, trailer=wait)
+        results = [bool(self._int(what, None, r)) for r in replies]
+        confirmed = self._int(f"{what} (WAIT)", None, confirmed)
+        if confirmed >= config.wait_replicas or not any(results):
+            return results
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            await self.release_many(
+                [k for k, ok in zip(keys, results, strict=True) if ok],
+                [t for t, ok in zip(tokens, results, strict=True) if ok],
+            )
+        raise unconfirmed_renewals(what, results, confirmed, config)
+
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self._config.wait_replicas:
+            return (await self._extend_confirmed("extend", [key], [token], ttl_ms))[0]
         if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             reply = await self._roundtrip("extend", key, lambda p: p.execute(*extend_command(key, token, ttl_ms)))
@@ -432,6 +510,8 @@ class NativeAsyncBackend:
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
         # Copies, as in acquire_many.
         keys, tokens = list(keys), list(tokens)
+        if self._config.wait_replicas:
+            return await self._extend_confirmed("extend_many", keys, tokens, ttl_ms)
         if self.dialect.lua_free and not by_script(tokens):
             sets: list[tuple[bytes | int, ...]] = [
                 extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)
@@ -582,6 +662,18 @@ def _first(reply: object) -> object:
 
 def _script_serves(reply: object) -> bool:
     return isinstance(reply, ReplyError) and script_serves(str(reply))
+
+
+def _transient(reply: object) -> ReplyError | TransientHandshake | None:
+    """The transient reply (hotlock._transient) in a round trip's outcome, if any: the
+    reply itself, or one of a pipeline's, or a handshake's."""
+    if type(reply) is ReplyError or type(reply) is TransientHandshake:
+        return reply if type(reply) is TransientHandshake or code(str(reply)) is not None else None
+    if type(reply) is list:
+        for each in reply:
+            if type(each) is ReplyError and code(str(each)) is not None:
+                return each
+    return None
 
 
 def _noscript(reply: object) -> bool:

@@ -22,10 +22,10 @@ from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
-    ReadOnlyError,
     RedisError,
     ResponseError,
 )
@@ -57,7 +57,8 @@ from .._scripts import (
     held_value,
 )
 from .._sentinel import PrimaryWatch
-from ..errors import CacheError, LinkLost, ReplyError, cache_error
+from .._transient import Retrying, code, tried
+from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
 from .wakeup import slot, wait
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
@@ -223,6 +224,8 @@ def _handshake(conn: Any) -> None:
     reply to the call's command."""
     try:
         conn.on_connect()
+    except BusyLoadingError:
+        raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
     except CacheError:
@@ -416,6 +419,7 @@ class RedisPyBackend:
         generation = self._generation
         conn = pool.get_connection()
         complete = False
+        fresh = False  # a transient reply came: this connection is not used again
         framed = len(commands) > 1
         try:
             if reauth_due(conn, self._config.reauth_interval):
@@ -430,8 +434,16 @@ class RedisPyBackend:
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
                     reply = conn.read_response(**kw)
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     replies.append(exc)
+                    word = transient_code(exc)
+                    if word is not None:
+                        # The command did not run; its resend goes on a fresh connection.
+                        fresh = True
+                        if word == "READONLY":
+                            # The endpoint reaches a replica now: no connection of this
+                            # cache to it takes another command, the other threads' included.
+                            self._drop_all()
                     continue
                 except AuthenticationError as exc:
                     raise AuthLost(exc) from exc
@@ -449,7 +461,7 @@ class RedisPyBackend:
             complete = True
             return replies
         finally:
-            if not complete or generation != self._generation:
+            if not complete or fresh or generation != self._generation:
                 # Interrupted between replies (KeyboardInterrupt, say), or a reply out of
                 # shape or beyond the count: replies may still be on their way, and the next
                 # user of this connection would read them. Or dropped (close(), a failover)
@@ -513,24 +525,41 @@ class RedisPyBackend:
         call was sent: any call), or after a lost reply to the call itself when ``resend``
         (same token: the scripts count "already my token" as success, and a release that
         ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
-        resent SET NX answers "not set" for the value this call set).
+        resent SET NX answers "not set" for the value this call set). A transient reply
+        (hotlock._transient: the command did not run) is resent, whatever the command,
+        until the pauses would pass the call's own timeout (``retry_until`` less one reply
+        timeout).
         """
-        try:
-            return fn(None)
-        except _AMBIGUOUS as exc:
-            until = self._retry_until() if retry_until is None else retry_until
-            left = min(self._timeout, until - time.monotonic())
-            # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
-            # nothing ran, and the new connection asks the credential provider again.
-            safe = resend or isinstance(exc, HandshakeLost | AuthLost)
-            if left < 0.001 or not safe or tls_refused(exc):
-                raise self._error(what, key, exc) from exc
+        limit: float | None = None  # the reply timeout of a retry: what is left of the budget
+        lost = False  # the one retry after a lost reply has been used
+        transient = Retrying()
+        until = retry_until
+        while True:
             try:
-                return fn(left)
-            except (RedisError, OSError) as again:
-                raise self._error(f"{what} (retried after a lost reply)", key, again) from again
-        except (RedisError, OSError) as exc:
-            raise self._error(what, key, exc) from exc
+                return fn(limit)
+            except (RedisError, OSError) as exc:
+                failure = exc
+            if transient_code(failure) is not None:
+                # The command did not run: resent on a fresh connection (_send dropped it;
+                # READONLY dropped them all) after a pause, while the call's own timeout lasts.
+                until = self._retry_until() if until is None else until
+                pause = transient.pause(until - self._timeout - time.monotonic())
+                if pause is None:
+                    raise self._error(tried(what, lost, transient), key, failure) from failure
+                time.sleep(pause)
+                limit = min(self._timeout, until - time.monotonic())
+            elif isinstance(failure, _AMBIGUOUS):
+                until = self._retry_until() if until is None else until
+                left = min(self._timeout, until - time.monotonic())
+                # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
+                # nothing ran, and the new connection asks the credential provider again.
+                safe = resend or isinstance(failure, HandshakeLost | AuthLost)
+                if lost or left < 0.001 or not safe or tls_refused(failure):
+                    raise self._error(tried(what, lost, transient), key, failure) from failure
+                lost = True
+                limit = left
+            else:
+                raise self._error(tried(what, lost, transient), key, failure) from failure
 
     def _retry_until(self, wait_ms: int = 0) -> float:
         """Until when a lost reply may still be retried: a call that may wait ``wait_ms``
@@ -539,10 +568,24 @@ class RedisPyBackend:
 
     def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
-        # same write as the acquires it confirms: no extra round trip, no other connection.
-        if self._wait_replicas and script in _ACQUIRES:
+        # same write as the acquires or extends it confirms: no extra round trip, no other
+        # connection.
+        if self._wait_replicas and script in _CONFIRMED:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
+
+    def _renewed(
+        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[bool], wait_reply: list[Any]
+    ) -> list[bool]:
+        """Under wait_replicas: the extends' results, or Unreplicated when too few replicas
+        confirmed the ones that ran, released first (as _confirmed undoes acquires)."""
+        if not wait_reply or wait_reply[0] >= self._wait_replicas or not any(results):
+            return results
+        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            self.release_many([k for k, _ in held], [t for _, t in held])
+        raise unconfirmed_extends(what, results, wait_reply[0], self._wait_replicas, self._wait_ms)
 
     def _confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
@@ -556,24 +599,17 @@ class RedisPyBackend:
             with contextlib.suppress(CacheError):
                 self.release_many([k for k, _ in held], [t for _, t in held])
         raise cache_error(
-            f"{what} undone: {wait_reply[0]} of {self._wait_replicas} replicas confirmed it "
-            f"within {self._wait_ms} ms (wait_replicas)",
+            unreplicated(what, wait_reply[0], self._wait_replicas, self._wait_ms),
             self.server,
             keys[0] if len(keys) == 1 else None,
         )
 
     def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
-        if isinstance(exc, ReadOnlyError):
-            # A demoted primary: drop every connection so the next call finds the new one.
-            self._drop_all()
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     def _load_scripts(self) -> None:
         # Loading twice changes nothing: a lost reply is resent.
-        replies = self._call("SCRIPT LOAD", None, lambda t: self._send(SCRIPT_LOADS, SCRIPT_LOADED, t), True)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise self._error("SCRIPT LOAD", None, reply) from reply
+        self._call("SCRIPT LOAD", None, lambda t: _raised(self._send(SCRIPT_LOADS, SCRIPT_LOADED, t)), True)
 
     # -- the Backend interface --------------------------------------------------------
 
@@ -611,7 +647,9 @@ class RedisPyBackend:
         scripted: bool = False,
     ) -> list[bool]:
         keys, tokens = list(keys), list(tokens)  # as in acquire_many
-        if self.dialect.lua_free and not scripted and not by_script(tokens):
+        # Under wait_replicas by script: it takes a waiter's mark and permits as they are, so
+        # one write carries every extend and the one WAIT behind them.
+        if self.dialect.lua_free and not scripted and not by_script(tokens) and not self._wait_replicas:
             # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
@@ -625,7 +663,8 @@ class RedisPyBackend:
                 # by the script, which accepts the mark (only under contention, or when lost).
                 return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
         calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))]
+        replies = self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))
+        return self._renewed(what, keys, tokens, [bool(r) for r in replies[: len(calls)]], replies[len(calls) :])
 
     @staticmethod
     def _missed(
@@ -706,8 +745,8 @@ class RedisPyBackend:
         self._drop_all()
 
 
-# ACQUIRE and its waiting forms: what WAIT rides behind under wait_replicas.
-_ACQUIRES = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN)
+# ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
+_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:
@@ -777,7 +816,7 @@ class RedisPyLink:
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
                     replies.append(conn.read_response(**kw))
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
                 except AuthenticationError as exc:
@@ -831,6 +870,22 @@ def reply_serves_script(exc: CacheError) -> bool:
     """_dialect.script_serves for a Lua-free command's CacheError (redis-py drops the OOM
     code from the message, and keeps it in the exception's type)."""
     return isinstance(exc.__cause__, OutOfMemoryError) or script_serves(str(exc.__cause__))
+
+
+def _raised(replies: list[Any]) -> list[Any]:
+    """``replies``, or the first error reply among them raised (to _call, which decides)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def transient_code(exc: BaseException) -> str | None:
+    """hotlock._transient.code of a redis-py error reply (redis-py keeps the code of some
+    replies in the exception's type, and the rest in its text). Shared with redispy_async."""
+    if not isinstance(exc, ResponseError | BusyLoadingError):
+        return None
+    return code(ERROR_CODES.get(type(exc)) or str(exc))
 
 
 def describe(exc: BaseException) -> str:

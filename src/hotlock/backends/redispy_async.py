@@ -21,9 +21,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     NoPermissionError,
     NoScriptError,
-    ReadOnlyError,
     RedisError,
     ResponseError,
 )
@@ -35,6 +35,7 @@ from .._credentials import reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
+from .._transient import Retrying, tried
 from ..errors import CacheError, LinkLost, cache_error
 from ..errors import ReplyError as ClusterReplyError
 from .redispy import (
@@ -62,8 +63,9 @@ from .redispy import (
     reply_serves_script,
     tls_hint,
     tls_refused,
+    transient_code,
 )
-from .retry_async import InFlight, info_fields, retry_until, unconfirmed, within
+from .retry_async import InFlight, info_fields, retry_until, unconfirmed, unconfirmed_renewals, wait_ms, within
 from .wakeup_async import async_slot
 
 __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
@@ -79,6 +81,8 @@ async def _handshake(conn: Connection) -> None:
     lost reply to the call's command, as in the sync backend."""
     try:
         await conn.on_connect()
+    except BusyLoadingError:
+        raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
     except CacheError:
@@ -150,6 +154,9 @@ class _Pool:
         self._all: list[Any] = []
         self._idle: list[Any] = []
         self._waiters: deque[asyncio.Future[Any]] = deque()
+        # Bumped by retire(): a connection made before that is closed when next taken.
+        self._generation = 0
+        self._made_in: dict[int, int] = {}  # id(conn) -> the generation it connected in
 
     async def get(self) -> Any:
         """A connection, connected (a new one has sent its handshake) and in step."""
@@ -168,9 +175,11 @@ class _Pool:
                     self.put(waiter.result())  # handed over as we were cancelled: pass it on
                 raise
         try:
-            if conn.is_connected and await self._stale(conn):
+            if conn.is_connected and (self._made_in.get(id(conn)) != self._generation or await self._stale(conn)):
                 await conn.disconnect(nowait=True)
-            await conn.connect()  # nothing to do when connected
+            if not conn.is_connected:
+                await conn.connect()
+                self._made_in[id(conn)] = self._generation
             if reauth_due(conn, self._reauth):
                 assert self._config is not None
                 try:
@@ -182,6 +191,16 @@ class _Pool:
             self.put(conn)
             raise
         return conn
+
+    def forget(self, conn: Any) -> None:
+        """``conn`` takes no other command: closed when next taken (see retire)."""
+        self._made_in.pop(id(conn), None)
+
+    def retire(self) -> None:
+        """No connection made so far takes another command (READONLY: the endpoint reaches
+        a replica now): each is closed when next taken, so a call of another task keeps
+        the connection it is reading from until it is done with it."""
+        self._generation += 1
 
     @staticmethod
     async def _stale(conn: Any) -> bool:
@@ -305,7 +324,7 @@ class RedisAsyncLink:
                 kw = {} if deadline is None else {"timeout": max(deadline - loop.time(), 0.001)}
                 try:
                     replies.append(await conn.read_response(**kw))
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
                 except AuthenticationError as exc:
@@ -397,25 +416,50 @@ class RedisAsyncBackend:
         as success; never INCRBY or SET NX, which would count twice or answer "not set")."""
         if self._watch is not None:
             await self._follow_primary()
-        try:
-            return await fn()
-        except _AMBIGUOUS as exc:
-            # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
-            # nothing ran, and the new connection asks the credential provider again.
-            safe = retry_lost_reply or isinstance(exc, HandshakeLost | AuthLost)
-            if not safe or tls_refused(exc) or self._closing:
-                raise await self._error(what, key, exc) from exc
-            left = self._timeout if until is None else min(self._timeout, until - asyncio.get_running_loop().time())
-            if left < 0.001:
-                raise await self._error(what, key, exc) from exc
+        loop = asyncio.get_running_loop()
+        lost = False  # the one retry after a lost reply has been used
+        transient = Retrying()
+        limit: float | None = None  # a retry's time: what is left of the budget
+        while True:
             try:
-                return await within(fn(), left)
-            except TimeoutError as again:  # the retry's own time ran out (within)
-                raise await self._error(f"{what} (retried after a lost reply)", key, RedisTimeoutError()) from again
-            except (RedisError, OSError) as again:
-                raise await self._error(f"{what} (retried after a lost reply)", key, again) from again
-        except (RedisError, OSError) as exc:
-            raise await self._error(what, key, exc) from exc
+                return await (fn() if limit is None else within(fn(), limit))
+            except TimeoutError as again:  # a retry's own time ran out (within)
+                raise await self._error(tried(what, lost, transient), key, RedisTimeoutError()) from again
+            except (RedisError, OSError) as exc:
+                failure = exc
+            if transient_code(failure) is not None and not self._closing:
+                # The command did not run: resent on a fresh connection (_retire) after a
+                # pause, while the call's own timeout lasts (hotlock._transient).
+                until = loop.time() + 2 * self._timeout if until is None else until
+                pause = transient.pause(until - self._timeout - loop.time())
+                if pause is None:
+                    raise await self._error(tried(what, lost, transient), key, failure) from failure
+                await asyncio.sleep(pause)
+                limit = max(min(self._timeout, until - loop.time()), 0.001)
+                continue
+            if (
+                lost
+                or not isinstance(failure, _AMBIGUOUS)
+                # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
+                # nothing ran, and the new connection asks the credential provider again.
+                or not (retry_lost_reply or isinstance(failure, HandshakeLost | AuthLost))
+                or tls_refused(failure)
+                or self._closing
+            ):
+                raise await self._error(tried(what, lost, transient), key, failure) from failure
+            left = self._timeout if until is None else min(self._timeout, until - loop.time())
+            if left < 0.001:
+                raise await self._error(tried(what, lost, transient), key, failure) from failure
+            lost = True
+            limit = left
+
+    def _retire(self, conn: Any, reply: BaseException) -> None:
+        """After a transient reply on ``conn``: it takes no other command (closed when next
+        taken); after READONLY, neither does any other connection of the pool."""
+        if transient_code(reply) == "READONLY":
+            self._pool.retire()
+        else:
+            self._pool.forget(conn)
 
     async def _follow_primary(self) -> None:
         """Drop every connection once the sentinels name another primary: the old one may
@@ -429,9 +473,6 @@ class RedisAsyncBackend:
             await self._pool.disconnect()
 
     async def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
-        if isinstance(exc, ReadOnlyError):
-            # A demoted primary: drop every connection so the next call finds the new one.
-            await self._pool.disconnect()
         return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
 
     async def _load_scripts(self) -> None:
@@ -469,8 +510,12 @@ class RedisAsyncBackend:
             if stray(conn):
                 raise StrayReply()
             return reply
-        except ResponseError:
-            raise  # a whole reply was read: the connection is in step
+        except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
+            # A whole reply was read: the connection is in step, and kept, unless the reply
+            # is transient (the command did not run): its resend goes on a fresh connection.
+            if transient_code(exc) is not None:
+                self._retire(conn, exc)
+            raise
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
@@ -489,7 +534,7 @@ class RedisAsyncBackend:
             for command, shape in zip(commands, shapes, strict=True):
                 try:
                     reply = await conn.read_response()
-                except ResponseError as exc:
+                except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     replies.append(exc)
                     continue
                 except AuthenticationError as exc:
@@ -503,6 +548,9 @@ class RedisAsyncBackend:
                 raise StrayReply()
             if stray(conn):
                 raise StrayReply()
+            transient = next((r for r in replies if transient_code(r) is not None), None)
+            if transient is not None:
+                self._retire(conn, transient)  # as in _execute
             return replies
         except BaseException:
             await conn.disconnect(nowait=True)
@@ -584,7 +632,7 @@ class RedisAsyncBackend:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
         (WAIT confirms the writes made before it on its own connection), in one round trip."""
         config = self._config
-        wait = ("WAIT", config.wait_replicas, round(config.wait_timeout * 1000))
+        wait = ("WAIT", config.wait_replicas, wait_ms(config))
         replies = await self._call(
             what,
             keys[0] if len(keys) == 1 else None,
@@ -603,7 +651,31 @@ class RedisAsyncBackend:
                 )
         raise unconfirmed(what, confirmed, config, keys[0] if len(keys) == 1 else None)
 
+    async def _extend_confirmed(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        """Under wait_replicas: the extends and a WAIT behind them in one round trip, as for
+        the acquires; by script, as in hotlock.backends.native_async (one write, one WAIT).
+        Not resent: a lost reply is a CacheError."""
+        config = self._config
+        wait = ("WAIT", config.wait_replicas, wait_ms(config))
+        replies = await self._call(
+            what,
+            keys[0] if len(keys) == 1 else None,
+            lambda: self._pipeline(EXTEND, keys, tokens, ttl_ms, trailer=wait),
+        )
+        results, confirmed = [bool(r) for r in replies[:-1]], replies[-1]
+        if confirmed >= config.wait_replicas or not any(results):
+            return results
+        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
+        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
+        with contextlib.suppress(CacheError):
+            await self._call(
+                "release", None, lambda: self._pipeline(RELEASE, [k for k, _ in held], [t for _, t in held])
+            )
+        raise unconfirmed_renewals(what, results, confirmed, config)
+
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
+        if self._config.wait_replicas:
+            return (await self._extend_confirmed("extend", [key], [token], ttl_ms))[0]
         if self.dialect.lua_free and not by_script([token]):
             # SET IFEQ replies OK or nil: the key held this value or not.
             command = extend_command(key, token, ttl_ms)
@@ -619,6 +691,8 @@ class RedisAsyncBackend:
         return bool(await self._call("extend", key, lambda: self._evalsha(EXTEND, key, token, ttl_ms)))
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        if self._config.wait_replicas:
+            return await self._extend_confirmed("extend_many", list(keys), list(tokens), ttl_ms)
         if self.dialect.lua_free and not by_script(tokens):
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
             try:
