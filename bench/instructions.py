@@ -26,7 +26,14 @@ from . import ceiling
 from .server import start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("cycle", "cycle-metrics", "extend", "batch", "batch-cluster", "python-layer")
+WORKLOADS = ("cycle", "cycle-metrics", "cycle-reauth", "extend", "batch", "batch-cluster", "python-layer")
+
+
+class _DefaultUser:
+    """A credential provider for cycle-reauth: the default user (nopass takes any password)."""
+
+    def get_credentials(self) -> tuple[str, str]:
+        return ("default", "any")
 
 
 def _workload(url: str, what: str, n: int) -> None:
@@ -51,8 +58,11 @@ def _workload(url: str, what: str, n: int) -> None:
         from hotlock.metrics import PrometheusMetrics
 
         metrics = PrometheusMetrics(CollectorRegistry())
-    cache = hotlock.connect(url, backend="native", metrics=metrics)
-    if what in ("cycle", "cycle-metrics"):
+    # cycle-reauth: the same cycle with a credential provider and reauth_interval (never due
+    # here): what checking the interval before each command costs.
+    credentials = {"credential_provider": _DefaultUser(), "reauth_interval": 3600} if what == "cycle-reauth" else {}
+    cache = hotlock.connect(url, backend="native", metrics=metrics, **credentials)
+    if what in ("cycle", "cycle-metrics", "cycle-reauth"):
         for _ in range(n):
             cache.lock(f"bench:i:{next(serial)}", 30).unlock()
     elif what == "extend":
@@ -124,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for what, n in (
             ("cycle", 1000),
             ("cycle-metrics", 1000),
+            ("cycle-reauth", 1000),
             ("extend", 1000),
             ("batch", 10),
             ("python-layer", 2000),
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[f"hotlock native {what}" if what != "python-layer" else "public layer, no-op backend"] = _per_op(
                 lambda k, py=py: [*py, str(k)], n, env
             )
-            if exe is not None and what not in ("python-layer", "cycle-metrics"):
+            if exe is not None and what not in ("python-layer", "cycle-metrics", "cycle-reauth"):
                 c_cmd = [str(exe), server.host, str(server.port), what, "1", str(scripts), f"instr{what}{os.getpid()}"]
                 rows[f"C loop {what}"] = _c_per_op(c_cmd, n, env)
     if "batch-cluster" in only:

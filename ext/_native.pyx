@@ -3,8 +3,8 @@
 
 C owns the bytes here (Python owns the policy): the extension speaks bytes keys, bytes tokens and
 integer milliseconds. The Lua scripts and their SHA1s come from hotlock._scripts, the
-backoff constants from hotlock._backoff, the errors from hotlock._config.cache_error:
-each defined once, in Python.
+backoff constants from hotlock._backoff, the AUTH command from hotlock._credentials, the
+errors from hotlock._config.cache_error: each defined once, in Python.
 
 Parts: _clock.pxi (clock, jitter, the backoff schedule), _sync.pxi (the sync client and
 NativeBackend), _route.pxi (a Redis Cluster's healthy case routed in C over NativeBackend
@@ -29,6 +29,7 @@ from hiredis cimport *
 
 from hotlock import _backoff
 from hotlock._config import naming_commands, naming_optional, tls_files_stamp
+from hotlock._credentials import auth_args, auth_command, reauth_command
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script
 from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel

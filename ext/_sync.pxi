@@ -81,6 +81,7 @@ cdef class _Conn:
     cdef int calls  # calls of its thread using it now (nested: an undo inside an acquire)
     cdef bint doomed  # close() ran while a call used it: the call drops ctx when it ends
     cdef double used  # monotonic time its last round trip ended (see _ready)
+    cdef double authed  # monotonic time it last sent AUTH (reauth_interval: see _ready)
     cdef bint piped  # its last round trip read more than one reply (see _ready)
     cdef object __weakref__
 
@@ -385,7 +386,9 @@ cdef class NativeBackend:
     cdef int _port
     cdef bint _unix
     cdef object _watch  # under Sentinel, the PrimaryWatch asked at each connect; else None
-    cdef tuple _auth  # the AUTH command, or None
+    cdef tuple _auth  # the url's AUTH command, or None (see _connect)
+    cdef object _provider  # connect(credential_provider=...), asked at each connect; or None
+    cdef double _reauth  # reauth_interval in seconds: AUTH re-sent on a live connection; 0: never
     cdef tuple _select  # the SELECT command, or None
     cdef list _naming  # CLIENT SETNAME / SETINFO (hotlock._config.naming_commands)
     cdef timeval _connect_tv
@@ -431,12 +434,10 @@ cdef class NativeBackend:
         self._unix = config.unix_path is not None
         self._host = os.fsencode(config.unix_path) if self._unix else config.host.encode("idna")
         self._port = config.port
-        if config.password is not None:
-            password = config.password.encode()
-            self._auth = (b"AUTH", config.username.encode(), password) if config.username else (b"AUTH", password)
-        elif config.username:
-            # An ACL user with nopass still authenticates by name.
-            self._auth = (b"AUTH", config.username.encode(), b"")
+        # An ACL user with nopass still authenticates by name (hotlock._credentials.auth_args).
+        self._auth = auth_args(config.username, config.password)
+        self._provider = getattr(config, "credential_provider", None)
+        self._reauth = getattr(config, "reauth_interval", 0.0)
         self._select = (b"SELECT", str(config.db).encode()) if config.db else None
         self._naming = naming_commands(config)
         self._connect_tv = _timeval(config.connect_timeout)
@@ -612,6 +613,10 @@ cdef class NativeBackend:
             # The sentinels name another primary: the old one may still take writes until
             # it is demoted, so no more on this connection.
             _drop(conn)
+        elif self._reauth > 0.0 and conn.ctx is not NULL and _monotonic() - conn.authed >= self._reauth:
+            # reauth_interval: AUTH again before this call's commands (refused or lost, the
+            # connection is dropped, and the connect below asks the provider anew).
+            self._reauthenticate(conn)
         if conn.ctx is NULL:
             self._reconnect(conn, what, key, rule)
         elif rule.limit > 0.0:
@@ -643,6 +648,9 @@ cdef class NativeBackend:
         """Connect and send the handshake. None when ready; the text of a lost handshake
         reply (the connection dropped); raises when the server cannot be reached or refuses."""
         cdef redisContext *ctx
+        # The credentials: the provider's answer now (before any socket, so its failure, a
+        # CacheError naming it, leaves nothing open), else the url's.
+        cdef tuple auth = self._auth if self._provider is None else auth_command(self._config)
         cdef bytes host_bytes = self._host
         cdef int port = self._port
         if self._watch is not None:
@@ -713,12 +721,34 @@ cdef class NativeBackend:
         # AUTH, the connection's name, SELECT and every SCRIPT LOAD in one round trip, so
         # the first EVALSHA after a (re)connect or a failover never pays for a NOSCRIPT.
         commands = []
-        if self._auth is not None:
-            commands.append(self._auth)
+        if auth is not None:
+            commands.append(auth)
         commands += self._naming
         if self._select is not None:
             commands.append(self._select)
-        return self._send(conn, commands, what, key)
+        lost = self._send(conn, commands, what, key)
+        conn.authed = _monotonic()
+        return lost
+
+    cdef int _reauthenticate(self, _Conn conn) except -1:
+        """AUTH again on conn, with what the provider says now (reauth_interval), no
+        reconnect. A refusal (WRONGPASS) or a lost reply drops conn: the caller's connect
+        then asks the provider again."""
+        cdef redisReply *r = NULL
+        conn.authed = _monotonic()
+        auth = reauth_command(self._config)  # None also when the provider failed (logged)
+        if auth is None:
+            return 0
+        _append_args(conn.ctx, auth)
+        if _exchange(conn, &r, 1) != 0:
+            if r is not NULL:
+                freeReplyObject(r)
+            self._lost(conn)
+            return 0
+        if r.type == REDIS_REPLY_ERROR:
+            _drop(conn)
+        freeReplyObject(r)
+        return 0
 
     cdef str _send(self, _Conn conn, list commands, str what, bytes key):
         """Send commands + SCRIPT LOAD of every script in one round trip. None when all
@@ -820,8 +850,9 @@ cdef class NativeBackend:
         # extends (a renewal the replicas never saw renews nothing after a failover).
         cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
+        cdef bint reauthed = False  # the one reconnect after NOAUTH/WRONGPASS is spent
         cdef long long replicas = 0
-        cdef Py_ssize_t i, j, sent, missing
+        cdef Py_ssize_t i, j, sent, missing, refused
         cdef int rc
         cdef _Conn conn = self._conn()
         if plain < 0:  # extend and release as the dialect says; the acquire always by script
@@ -867,6 +898,7 @@ cdef class NativeBackend:
                 error = None
                 transient = None
                 missing = 0
+                refused = 0
                 j = 0
                 for i in range(n):
                     if not todo[i]:
@@ -881,6 +913,8 @@ cdef class NativeBackend:
                         todo[i] = 0
                     elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
                         missing += 1
+                    elif not reauthed and _auth_refused(r):
+                        refused += 1
                     elif r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
                         # It did not run: resent (todo[i] stays) after _transient_pause.
                         if transient is None:
@@ -893,11 +927,18 @@ cdef class NativeBackend:
                     r = replies[sent]
                     if r.type == REDIS_REPLY_INTEGER:
                         replicas = r.integer
-                    elif error is None:
+                    elif error is None and not (refused and _auth_refused(r)):
                         error = (self._reply_error(conn, r), err_key)
                     freeReplyObject(r)
                 if error is not None:
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
+                if refused:
+                    # NOAUTH/WRONGPASS: this connection is not authenticated (credentials
+                    # rotated, the server forgot it), so nothing ran. A new connection asks
+                    # the provider again, and what was refused goes once more on it.
+                    reauthed = True
+                    _drop(conn)
+                    continue
                 if transient is not None:
                     if not self._transient_pause(conn, &rule, transient[0]):
                         raise cache_error(f"{_tried(what, &rule)} failed: {transient[0]}", self.server, transient[1])
@@ -985,6 +1026,7 @@ cdef class NativeBackend:
         cdef redisReply *r = NULL
         cdef _Conn conn = self._conn()
         cdef _Retry rule = self._rule(0.0, False)
+        cdef bint reauthed = False
         _enter(conn)
         try:
             while True:
@@ -992,6 +1034,14 @@ cdef class NativeBackend:
                 _append_args(conn.ctx, args)
                 if _exchange(conn, &r, 1) != 0:
                     raise cache_error(f"{_tried(what, &rule)} failed: {self._lost(conn)}", self.server, key)
+                if not reauthed and _auth_refused(r):
+                    # Not run (NOAUTH/WRONGPASS): once more on a new connection, which asks
+                    # the credential provider again (see _scripts).
+                    reauthed = True
+                    freeReplyObject(r)
+                    r = NULL
+                    _drop(conn)
+                    continue
                 if r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
                     # It did not run, so even SET NX and INCRBY may go again (hotlock._transient).
                     text = f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}"
@@ -1318,6 +1368,11 @@ cdef class NativeBackend:
     def link_close(self):
         self.close()
 
+    def link_drop(self):
+        """The calling thread's connection let go of (NOAUTH on this node: the next one
+        authenticates anew, asking the credential provider again)."""
+        _close(self._conn())
+
 
 cdef object _py_reply(redisReply *r):
     if r.type == REDIS_REPLY_INTEGER:
@@ -1331,6 +1386,11 @@ cdef object _py_reply(redisReply *r):
     if r.type == REDIS_REPLY_ERROR:
         return ReplyError(r.str[:r.len].decode("utf-8", "replace"))
     return None
+
+
+cdef inline bint _auth_refused(redisReply *r) noexcept:
+    # = hotlock._credentials.is_auth_refusal: this connection is not authenticated.
+    return _is_error(r, b"NOAUTH", 6) or _is_error(r, b"WRONGPASS", 9)
 
 
 cdef inline bint _permit(bytes value) noexcept:

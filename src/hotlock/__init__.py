@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
-from ._connect import connect_config, open_detected, with_wakeups
+from ._connect import connect_config, open_detected, with_credentials, with_wakeups
 from ._dialect import check_scripts
 from ._fastpath import MeteredNativeCache, NativeCache
 from ._lazy import LazyBackend
@@ -24,6 +24,7 @@ from .backends.native import backend_info
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
+    from ._credentials import CredentialProvider
     from .backends import Backend
     from .metrics import Listener
 
@@ -79,6 +80,8 @@ def connect(
     metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
     lazy: bool = False,
+    credential_provider: CredentialProvider | None = None,
+    reauth_interval: float | None = None,
 ) -> Cache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -115,11 +118,21 @@ def connect(
     network is up, or a process that forks workers after import. A lazy cache uses the
     plain Python lock path (not the native one-call fast path) and logs its connect line
     at the first call; ``cache.server_info`` reads "not detected" until then.
+
+    ``credential_provider`` takes an object whose ``get_credentials()`` returns
+    ``(username, password)`` or ``(password,)`` (redis-py's ``CredentialProvider``; its
+    providers and redis-entraid's work as they are), asked at every new connection instead
+    of the url's credentials, so rotating tokens (cloud IAM, Entra ID) need no restart.
+    ``reauth_interval=S`` also re-sends AUTH on live connections every S seconds, for tokens
+    that end a connection when they expire. A NOAUTH or WRONGPASS reply asks the provider
+    again and retries once; the provider's own failure is a CacheError naming it. See
+    docs/managed.md.
     """
     check_scripts(scripts)
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
+    config = with_credentials(config, credential_provider, reauth_interval)
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:

@@ -37,6 +37,8 @@ __all__ = [
 if TYPE_CHECKING:
     import ssl
 
+    from ._credentials import CredentialProvider
+
 # ssl_cert_reqs values, as redis-py takes them. "optional" verifies a certificate the
 # server sends; a server always sends one, so for a client it is "required".
 SSL_CERT_REQS = ("none", "optional", "required")
@@ -292,6 +294,11 @@ class ServerConfig:
     ssl: TLSOptions = field(default_factory=TLSOptions)
     # ?client_name=: CLIENT SETNAME on every connection (naming_commands).
     client_name: str | None = None
+    # connect(credential_provider=...): asked for (username, password) at every new
+    # connection, instead of the url's; with reauth_interval (seconds, 0: never) AUTH is
+    # also re-sent on live connections that often (hotlock._credentials).
+    credential_provider: CredentialProvider | None = field(default=None, repr=False, compare=False)
+    reauth_interval: float = 0.0
 
     def primary(self) -> tuple[str, int]:
         """The (host, port) to connect to now: under Sentinel, whatever the sentinels name

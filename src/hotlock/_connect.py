@@ -34,6 +34,7 @@ __all__ = [
     "open_async_detected",
     "open_backend",
     "open_detected",
+    "with_credentials",
     "with_wakeups",
 ]
 
@@ -240,6 +241,22 @@ def with_wakeups(config: ServerConfig | None, wakeups: object) -> ServerConfig |
         return config
     log.info("wake-ups off (connect(wakeups=False)): lock_wait polls with backoff")
     return dataclasses.replace(config, wakeups=False)
+
+
+def with_credentials(
+    config: ServerConfig | None, credential_provider: object, reauth_interval: object
+) -> ServerConfig | None:
+    """connect()'s ``credential_provider`` and ``reauth_interval`` checked (before any I/O)
+    and put in the config (hotlock._credentials asks the provider at each new connection)."""
+    from ._credentials import check_credentials
+
+    username, password = (config.username, config.password) if config is not None else (None, None)
+    provider, interval = check_credentials(credential_provider, reauth_interval, username, password)
+    if provider is None:
+        return config
+    if config is None:
+        raise ValueError("credential_provider needs a url or CACHE_URL")
+    return dataclasses.replace(config, credential_provider=provider, reauth_interval=interval)
 
 
 def log_server(info: dict[str, str] | None, dialect: Dialect, backend: str, server: str, why: str | None) -> None:

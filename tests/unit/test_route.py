@@ -196,6 +196,27 @@ def test_noscript_asks_for_a_reload_there_and_resends_once() -> None:
         route.advance()  # loaded once already in this call: not a loop
 
 
+@pytest.mark.parametrize("refusal", ["NOAUTH Authentication required.", "WRONGPASS invalid username-password pair"])
+def test_an_auth_refusal_asks_for_a_new_connection_there_and_resends_once(refusal: str) -> None:
+    """NOAUTH/WRONGPASS: nothing ran; the caller drops that node's connection (the new one
+    asks the credential provider again) and the command goes once more, even one never
+    resent after a lost reply (no retry budget); a second refusal is the call's error."""
+    key = key_on(C)
+    route = acquire(core(), [key], retry_until=None)
+    answer(route, sent(route), {C: [ReplyError(refusal)]})
+    assert route.advance() == 0.0
+    assert route.reconnect == {C}
+    route.reconnect.clear()
+    answer(route, sent(route), {C: [7]})
+    assert route.advance() is None and route.results == [7]
+    route = acquire(core(), [key])
+    answer(route, sent(route), {C: [ReplyError(refusal)]})
+    route.advance()
+    answer(route, sent(route), {C: [ReplyError(refusal)]})
+    with pytest.raises(CacheError, match=refusal.split()[0]):
+        route.advance()
+
+
 def test_a_lost_reply_is_resent_once_with_the_same_token_and_a_map_refresh() -> None:
     cluster = core()
     key = key_on(A)

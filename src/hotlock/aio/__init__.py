@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .._connect import connect_config, open_async_detected, with_wakeups
+from .._connect import connect_config, open_async_detected, with_credentials, with_wakeups
 from .._dialect import check_scripts
 from .._lazy import AsyncLazyBackend
 from .._metered import check_listener
@@ -26,6 +26,7 @@ from ._lock import AsyncLock
 from ._metered import MeteredAsyncCache
 
 if TYPE_CHECKING:
+    from .._credentials import CredentialProvider
     from ..backends import AsyncBackend
     from ..metrics import Listener
 
@@ -48,6 +49,8 @@ async def connect(
     metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
     lazy: bool = False,
+    credential_provider: CredentialProvider | None = None,
+    reauth_interval: float | None = None,
 ) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
@@ -55,6 +58,8 @@ async def connect(
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
     chooses between the Lua-free extend/release, where the server has them, and the scripts.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
+    ``credential_provider`` and ``reauth_interval`` as there; a provider with its own
+    ``get_credentials_async()`` (redis-entraid's) is awaited instead.
 
     ``lazy=True`` sends nothing here: the first awaited call connects, in the event loop it
     runs in (the cache then belongs to that loop), so a module can make its cache at import,
@@ -65,6 +70,7 @@ async def connect(
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
+    config = with_credentials(config, credential_provider, reauth_interval)
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .._config import ServerConfig
+from .._credentials import is_auth_refusal
 from .._dialect import (
     COMMAND_PROBE,
     NODE_PROBE,
@@ -138,11 +139,13 @@ class Link(Protocol):
     authenticating and loading the scripts first if needed) and returns a handle;
     ``link_recv`` reads that many replies from it, errors in place as ReplyError, all of them
     within ``timeout`` seconds when given. Both raise LinkLost on an I/O failure, after
-    which the link reconnects on its next ``link_send``."""
+    which the link reconnects on its next ``link_send``. ``link_drop`` lets go of the
+    calling thread's connection (NOAUTH: the next one authenticates anew)."""
 
     def link_send(self, commands: list[tuple[bytes, ...]]) -> object: ...
     def link_recv(self, handle: object, n: int, timeout: float | None) -> list[Any]: ...
     def link_close(self) -> None: ...
+    def link_drop(self) -> None: ...
 
 
 # -- the slot map ---------------------------------------------------------------------
@@ -365,6 +368,9 @@ class Route:
         self._error: tuple[str, bytes | None] | None = None
         self.reload: set[Address] = set()
         self._reloaded: set[Address] = set()
+        # Nodes whose connection the caller drops before the next round (NOAUTH/WRONGPASS).
+        self.reconnect: set[Address] = set()
+        self._reauthed: set[Address] = set()
         self.refresh_avoiding: Address | None = None
 
     def unserved(self) -> bytes | None:
@@ -469,6 +475,13 @@ class Route:
                 if code in ("CLUSTERDOWN", "READONLY", "MASTERDOWN"):
                     # An election, or a demoted primary: look at the map again.
                     self._cluster.map.stale = True
+            elif is_auth_refusal(str(reply)) and address not in self._reauthed:
+                # NOAUTH/WRONGPASS: that node's connection is not authenticated (rotated
+                # credentials, a re-sent AUTH refused), so nothing ran. The caller drops it
+                # (link_drop) and the new one asks the credential provider again; once per
+                # node and call.
+                self.reconnect.add(address)
+                self._again.append(i)
             elif code == "NOSCRIPT" and address not in self._reloaded:
                 # Restart, SCRIPT FLUSH, failover: load them there (once per call) and
                 # resend only what did not run.
@@ -510,6 +523,7 @@ class Route:
             raise cache_error(self._error[0], server, self._error[1])
         again, self._again = self._again, []
         self._reloaded |= self.reload
+        self._reauthed |= self.reconnect
         pause = 0.0
         if self._lost:
             where, first, cause = self._lost[0]
@@ -935,6 +949,9 @@ class ClusterBackend(ClusterCore):
                 for address in route.reload:
                     self._load_scripts(address, route.what)
                 route.reload.clear()
+                for address in route.reconnect:
+                    self._link(address).link_drop()
+                route.reconnect.clear()
                 if route.refresh_avoiding is not None:
                     with contextlib.suppress(CacheError):
                         self.refresh(avoid=route.refresh_avoiding)

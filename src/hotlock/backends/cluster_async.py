@@ -34,6 +34,7 @@ class AsyncLink(Protocol):
 
     async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]: ...
     async def link_close(self) -> None: ...
+    async def link_drop(self) -> None: ...
 
 
 # The first round of a call sent outside Route (see Route.handed).
@@ -181,6 +182,9 @@ class AsyncClusterBackend(ClusterCore):
                 for address in route.reload:
                     await self._load_scripts(address, route.what)
                 route.reload.clear()
+                for address in route.reconnect:
+                    await (await self._link(address)).link_drop()
+                route.reconnect.clear()
                 if route.refresh_avoiding is not None:
                     with contextlib.suppress(CacheError):
                         await self.refresh(avoid=route.refresh_avoiding)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
+from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -79,6 +80,10 @@ class NativeAsyncBackend:
         self._epoch = 0
         # One connect in flight at a time, shared by every task that needs the connection.
         self._connecting: asyncio.Task[AioConnection] | None = None
+        # reauth_interval (0: never): AUTH is sent again on the live connection once this
+        # long has passed (loop time) since the last (_reauthenticate).
+        self._reauth = config.reauth_interval
+        self._authed_at = 0.0
 
     @classmethod
     async def open(cls, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> NativeAsyncBackend:
@@ -122,11 +127,17 @@ class NativeAsyncBackend:
         if config.unix_path is None:
             keepalive(transport.get_extra_info("socket"))
         # AUTH, the connection's name and SELECT go first, pipelined with the script loads:
-        # one round trip, and the scripts are there before the first EVALSHA.
+        # one round trip, and the scripts are there before the first EVALSHA. The
+        # credentials are the provider's answer now, when there is one (a username alone is
+        # sent too).
         setup: list[tuple[bytes | int, ...]] = []
-        if config.password is not None:
-            user = () if config.username is None else (config.username.encode(),)
-            setup.append((b"AUTH", *user, config.password.encode()))
+        try:
+            auth = await auth_command_async(config)
+        except BaseException:
+            proto.abort()
+            raise
+        if auth is not None:
+            setup.append(auth)
         setup += naming_commands(config)
         if config.db:
             setup.append((b"SELECT", config.db))
@@ -161,6 +172,7 @@ class NativeAsyncBackend:
                 # as sent, or the replies are not the ones these commands got.
                 proto.abort()
                 raise cache_error(f"connect failed: SCRIPT LOAD returned {_shown(reply)}", self.server)
+        self._authed_at = loop.time()
         conn: AioConnection = proto
         return conn
 
@@ -211,6 +223,8 @@ class NativeAsyncBackend:
         try:
             if proto is None or self._watch is not None or not proto.usable():
                 proto = await self._live()
+            if self._reauth:
+                await self._reauth_if_due(proto)
             reply = await send(proto)
         except TransientHandshake as exc:
             return await self._again(what, key, send, retry_lost_reply, until, None, exc.proto, exc)
@@ -222,7 +236,13 @@ class NativeAsyncBackend:
             lost = exc
         else:
             if _transient(reply) is None:  # the common case: one type check per reply
-                return reply
+                if type(reply) is int or not _auth_refused(reply):
+                    return reply
+                # NOAUTH (the server no longer holds this connection authenticated): nothing
+                # ran. A new connection asks the credential provider again; once more on it.
+                self._retire(proto)
+                refusal = NotSent(f"the server replied {_first(reply)}")
+                return await self._again(what, key, send, retry_lost_reply, until, refusal, None, None)
             return await self._again(what, key, send, retry_lost_reply, until, None, proto, reply)
         return await self._again(what, key, send, retry_lost_reply, until, lost, None, None)
 
@@ -286,6 +306,34 @@ class NativeAsyncBackend:
             if _transient(reply) is None:
                 return reply
             lost = None
+
+    async def _reauth_if_due(self, proto: AioConnection) -> None:
+        """reauth_interval: AUTH again on the live connection, with what the provider says
+        now, once the interval has passed (no reconnect). Refused (WRONGPASS) or lost: the
+        connection is retired and NotSent raised, so the call goes on a new connection,
+        which asks the provider again."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._authed_at < self._reauth:
+            return
+        self._authed_at = loop.time()  # the other tasks of this moment do not send it too
+        command = await reauth_command_async(self._config)  # None also when the provider failed (logged)
+        if command is None:
+            return
+        try:
+            reply = await proto.execute(*command)
+        except _LOST as exc:
+            raise NotSent(f"AUTH again: {_describe(exc)}") from exc
+        if isinstance(reply, ReplyError):
+            self._retire(proto)
+            raise NotSent(f"AUTH again: the server replied {reply}")
+
+    def _retire(self, proto: AioConnection) -> None:
+        """No new command on ``proto`` (its authentication was refused): the next call
+        connects anew; it closes once the replies already owed on it have come, so no other
+        task's command in flight is cut off (AioCore.retire)."""
+        if self._proto is proto:
+            self._proto = None
+        proto.retire()
 
     async def _primary_moved(self) -> bool:
         """Whether the sentinels now name another primary than the live connection's
@@ -574,6 +622,8 @@ class NativeAsyncBackend:
         if proto is None or not proto.usable():
             proto = await self._connection()
         try:
+            if self._reauth:
+                await self._reauth_if_due(proto)
             pending = proto.pipeline(list(commands))
             return await (pending if timeout is None else within(pending, timeout))
         except _LOST as exc:  # NotSent included: one resend is safe either way
@@ -586,12 +636,20 @@ class NativeAsyncBackend:
         if proto is None or not proto.usable():
             proto = await self._connection()
         try:
+            if self._reauth:
+                await self._reauth_if_due(proto)
             return await proto.execute(*command)
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc
 
     async def link_close(self) -> None:
         await self.close()
+
+    async def link_drop(self) -> None:
+        """Route's answer to NOAUTH/WRONGPASS on this node: a new connection for the next
+        command, which asks the credential provider again."""
+        if self._proto is not None:
+            self._retire(self._proto)
 
     async def close(self) -> None:
         if self.wake_slot is not None:
@@ -614,6 +672,17 @@ class NativeAsyncBackend:
 
 async def _connected(proto: AioConnection) -> None:
     """What connect() sends once connected: nothing (the handshake was the round trip)."""
+
+
+def _auth_refused(reply: object) -> bool:
+    """Whether a reply (or a pipeline's first) says the connection is not authenticated:
+    then every command of the write was refused, none ran."""
+    first = _first(reply)
+    return type(first) is ReplyError and is_auth_refusal(str(first))
+
+
+def _first(reply: object) -> object:
+    return reply[0] if type(reply) is list and reply else reply
 
 
 def _script_serves(reply: object) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
+from redis.credentials import CredentialProvider
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -35,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, redispy_tls_kwargs
+from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
     UNDETECTED,
@@ -225,6 +227,17 @@ def tls_hint(config: ServerConfig, exc: BaseException) -> str:
 _RETRY_UNTIL: contextvars.ContextVar[float | None] = contextvars.ContextVar("hotlock_retry_until", default=None)
 
 
+class AuthLost(RedisConnectionError):
+    """NOAUTH or WRONGPASS on a live connection (after its handshake): it is no longer
+    authenticated, so the command did not run, and the connection is closed. Not a refusal
+    at connect (redis-py's AuthenticationError, from the handshake): the call goes once
+    more on a new connection, which asks the credential provider again. Shared with
+    aio/_redispy."""
+
+    def __init__(self, exc: AuthenticationError) -> None:
+        super().__init__(f"the server replied {refusal_text(exc)}")
+
+
 def _handshake(conn: Any) -> None:
     """redis-py's own handshake (redis_connect_func), its lost reply told apart from a lost
     reply to the call's command, and bounded by a retrying call's budget (_RETRY_UNTIL)."""
@@ -240,10 +253,58 @@ def _handshake(conn: Any) -> None:
         raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    except CacheError:
+        # The credential provider failed (hotlock._credentials): redis-py disconnects only
+        # on its own errors, and a socket left open unauthenticated would be pooled.
+        conn.disconnect()
+        raise
     finally:
         if until is not None and sock is not None:
             with contextlib.suppress(OSError):
                 sock.settimeout(conn.socket_timeout)
+    conn.hotlock_authed = time.monotonic()
+
+
+class AskedProvider(CredentialProvider):
+    """connect(credential_provider=...) as redis-py asks it at each new connection: the
+    answer normalized and the provider's failure a CacheError naming it
+    (hotlock._credentials), for redis.asyncio too. The user's provider is wrapped rather
+    than handed over: a plain object with get_credentials() alone would fail in
+    redis.asyncio, which awaits get_credentials_async()."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        assert config.credential_provider is not None
+        self._provider = config.credential_provider
+        self._server = config.display
+
+    def get_credentials(self) -> Any:
+        return _redispy_auth(*ask(self._provider, self._server))
+
+    async def get_credentials_async(self) -> Any:
+        return _redispy_auth(*await ask_async(self._provider, self._server))
+
+
+def _redispy_auth(username: str | None, password: str | None) -> tuple[str, ...]:
+    # A username alone goes as that user with an empty password, as auth_args sends it.
+    if username:
+        return (username, password or "")
+    return () if password is None else (password,)
+
+
+def reauth_due(conn: Any, interval: float) -> bool:
+    """Whether ``conn`` last authenticated ``interval`` s ago or more (interval 0: never due)."""
+    return interval > 0 and time.monotonic() - getattr(conn, "hotlock_authed", 0.0) >= interval
+
+
+def reauthenticate(conn: Any, config: ServerConfig) -> None:
+    """AUTH again on a live connection, with what the provider says now (reauth_interval):
+    no reconnect. A refusal (WRONGPASS) is redis-py's AuthenticationError, which closes the
+    connection; the call then goes once more on a new one, which asks again (_call)."""
+    conn.hotlock_authed = time.monotonic()
+    command = reauth_command(config)  # None also when the provider failed (logged)
+    if command is not None:
+        conn.send_command(*command)
+        conn.read_response()
 
 
 class _Addressed(redis.Connection):
@@ -349,6 +410,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
+    if config.credential_provider is not None:
+        # Asked by redis-py at each new connection (redis-py refuses it beside a password).
+        kwargs["credential_provider"] = AskedProvider(config)
     return kwargs
 
 
@@ -429,6 +493,11 @@ class RedisPyBackend:
         fresh = False  # a transient reply came: this connection is not used again
         framed = len(commands) > 1
         try:
+            if reauth_due(conn, self._config.reauth_interval):
+                try:
+                    reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
             conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands))
             deadline = None if timeout is None else time.monotonic() + timeout
             replies: list[Any] = []
@@ -447,6 +516,8 @@ class RedisPyBackend:
                             # cache to it takes another command, the other threads' included.
                             self._drop_all()
                     continue
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)
@@ -553,7 +624,10 @@ class RedisPyBackend:
                 elif isinstance(failure, _AMBIGUOUS):
                     until = self._retry_until() if until is None else until
                     left = min(self._timeout, until - time.monotonic())
-                    if lost or left < 0.001 or not (resend or isinstance(failure, HandshakeLost)) or refused(failure):
+                    # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
+                    # nothing ran, and the new connection asks the credential provider again.
+                    safe = resend or isinstance(failure, HandshakeLost | AuthLost)
+                    if lost or left < 0.001 or not safe or refused(failure):
                         raise self._error(tried(what, lost, transient), key, failure) from failure
                     lost = True
                     limit = left
@@ -766,6 +840,8 @@ class RedisPyLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._config = config
+        self._reauth = config.reauth_interval
         kind = TLSConnection if config.tls else redis.Connection
         self._pool: Any = redis.ConnectionPool(
             connection_class=kind, host=config.host, port=config.port, **_connection_kwargs(config)
@@ -787,7 +863,15 @@ class RedisPyLink:
         except (RedisError, OSError) as exc:  # could not connect: nothing was sent
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         try:
+            if reauth_due(conn, self._reauth):
+                reauthenticate(conn, self._config)
             conn.send_packed_command(conn.pack_commands(commands))
+        except AuthenticationError as exc:
+            # A refused AUTH again (reauth_interval): nothing of the commands was sent;
+            # Route asks for a new connection, which asks the provider again.
+            conn.disconnect()
+            self._pool.release(conn)
+            return _Refused(refusal_text(exc), len(commands)), generation
         except _AMBIGUOUS as exc:
             conn.disconnect()
             self._pool.release(conn)
@@ -800,6 +884,8 @@ class RedisPyLink:
 
     def link_recv(self, handle: Any, n: int, timeout: float | None) -> list[Any]:
         conn, generation = handle
+        if isinstance(conn, _Refused):
+            return conn.replies()
         complete = False
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -811,6 +897,11 @@ class RedisPyLink:
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
+                except AuthenticationError as exc:
+                    # NOAUTH: redis-py raises it mid-read and closes the connection. Every
+                    # command behind it was refused too (the connection was not
+                    # authenticated for any), so each gets it as its reply, for Route.
+                    return replies + _Refused(refusal_text(exc), n - len(replies)).replies()
             if stray(conn):
                 raise StrayReply()
             complete = True
@@ -825,6 +916,29 @@ class RedisPyLink:
     def link_close(self) -> None:
         self._generation = next(self._generations)
         self._pool.disconnect(inuse_connections=False)
+
+    def link_drop(self) -> None:
+        """Route's answer to NOAUTH/WRONGPASS: the idle connections go (the one refused is
+        already closed), so the next ones connect and ask the credential provider again."""
+        self._pool.disconnect(inuse_connections=False)
+
+
+class _Refused:
+    """An authentication refusal standing for ``n`` replies (RedisPyLink)."""
+
+    def __init__(self, text: str, n: int) -> None:
+        self._text = text
+        self._n = n
+
+    def replies(self) -> list[Any]:
+        return [ReplyError(self._text)] * self._n
+
+
+def refusal_text(exc: AuthenticationError) -> str:
+    """An authentication refusal as the server's error reply, its code put back (redis-py
+    strips it): what Route reads (NOAUTH, WRONGPASS). Shared with aio/_redispy."""
+    code = getattr(exc, "status_code", None) or "WRONGPASS"
+    return f"{code} {exc}"
 
 
 ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}

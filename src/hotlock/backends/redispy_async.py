@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import KEEPALIVE_OPTIONS, ServerConfig, redispy_tls_kwargs
+from .._credentials import reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
 from .._sentinel import PrimaryWatch
@@ -42,6 +44,8 @@ from .redispy import (
     SCRIPT_LOADED,
     SCRIPT_LOADS,
     SCRIPT_REPLY,
+    AskedProvider,
+    AuthLost,
     HandshakeLost,
     Shape,
     StrayReply,
@@ -55,6 +59,8 @@ from .redispy import (
     is_ok_or_nil,
     is_text,
     naming_kwargs,
+    reauth_due,
+    refusal_text,
     refused,
     reply_serves_script,
     tls_hint,
@@ -82,6 +88,20 @@ async def _handshake(conn: Connection) -> None:
         raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    except CacheError:
+        # The credential provider failed: not left open unauthenticated in the pool.
+        await conn.disconnect(nowait=True)
+        raise
+    conn.hotlock_authed = time.monotonic()  # type: ignore[attr-defined]
+
+
+async def reauthenticate(conn: Any, config: ServerConfig) -> None:
+    """hotlock.backends.redispy.reauthenticate on a redis.asyncio connection."""
+    conn.hotlock_authed = time.monotonic()
+    command = await reauth_command_async(config)  # None also when the provider failed (logged)
+    if command is not None:
+        await conn.send_command(*command)
+        await conn.read_response()
 
 
 def stray(conn: Any) -> bool:
@@ -128,9 +148,12 @@ class _Pool:
     of their own: the queue moves as fast as the commands ahead, each bounded by the reply
     timeout, and a long local queue is not a server failure to report as CacheError."""
 
-    def __init__(self, make: Callable[[], Any], limit: int) -> None:
+    def __init__(self, make: Callable[[], Any], limit: int, config: ServerConfig | None = None) -> None:
         self._make = make
         self._limit = limit
+        # reauth_interval: AUTH re-sent on a connection handed out that long after its last.
+        self._config = config
+        self._reauth = 0.0 if config is None else config.reauth_interval
         self._all: list[Any] = []
         self._idle: list[Any] = []
         self._waiters: deque[asyncio.Future[Any]] = deque()
@@ -160,6 +183,13 @@ class _Pool:
             if not conn.is_connected:
                 await conn.connect()
                 self._made_in[id(conn)] = self._generation
+            if reauth_due(conn, self._reauth):
+                assert self._config is not None
+                try:
+                    await reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    await conn.disconnect(nowait=True)
+                    raise AuthLost(exc) from exc
         except BaseException:
             self.put(conn)
             raise
@@ -256,6 +286,9 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
+    if config.credential_provider is not None:
+        # Asked at each new connection (get_credentials_async), as in the sync backend.
+        kwargs["credential_provider"] = AskedProvider(config)
     return kwargs
 
 
@@ -266,6 +299,7 @@ class RedisAsyncLink:
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
+        self._config = config
         kind = _SSLConnection if config.tls else Connection
         self._pool: Any = aioredis.BlockingConnectionPool(
             max_connections=MAX_CONNECTIONS,
@@ -299,6 +333,12 @@ class RedisAsyncLink:
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         complete = False
         try:
+            if reauth_due(conn, self._config.reauth_interval):
+                try:
+                    await reauthenticate(conn, self._config)
+                except AuthenticationError as exc:
+                    # Refused (WRONGPASS): nothing was sent; Route asks for a new connection.
+                    return [ClusterReplyError(refusal_text(exc))] * len(commands)
             await conn.send_packed_command(conn.pack_commands(commands))
             loop = asyncio.get_running_loop()
             deadline = None if timeout is None else loop.time() + timeout
@@ -310,6 +350,10 @@ class RedisAsyncLink:
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     code = ERROR_CODES.get(type(exc))
                     replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+                except AuthenticationError as exc:
+                    # NOAUTH, raised mid-read (the connection closed): every command behind
+                    # it was refused too, so each gets it as its reply, for Route.
+                    return replies + [ClusterReplyError(refusal_text(exc))] * (len(commands) - len(replies))
             if stray(conn):
                 raise StrayReply()
             complete = True
@@ -324,6 +368,11 @@ class RedisAsyncLink:
             await self._pool.release(conn)
 
     async def link_close(self) -> None:
+        await self._pool.disconnect()
+
+    async def link_drop(self) -> None:
+        """Route's answer to NOAUTH/WRONGPASS: every connection goes, so the next ones
+        connect and ask the credential provider again."""
         await self._pool.disconnect()
 
 
@@ -358,7 +407,7 @@ class RedisAsyncBackend:
             kwargs.update(
                 host=config.host, port=config.port, socket_keepalive=True, socket_keepalive_options=KEEPALIVE_OPTIONS
             )
-        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS)
+        self._pool = _Pool(lambda: connection_class(**kwargs), MAX_CONNECTIONS, config)
         # Acquires in flight, by token: a release of that token waits for them.
         self._inflight = InFlight(config.display)
         # Set by close(): a call then gets no second try, so the calls close() cancels end.
@@ -416,7 +465,9 @@ class RedisAsyncBackend:
             if (
                 lost
                 or not isinstance(failure, _AMBIGUOUS)
-                or not (retry_lost_reply or isinstance(failure, HandshakeLost))
+                # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
+                # nothing ran, and the new connection asks the credential provider again.
+                or not (retry_lost_reply or isinstance(failure, HandshakeLost | AuthLost))
                 or refused(failure)
                 or self._closing
             ):
@@ -475,7 +526,10 @@ class RedisAsyncBackend:
         conn = await self._pool.get()
         try:
             await conn.send_packed_command(conn.pack_command(*args), False)
-            reply = await conn.read_response()
+            try:
+                reply = await conn.read_response()
+            except AuthenticationError as exc:
+                raise AuthLost(exc) from exc
             if not shape(reply):
                 raise UnexpectedReply(args, reply)
             if stray(conn):
@@ -508,6 +562,8 @@ class RedisAsyncBackend:
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     replies.append(exc)
                     continue
+                except AuthenticationError as exc:
+                    raise AuthLost(exc) from exc
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
+from .._credentials import auth_command
 from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
 from .._waiting import FIRST, Step, Waiting, poll
@@ -163,16 +164,11 @@ class Refused(ConnectionError):
     meets the same answer until the server or the url changes."""
 
 
-def handshake(config: ServerConfig) -> list[tuple[bytes, ...]]:
-    """What a subscriber sends on connecting, in one write: AUTH when the url has
-    credentials, then the connection's name (_config.naming_commands). No SELECT: pub/sub
-    channels are not per database."""
-    commands: list[tuple[bytes, ...]] = []
-    if config.password is not None or config.username:
-        auth = [b"AUTH"] + ([config.username.encode()] if config.username else [])
-        auth.append((config.password or "").encode())
-        commands.append(tuple(auth))
-    return commands + naming_commands(config)
+def handshake(config: ServerConfig, auth: tuple[bytes, ...] | None) -> list[tuple[bytes, ...]]:
+    """What a subscriber sends on connecting, in one write: ``auth`` (the AUTH command of
+    hotlock._credentials, or None), then the connection's name (_config.naming_commands).
+    No SELECT: pub/sub channels are not per database."""
+    return ([] if auth is None else [auth]) + naming_commands(config)
 
 
 def check_handshake(commands: list[tuple[bytes, ...]], replies: list[Any], error_type: type) -> None:
@@ -378,7 +374,8 @@ class Wakeups:
                     raise
         try:
             sock.settimeout(config.timeout)
-            commands = handshake(config)
+            # The url's credentials, or the provider's answer now (hotlock._credentials).
+            commands = handshake(config, auth_command(config))
             sock.sendall(b"".join(resp_command(*c) for c in commands))
             self._unread = 0
             if all(naming_optional(c) for c in commands):

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import ServerConfig, keepalive, naming_optional, tls_context
+from .._credentials import auth_command_async
 from .._sentinel import PrimaryWatch
+from ..errors import CacheError
 from .retry_async import within
 from .wakeup import (
     LINGER_S,
@@ -162,7 +164,12 @@ class AsyncWakeups:
         while not self._closed and self.off is None:
             try:
                 reader, writer = await within(self._connect(), self._config.connect_timeout + self._config.timeout)
-            except (OSError, TimeoutError, ConnectionError) as exc:  # a refused handshake too: try again
+            except (
+                OSError,
+                TimeoutError,
+                ConnectionError,
+                CacheError,
+            ) as exc:  # a refused handshake, a failed credential provider: try again
                 trouble.failed(exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -195,7 +202,13 @@ class AsyncWakeups:
             name = (config.ssl.server_name or host) if tls else None  # checked and sent as SNI
             reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=name)
             keepalive(writer.get_extra_info("socket"))
-        commands = handshake(config)
+        # The url's credentials, or the provider's answer now (hotlock._credentials).
+        try:
+            auth = await auth_command_async(config)
+        except BaseException:
+            writer.close()
+            raise
+        commands = handshake(config, auth)
         try:
             writer.write(b"".join(resp_command(*c) for c in commands))
             self._unread = 0
