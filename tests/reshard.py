@@ -426,6 +426,29 @@ def failover_during_reshard(
     return run
 
 
+def plain_failover(cluster: Cluster, promoted: int) -> Callable[[Report], None]:
+    """A plain ``CLUSTER FAILOVER`` to the replica of ``promoted`` (asked again up to three
+    times, as in failover_during_reshard), done once the old primary calls itself a replica."""
+
+    def run(report: Report) -> None:
+        replica = int(cluster.client(promoted).info("replication")["slave0"]["port"])
+        for _attempt in range(3):
+            assert command(cluster.client(replica), "CLUSTER", "FAILOVER") == b"OK"
+            until = time.monotonic() + 10
+            while time.monotonic() < until and cluster.client(replica).info("replication")["role"] != "master":
+                time.sleep(0.02)
+            if cluster.client(replica).info("replication")["role"] == "master":
+                break
+        else:
+            raise AssertionError("the replica was not promoted after three CLUSTER FAILOVERs")
+        until = time.monotonic() + 30
+        while cluster.client(promoted).info("replication")["role"] != "slave":
+            assert time.monotonic() < until, "the old primary never became a replica"
+            time.sleep(0.02)
+
+    return run
+
+
 def migrations(client: redis.Redis) -> list[dict[str, str]]:
     """``CLUSTER GETSLOTMIGRATIONS`` (Valkey 9): one dict per job (its name, state, ...)."""
 

@@ -27,6 +27,7 @@ from .reshard import (
     hot_keys,
     hot_tags,
     migrate_slots,
+    plain_failover,
     reshard,
     run_under_load,
     three_primaries,
@@ -174,6 +175,21 @@ def test_failover_in_the_middle_of_a_reshard(replicated_cluster: Cluster) -> Non
 @pytest.mark.parametrize("backend", ["native", "redis-py"])
 def test_failover_in_the_middle_of_a_reshard_full(backend: str, shard: str, replicated_cluster: Cluster) -> None:
     _failover(replicated_cluster, backend, 5000, shard, THIRD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_a_plain_failover_under_16_threads_costs_no_error(backend: str, replicated_cluster: Cluster) -> None:
+    """A manual failover with no reshard around it: the old primary's MOVED and its pause
+    are retried within each call's budget, so none of 16 threads sees an error."""
+    cluster = replicated_cluster
+    cluster.wait_synced()
+    operation = counted(cluster, plain_failover(cluster, cluster.primary_ports()[0]))
+    report = run_under_load(
+        cluster.url, backend, operation, Report("CLUSTER FAILOVER", "redis", backend), threads=16, settle_s=1.0
+    )
+    print(report.line())
+    assert report.overlaps == 0 and report.cache_errors == 0, report.samples
 
 
 # -- d: Valkey 9's atomic slot migration -----------------------------------------------------

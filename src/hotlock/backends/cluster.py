@@ -383,6 +383,21 @@ class Route:
                 return self.keys[i]
         return None
 
+    def wait_for_primary(self) -> float:
+        """A pending key's slot still has no primary in the map after a fresh look (its
+        primary failed or handed over, the new one not yet in the map): the pause before
+        looking again, within the call's budget, as after CLUSTERDOWN. CacheError when no
+        time is left."""
+        pause = self._transient.pause(self._pause_end - time.monotonic())
+        if pause is None:
+            raise cache_error(
+                f"{self._transient.tried(self.what)} failed: "
+                "no primary serves the slot of the key (the cluster is incomplete)",
+                self._cluster.server,
+                self.unserved(),
+            )
+        return pause
+
     def batches(self) -> list[tuple[Address, list[tuple[bytes, ...]]]]:
         groups: dict[Address, list[int]] = {}
         for i in self._pending:
@@ -931,6 +946,9 @@ class ClusterBackend(ClusterCore):
                         # replica not yet promoted): look again, not on every call of the gap.
                         with contextlib.suppress(CacheError):
                             self.refresh()
+                    if route.unserved() is not None:
+                        time.sleep(route.wait_for_primary())
+                        continue
                     sent = []
                     for address, batch in route.batches():
                         try:

@@ -164,6 +164,9 @@ class AsyncClusterBackend(ClusterCore):
                     if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
                         with contextlib.suppress(CacheError):
                             await self.refresh()
+                    if route.unserved() is not None:
+                        await asyncio.sleep(route.wait_for_primary())
+                        continue
                     batches = route.batches()
                     outcomes = await asyncio.gather(
                         *(self._node(address, batch, route.override) for address, batch in batches),
