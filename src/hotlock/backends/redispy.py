@@ -24,7 +24,6 @@ from redis.credentials import CredentialProvider
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
-    MaxClientsReachedError,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
@@ -195,13 +194,16 @@ def tls_refused(exc: BaseException) -> bool:
 
 # Error replies that redis-py raises as ConnectionError: the server answered (no reply was
 # lost) and refused the connection, as it will refuse the same connect again.
-_REFUSALS = (AuthenticationError, MaxClientsReachedError)
+# redis-py 8.2 and later name the server's "max number of clients reached"; before, it is a
+# plain ConnectionError, taken as a lost connection.
+_MAX_CLIENTS = getattr(redis.exceptions, "MaxClientsReachedError", None)
+REFUSALS: tuple[type[BaseException], ...] = (AuthenticationError,) + (() if _MAX_CLIENTS is None else (_MAX_CLIENTS,))
 
 
 def refused(exc: BaseException) -> bool:
     """Whether ``exc`` is a refusal, not a lost reply: a wrong password, no room for one more
     client, a TLS failure (tls_refused). Never retried. Shared with aio/_redispy."""
-    return isinstance(exc, _REFUSALS) or tls_refused(exc)
+    return isinstance(exc, REFUSALS) or tls_refused(exc)
 
 
 def tls_hint(config: ServerConfig, exc: BaseException) -> str:
@@ -249,7 +251,7 @@ def _handshake(conn: Any) -> None:
         conn.on_connect()
     except BusyLoadingError:
         raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
-    except _REFUSALS:
+    except REFUSALS:
         raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
@@ -969,7 +971,7 @@ def transient_code(exc: BaseException) -> str | None:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, RedisTimeoutError):
         return "no reply within the timeout"
-    if isinstance(exc, _REFUSALS):
+    if isinstance(exc, REFUSALS):
         # Error replies redis-py raises as ConnectionError, code stripped: say what they refused.
         code = getattr(exc, "status_code", None) or ERROR_CODES.get(type(exc))
         replied = f"the server replied {code} {exc}" if code else f"the server replied {exc}"

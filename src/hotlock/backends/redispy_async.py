@@ -21,7 +21,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
-    MaxClientsReachedError,
     NoPermissionError,
     NoScriptError,
     RedisError,
@@ -41,6 +40,7 @@ from ..errors import ReplyError as ClusterReplyError
 from .redispy import (
     ERROR_CODES,
     FRAME,
+    REFUSALS,
     SCRIPT_LOADED,
     SCRIPT_LOADS,
     SCRIPT_REPLY,
@@ -84,7 +84,7 @@ async def _handshake(conn: Connection) -> None:
         await conn.on_connect()
     except BusyLoadingError:
         raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
-    except (AuthenticationError, MaxClientsReachedError):
+    except REFUSALS:
         raise  # an answer: AUTH refused, say
     except _AMBIGUOUS as exc:
         raise HandshakeLost(f"handshake: {describe(exc)}") from exc
