@@ -352,13 +352,6 @@ cdef struct _Retry:
     int transient  # resends after a transient reply (hotlock._transient) so far
 
 
-cdef str _command_name(tuple command):
-    """AUTH, SELECT, CLIENT SETNAME...: how an error names a handshake command."""
-    if command[0] == b"CLIENT":
-        return f"CLIENT {command[1].decode()}"
-    return command[0].decode()
-
-
 cdef str _tried(str what, _Retry *rule):
     if rule.spent:
         what = f"{what} (retried after a lost reply)"
@@ -756,7 +749,7 @@ cdef class NativeBackend:
         cdef Py_ssize_t n, i
         cdef redisReply **replies
         cdef redisReply *r
-        cdef list names = [_command_name(c) for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
+        cdef list names = [command_name(c) for c in commands] + ["SCRIPT LOAD"] * len(_SOURCES)
         try:
             for args in commands:
                 _append_args(conn.ctx, args)

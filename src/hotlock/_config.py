@@ -260,6 +260,12 @@ def naming_optional(command: tuple[bytes | int, ...]) -> bool:
     return command[:2] == (b"CLIENT", b"SETINFO")
 
 
+def command_name(command: tuple[bytes | int, ...]) -> str:
+    """How an error names a handshake command: AUTH, SELECT, CLIENT SETNAME, ..."""
+    words = command[:2] if command[0] == b"CLIENT" else command[:1]
+    return " ".join(w.decode() if isinstance(w, bytes) else str(w) for w in words)
+
+
 # redis+cluster://seed[,seed...] and its TLS twin: the seeds are any nodes of the cluster.
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 

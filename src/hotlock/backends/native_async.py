@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
+from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
@@ -162,11 +162,10 @@ class NativeAsyncBackend:
                 if code(str(reply)) is not None:
                     raise TransientHandshake(reply, proto)
                 # Say what was refused: "authentication failed: AUTH: ...", "CLIENT SETNAME: ...".
-                name = " ".join(str(c, "ascii") if isinstance(c, bytes) else str(c) for c in command[:2])
-                if command[0] != b"CLIENT":
-                    name = name.split(" ")[0]
                 refusal = "authentication failed: " if command[0] == b"AUTH" else ""
-                raise cache_error(f"connect failed: {refusal}{name}: the server replied {reply}", self.server)
+                raise cache_error(
+                    f"connect failed: {refusal}{command_name(command)}: the server replied {reply}", self.server
+                )
             if sha is not None and reply != sha:
                 # Not the SHA1 of what was sent: this is not a server that runs our scripts
                 # as sent, or the replies are not the ones these commands got.

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._config import ServerConfig, keepalive, naming_commands, naming_optional, tls_context
+from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command
 from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
@@ -175,8 +175,7 @@ def check_handshake(commands: list[tuple[bytes, ...]], replies: list[Any], error
     """Raise Refused for an error reply to any of ``commands`` but CLIENT SETINFO."""
     for command, reply in zip(commands, replies, strict=True):
         if isinstance(reply, error_type) and not naming_optional(command):
-            name = b" ".join(command[:2] if command[0] == b"CLIENT" else command[:1]).decode()
-            raise Refused(f"{name} refused: {reply}")
+            raise Refused(f"{command_name(command)} refused: {reply}")
 
 
 def refused(exc: BaseException) -> bool:
