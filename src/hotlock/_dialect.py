@@ -5,14 +5,13 @@ backend for INFO and ``COMMAND INFO DELIFEQ DELEX``, ``detect`` decides, and the
 keeps the answer and builds its extend/release commands from it. ``Cache`` never asks.
 
 Where the server compares and sets, or compares and deletes, without Lua, extend and
-release need no script (the acquire keeps its script: it returns the holder's PTTL and the
-fence, which no single command does):
+release need no script (the acquire of a free key needs none anywhere: hotlock._acquire):
 
     extend   SET key value IFEQ value PX ms     Valkey >= 8.1, Redis >= 8.4   reply OK / nil
     release  DELIFEQ key value                  Valkey >= 9.0                 reply 1 / 0
              DELEX key IFEQ value               Redis >= 8.4 (Valkey >= 9.2)  reply 1 / 0
 
-``value`` is the lock's whole stored value (token + fence digits), the same bytes the
+``value`` is the lock's whole stored value (its token), the same bytes the
 EXTEND/RELEASE scripts compare, so both paths act on exactly the same locks. SET IFEQ
 rewrites the value with itself and sets the new TTL from now, as the script's PEXPIRE does;
 on a missing key it writes nothing (nil), as the script returns 0.
@@ -92,6 +91,13 @@ class Dialect:
     @property
     def lua_free(self) -> bool:
         return self.release != "script"
+
+    @property
+    def transaction(self) -> bool:
+        """Whether the acquire of a free key goes as hotlock._acquire's transaction (MULTI,
+        SET NX PX, TIME, EXEC: every server has them) rather than the ACQUIRE script:
+        everywhere but under connect(scripts='always') and in-process."""
+        return not self.forced and self.kind != "memory"
 
     @property
     def forced(self) -> bool:
@@ -278,12 +284,11 @@ def lacks_command(error: str) -> bool:
 
 
 def by_script(values: Iterable[bytes]) -> bool:
-    """Whether extend or release of these held values must go by script on every path:
-    a bare token (exactly TOKEN_BYTES bytes: an async acquire interrupted before its reply,
-    whose fence is unknown; only the RELEASE script matches "this token followed by any
-    fence"), or a permit's value (token '#' fence: a field of a hash, which SET IFEQ and
-    DELIFEQ/DELEX cannot reach)."""
-    return any(len(v) == TOKEN_BYTES or v[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK for v in values)
+    """Whether extend or release of these held values must go by script on every path: a
+    permit's (token '#' fence), a field of a hash, which SET IFEQ and DELIFEQ/DELEX cannot
+    reach. (A bare token meets a hash only when its permit's acquire reply never came: the
+    Lua-free command is refused WRONGTYPE, and the script serves, as script_serves says.)"""
+    return any(v[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK for v in values)
 
 
 def script_serves(error: str) -> bool:

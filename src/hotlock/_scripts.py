@@ -51,7 +51,7 @@ class Script:
 # The key's own TTL is never below its longest permit's; a release never shortens it (f
 # must outlive every permit taken with it), so it goes when its last permit would expire.
 # A permit's held value (what extend and release send) is its token, '#', then its fence:
-# the '#' where a plain lock's fence digits start is what tells the two apart.
+# the '#' after the token (a plain lock's held value is the token alone) tells the two apart.
 PERMIT_MARK = b"#"
 
 # The acquire's reply when the key is held as the other kind (a plain lock where permits
@@ -154,19 +154,23 @@ end
 
 
 # KEYS[1] lock key; ARGV[1] token (TOKEN_BYTES random bytes); ARGV[2] TTL in ms.
-# The key's value is the token followed by the fence in ASCII decimal: one key per lock,
-# no fence state of its own, so it lives in the lock's slot and expires with the lock.
-# A trailing '+' (WAITED) on a value means a waiter asked to be woken when it goes (see
-# ACQUIRE_WAIT): the fence never includes it, and extend and release accept it.
-# Returns the fence (> 0) when the key now holds this token with a fresh TTL:
-# - it was free: the fence is the server's clock in microseconds (TIME), built from
-#   TIME's two strings so no Lua double is ever formatted (no exponent, no rounding);
-#   it is below 2^53, so the number returned is exact. A restart or FLUSHALL loses no
-#   order: the clock kept moving. TIME before a write needs effects replication, the
-#   only mode of Redis 7 and Valkey and the default since Redis 5 (6.2 included);
-#   a server set to replicate scripts verbatim refuses the SET (an error, never a fence).
+# A plain lock's value is its token alone: one key per lock, no fence state of its own,
+# so it lives in the lock's slot and expires with the lock. A trailing '+' (WAITED) on a
+# value means a waiter asked to be woken when it goes (see ACQUIRE_WAIT); extend and
+# release accept it. The common acquire of a free key is not this script but the
+# transaction of hotlock._acquire (SET NX, TIME: no Lua); this script serves every
+# other case, and gives the same returns.
+# Returns the fence (> 0) when the key now holds this token with a fresh TTL: the server's
+# clock in microseconds (TIME) at this acquire, built from TIME's two strings so no Lua
+# double is ever formatted (no exponent, no rounding); it is below 2^53, so the number
+# returned is exact. A restart or FLUSHALL loses no order: the clock kept moving. The
+# fence is not stored: nothing after the acquire needs it on the server. TIME in a script
+# that writes needs effects replication, the only mode of Redis 7 and Valkey and the
+# default since Redis 5 (6.2 included).
+# - the key was free: taken.
 # - it already held this token (a retry after a lost reply must not turn our own
-#   acquire into a conflict): the fence stored with it, TTL refreshed.
+#   acquire into a conflict): TTL refreshed, and a fence later than the lost reply's,
+#   which no one saw.
 # Otherwise (held) returns -(the holder's remaining TTL in ms) (<= -1), 0 when the
 # holder's key has no TTL (not written by hotlock), or KIND_CONFLICT when it holds live
 # permits. A hash of permits none of which is live any more (permits_gone: its last fence,
@@ -183,26 +187,21 @@ if type(v) == 'table' then
   local floor = 0
   @PERMITS_GONE@  redis.call('DEL', KEYS[1])
   local t = redis.call('TIME')
-  local f = string.format('%.0f', math.max(tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]), floor + 1))
-  redis.call('SET', KEYS[1], ARGV[1] .. f@OWN_MARK@, 'PX', ARGV[2])
-  return tonumber(f)
+  redis.call('SET', KEYS[1], ARGV[1]@OWN_MARK@, 'PX', ARGV[2])
+  return math.max(tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]), floor + 1)
 end
 if v == false then
-  local t = redis.call('TIME')
-  local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
-  redis.call('SET', KEYS[1], ARGV[1] .. f@OWN_MARK@, 'PX', ARGV[2])
-  return tonumber(f)
-end
-if #v > n and string.sub(v, 1, n) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1]@OWN_MARK@, 'PX', ARGV[2])
+elseif v == ARGV[1] or v == ARGV[1] .. '+' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  local e = -1
-  if string.byte(v, -1) == 43 then e = -2 end
-  return tonumber(string.sub(v, n + 1, e))
+else
+  local t = redis.call('PTTL', KEYS[1])
+  if t == -1 then return 0 end
+  if t < 1 then return -1 end
+  @MARK@return -t
 end
-local t = redis.call('PTTL', KEYS[1])
-if t == -1 then return 0 end
-if t < 1 then return -1 end
-@MARK@return -t"""
+local t = redis.call('TIME')
+return tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2])"""
 
 
 def _acquire(own_mark: str, mark: str, permit_own_mark: str, permit_mark: str) -> Script:
@@ -221,7 +220,7 @@ ACQUIRE = _acquire("", "", "", "")
 
 # The waiting forms of ACQUIRE (lock_wait with wake-ups on; same KEYS, ARGV and returns).
 # ACQUIRE_WAIT also marks a holder's value with a trailing '+' (SET ... KEEPTTL: the TTL and
-# the token + fence prefix unchanged), so its release publishes on the wake-up channel;
+# the token unchanged), so its release publishes on the wake-up channel;
 # only a value with a TTL (written by hotlock) and not marked yet. pcall: a full server
 # (OOM under noeviction) refusing the mark must not fail the attempt, which then polls.
 # ACQUIRE_CHAIN is ACQUIRE_WAIT for a waiter that knows others wait on the same key in its
@@ -238,10 +237,12 @@ WAITED = b"+"
 
 
 def held_value(token: bytes, fence: int) -> bytes:
-    """The value ACQUIRE stored for ``token`` with ``fence``: what extend and release compare.
+    """What extend and release send for a lease that ACQUIRE answered ``fence``: the
+    token itself for a plain lock (its stored value), token '#' fence for a permit.
 
-    For a permit, ``token`` is what its acquire sent (token '#' limit) or token '#': its
-    held value is token '#' fence."""
+    For a permit, ``token`` is what its acquire sent (token '#' limit) or token '#'."""
+    if len(token) == TOKEN_BYTES:
+        return token
     return token[: TOKEN_BYTES + 1] + b"%d" % fence
 
 
@@ -256,7 +257,7 @@ def is_permit(value: bytes) -> bool:
     return value[TOKEN_BYTES : TOKEN_BYTES + 1] == PERMIT_MARK
 
 
-# KEYS[1] lock key; ARGV[1] the held value (token + fence); ARGV[2] TTL in ms.
+# KEYS[1] lock key; ARGV[1] the held value (held_value); ARGV[2] TTL in ms.
 # Returns 1 and sets the TTL to ARGV[2] from now (it never adds to what is left) when
 # the key holds ARGV[1], marked by a waiter ('+') or not; returns 0 and changes nothing
 # otherwise (a key of the other kind included). A permit's held value (token '#' fence)
@@ -278,23 +279,23 @@ end
 return 0"""
 )
 
-# KEYS[1] lock key; ARGV[1] the held value (token + fence), or a bare token (exactly
-# TOKEN_BYTES bytes) whose acquire's reply never came, so its fence is unknown (an
+# KEYS[1] lock key; ARGV[1] the held value (held_value), or for a permit a bare token
+# (exactly TOKEN_BYTES bytes) whose acquire's reply never came, so its fence is unknown (an
 # interrupted async acquisition released in the background).
-# Returns 1 and deletes the key when it holds ARGV[1] (marked by a waiter or not), or that
-# bare token followed by a fence; returns 0 and changes nothing otherwise (expired, taken
-# over, a key of the other kind: never someone else's lock). A marked value ('+': a waiter
-# asked to be woken) is announced on the key's wake-up channel, <prefix>wake:{K} for
-# KEYS[1] = <prefix>lock:{K} (the prefix has no '{', so the first '{' starts the tag; same
-# slot). An unmarked one, the uncontended release, publishes nothing. pcall: an ACL
-# without the channel leaves the waiters to their backoff, never fails the release.
+# Returns 1 and deletes the key when it holds ARGV[1] (marked by a waiter or not); returns
+# 0 and changes nothing otherwise (expired, taken over, a key of the other kind: never
+# someone else's lock). A marked value ('+': a waiter asked to be woken) is announced on
+# the key's wake-up channel, <prefix>wake:{K} for KEYS[1] = <prefix>lock:{K} (the prefix
+# has no '{', so the first '{' starts the tag; same slot). An unmarked one, the
+# uncontended release, publishes nothing. pcall: an ACL without the channel leaves the
+# waiters to their backoff, never fails the release.
 # A permit's held value (token '#' fence), or a bare token on a hash of permits, deletes
 # that permit when live, and wakes a waiter that marked the hash.
 _RELEASE = f"""local n = {TOKEN_BYTES}
 if string.byte(ARGV[1], n + 1) ~= 35 then
   local v = redis.pcall('GET', KEYS[1])
   if type(v) == 'string' then
-    if v == ARGV[1] or v == ARGV[1] .. '+' or (#ARGV[1] == n and #v > n and string.sub(v, 1, n) == ARGV[1]) then
+    if v == ARGV[1] or v == ARGV[1] .. '+' then
       redis.call('DEL', KEYS[1])
       if string.byte(v, -1) == 43 then
         {_WAKE}

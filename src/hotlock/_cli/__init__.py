@@ -80,9 +80,10 @@ first; a key without a TTL, which hotlock never writes, last). PATTERN is a Redi
 (*, ?, [abc], [^a-z], \\x) matched against the key as the services gave it. Uses SCAN (on
 every primary of a cluster), never KEYS, so a large keyspace is not blocked.
 
-Columns: KEY, TTL (remaining), FENCE (the lock's fencing token; "-" for a lock taken
-before fencing), HELD (time since the acquire, read from the fence and the server's clock;
-"-" when unknown). The lock's secret token is never read.
+Columns: KEY, TTL (remaining), FENCE (a key held with a limit: its permits' fencing
+tokens; "-" for a plain lock, whose fence is not stored), HELD (time since the acquire,
+read from a permit's fence and the server's clock; "-" when unknown). The lock's secret
+token is never read.
 
 With --json: a JSON array of objects {"key", "ttl" (seconds, float), "fence" (int or
 null), "held" (seconds or null), "node"}.

@@ -1,8 +1,9 @@
 """`hotlock locks` and `hotlock release`: the held locks, read without their tokens.
 
-A lock's value is its 16-byte token followed by its fence. The token is a bearer secret, so
-nothing here reads it: the value's length (STRLEN) and the bytes after the token (GETRANGE
-key 16 -1) are all that leave the server. A key held with a concurrency limit is a hash
+A plain lock's value is its 16-byte token (and a waiter's mark); its fence is not stored,
+so it shows none (earlier releases stored it after the token, and it is read there). The
+token is a bearer secret, so nothing here reads it: the value's length (STRLEN) and the
+bytes after the token (GETRANGE key 16 -1) are all that leave the server. A key held with a concurrency limit is a hash
 whose fields are its permits' tokens: only its values (HVALS: each permit's fence and
 deadline on the server's clock) are read.
 """

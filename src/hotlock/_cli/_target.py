@@ -81,10 +81,12 @@ def user_key(prefix: bytes, name: bytes) -> bytes | None:
 def fence_of(length: int, tail: bytes) -> int | None:
     """The fence of a lock value of ``length`` bytes whose bytes after the token are ``tail``.
 
-    The value is the 16-byte token followed by the fence in decimal; a value of exactly 16
-    bytes is a lock taken before fencing (no fence). Only the tail is ever read from Redis
-    (GETRANGE key 16 -1), so the token never leaves the server. A trailing ``+`` marks a
-    lock a waiter asked to be woken from (hotlock._scripts.WAITED): not part of the fence.
+    The value is the 16-byte token alone: the fence of a plain lock is not stored (the
+    acquire takes a free key without Lua: hotlock._acquire), so there is none to read (None).
+    Earlier releases stored the fence in decimal after the token, and such a lock's fence is
+    read. Only the tail is ever read from Redis (GETRANGE key 16 -1), so the token never
+    leaves the server. A trailing ``+`` marks a lock a waiter asked to be woken from
+    (hotlock._scripts.WAITED): not part of the fence.
     """
     tail = tail.removesuffix(WAITED)
     if length <= TOKEN_BYTES or not tail.isdigit():

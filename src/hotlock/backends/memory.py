@@ -11,7 +11,7 @@ import time
 
 from .._dialect import MEMORY, Dialect
 from .._ident import TOKEN_BYTES
-from .._scripts import KIND_CONFLICT, held_value, is_permit
+from .._scripts import KIND_CONFLICT, is_permit
 from .._waiting import poll
 from ..errors import cache_error
 
@@ -38,13 +38,6 @@ def _next_fence() -> int:
 
 # A key held with a limit: each permit's token -> (its fence, its monotonic deadline).
 Permits = dict[bytes, tuple[int, float]]
-
-
-def _releases(value: bytes, token: bytes) -> bool:
-    """_scripts.RELEASE's comparison: the held value, or a bare token followed by a fence."""
-    if value == token:
-        return True
-    return len(token) == TOKEN_BYTES and len(value) > TOKEN_BYTES and value.startswith(token)
 
 
 class MemoryBackend:
@@ -76,7 +69,7 @@ class MemoryBackend:
         return entry
 
     def _acquire_locked(self, key: bytes, token: bytes, ttl_ms: int, now: float) -> int:
-        # _scripts.ACQUIRE's contract, value layout included (token + fence digits).
+        # _scripts.ACQUIRE's contract, value layout included (the token alone).
         if len(token) > TOKEN_BYTES:  # token '#' limit: a permit
             return self._permit_locked(key, token[:TOKEN_BYTES], int(token[TOKEN_BYTES + 1 :]), ttl_ms, now)
         entry = self._live(key, now)
@@ -86,12 +79,11 @@ class MemoryBackend:
                 return KIND_CONFLICT
             value = None  # every permit ended: the key is free
         if entry is None or value is None:
-            fence = _next_fence()
-            self._put(key, (held_value(token, fence), now + ttl_ms / 1000.0), now)
-            return fence
-        if len(value) > len(token) and value.startswith(token):
+            self._put(key, (token, now + ttl_ms / 1000.0), now)
+            return _next_fence()
+        if value == token:
             self._data[key] = (value, now + ttl_ms / 1000.0)
-            return int(value[len(token) :])
+            return _next_fence()
         if entry[1] is None:
             return 0
         return -max(1, int((entry[1] - now) * 1000.0))
@@ -166,7 +158,7 @@ class MemoryBackend:
         if entry is None:
             return False
         if isinstance(entry[0], dict):
-            found = self._permit(key, token, now) if is_permit(token) or len(token) == TOKEN_BYTES else None
+            found = self._permit(key, token, now)
             if found is None:
                 return False
             permits, own = found
@@ -174,7 +166,7 @@ class MemoryBackend:
             if not permits:
                 del self._data[key]
             return True
-        if is_permit(token) or not _releases(entry[0], token):
+        if entry[0] != token:
             return False
         del self._data[key]
         return True
