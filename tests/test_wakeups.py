@@ -48,7 +48,10 @@ CAP_S = _backoff.CAP_MS / 1000.0
 USER = "hotlock_wake"
 PASSWORD = "pw-wake-9"
 # What the key operations need on either path (tests/test_security.py has the lists).
-COMMANDS = ["+evalsha", "+script|load", "+multi", "+exec", "+get", "+set", "+pttl", "+pexpire", "+del", "+time", "+info"]
+COMMANDS = [
+    *("+evalsha", "+script|load", "+multi", "+exec"),
+    *("+get", "+set", "+pttl", "+pexpire", "+del", "+time", "+info"),
+]
 VALKEY_EXTRA = ["+delifeq", "+command|info"]
 # The wake-up entries: the channel pattern and the commands.
 WAKE_ACL = ["&hotlock:*", "+publish", "+subscribe", "+unsubscribe"]
