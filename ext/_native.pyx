@@ -138,7 +138,8 @@ cdef bytes _held(bytes token, long long fence):
     # Python's general bytes formatting of a 16-digit int costs about 1,600 instructions,
     # this about a quarter of that.
     cdef int n_digits = _decimal(digits, <unsigned long long>fence)
-    n = _TOKEN_BYTES + 1
+    if n > _TOKEN_BYTES + 1:
+        n = _TOKEN_BYTES + 1
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n + n_digits)
     cdef char *p = PyBytes_AS_STRING(out)
     memcpy(p, PyBytes_AS_STRING(token), n)

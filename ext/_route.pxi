@@ -93,11 +93,11 @@ cdef enum:
 
 cdef inline int _plain_of(NativeBackend link, bytes sha, bytes value) noexcept:
     """What an extend or release of ``value`` sends on ``link``: its _PLAIN_* when that node
-    takes the Lua-free form, else _PLAIN_NONE (a bare token or a permit always by script:
+    takes the Lua-free form, else _PLAIN_NONE (a permit always by script:
     hotlock._dialect.by_script)."""
     if link._plain == _PLAIN_NONE or (sha is not _SHA_EXTEND and sha is not _SHA_RELEASE_SHARDED):
         return _PLAIN_NONE
-    if PyBytes_GET_SIZE(value) == _TOKEN_BYTES or _permit(value):
+    if _permit(value):
         return _PLAIN_NONE
     return link._plain
 

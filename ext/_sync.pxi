@@ -1426,10 +1426,9 @@ cdef class NativeBackend:
         """release(), also Lock.unlock's one-call path (ext/_lease.pxi): 1 if released, else 0."""
         # A lost release reply is retried: the second try finds the key gone (False) or
         # still ours (releases it), and either way the caller sees no error.
-        # A bare token (fence unknown) or a permit's value goes by script:
-        # hotlock._dialect.by_script.
+        # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
-        cdef int plain = _PLAIN_NONE if PyBytes_GET_SIZE(token) == _TOKEN_BYTES or _permit(token) else -1
+        cdef int plain = _PLAIN_NONE if _permit(token) else -1
         try:
             self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
         except CacheError as exc:
@@ -1638,14 +1637,14 @@ cdef inline bint _permit(bytes value) noexcept:
 
 
 cdef bint _any_by_script(list values) except -1:
-    """= hotlock._dialect.by_script(values) (a bare token or a permit's value among them),
+    """= hotlock._dialect.by_script(values) (a permit's value among them),
     without a Python frame per value; anything but bytes is left to by_script itself."""
     cdef Py_ssize_t i
     for i in range(len(values)):
         value = values[i]
         if type(value) is not bytes:
             return by_script(values)
-        if PyBytes_GET_SIZE(<bytes>value) == _TOKEN_BYTES or _permit(<bytes>value):
+        if _permit(<bytes>value):
             return True
     return False
 

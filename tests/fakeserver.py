@@ -34,14 +34,16 @@ import zlib
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["Cue", "FakeRedis", "fence_of", "honest"]
+__all__ = ["Cue", "FakeRedis", "fence_of", "honest", "honest_exec"]
 
 INFO = b"# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n# Memory\r\nmaxmemory_policy:noeviction\r\n"
 
 
 def fence_of(key: bytes) -> int:
-    """The fence an honest acquire of ``key`` (as stored, prefix included) replies with."""
-    return (zlib.crc32(key) & 0x3FFFFFFF) + 1
+    """The fence an honest acquire of ``key`` (as stored, prefix included) replies with:
+    the script's reply, or the TIME of the transaction that SET the key (at least one
+    second, as a clock is)."""
+    return (zlib.crc32(key) & 0x3FFFFFFF) + 1_000_000
 
 
 def bulk(data: bytes) -> bytes:
@@ -86,6 +88,24 @@ def honest(command: list[bytes], scripts: dict[bytes, str]) -> bytes:
     if name in (b"DEL", b"PUBLISH", b"UNLINK"):
         return b":0\r\n"
     return b"-ERR unknown command '%s'\r\n" % name.lower()
+
+
+def honest_exec(queued: list[list[bytes]] | None, scripts: dict[bytes, str]) -> bytes:
+    """EXEC's honest reply to the commands MULTI queued: each one's own, but a TIME after a
+    SET tells the clock that makes the SET's key's fence_of (a transaction acquire)."""
+    if queued is None:
+        return b"-ERR EXEC without MULTI\r\n"
+    replies, key = [], None
+    for command in queued:
+        name = command[0].upper()
+        if name == b"SET":
+            key = command[1]
+        if name == b"TIME" and key is not None:
+            seconds, micros = divmod(fence_of(key), 1_000_000)
+            replies.append(b"*2\r\n" + bulk(b"%d" % seconds) + bulk(b"%d" % micros))
+        else:
+            replies.append(honest(command, scripts))
+    return b"*%d\r\n" % len(replies) + b"".join(replies)
 
 
 class Cue:
@@ -299,19 +319,33 @@ class FakeRedis:
         # sends a pipeline's: an extra reply then arrives with the rest, where the client
         # can tell it is one too many.
         out = b""
+        # The commands MULTI queued, until EXEC (None: not in a transaction). A rule's
+        # reply stands in for the honest one of whatever it matches, MULTI and EXEC included.
+        queued: list[list[bytes]] | None = None
         try:
             while not self._stopping.is_set():
                 if out and not conn.buf:
                     sock.sendall(out)
                     out = b""
                 command = conn.command()
+                name = command[0].upper()
                 with self._mutex:
                     self.received.append(command)
                     rule = next((r for r in self._rules if r.matches(command)), None)
                     if rule is not None:
                         self._rules.remove(rule)
+                done, queued = queued, [] if name == b"MULTI" else None if name == b"EXEC" else queued
+                if done is not None and name not in (b"MULTI", b"EXEC"):
+                    done.append(command)
                 if rule is None:
-                    out += self.answer(command, self.scripts)
+                    if name == b"MULTI":
+                        out += b"+OK\r\n"
+                    elif name == b"EXEC":
+                        out += honest_exec(done, self.scripts)
+                    elif done is not None:
+                        out += b"+QUEUED\r\n"
+                    else:
+                        out += self.answer(command, self.scripts)
                     continue
                 cue = rule.cue
                 assert cue is not None

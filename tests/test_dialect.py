@@ -88,6 +88,7 @@ def test_server_info_names_the_server_and_the_path(
             "kind": "memory",
             "version": None,
             "lua_free": False,
+            "acquire": "script",
             "extend": "script",
             "release": "script",
             "limits": "script",
@@ -98,6 +99,7 @@ def test_server_info_names_the_server_and_the_path(
     assert info["kind"] == redis_server.kind
     assert info["version"] == fields.get("valkey_version", fields["redis_version"])
     assert info["lua_free"] is redis_server.lua_free
+    assert info["acquire"] == "SET NX in MULTI"
     assert (info["extend"], info["release"]) == (("SET IFEQ", "DELIFEQ") if redis_server.lua_free else ("script",) * 2)
     with pytest.raises(TypeError):
         info["lua_free"] = False  # type: ignore[index]

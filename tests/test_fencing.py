@@ -134,7 +134,7 @@ def test_memory_fence_never_repeats_when_the_clock_stands_still_or_steps_back(
     for i in range(1000):
         token = b"%016d" % i
         fences.append(backend.acquire(b"k", token, 1000))
-        assert backend.release(b"k", token + b"%d" % fences[-1]) is True
+        assert backend.release(b"k", token) is True
     assert increasing(fences)
 
 
@@ -165,7 +165,7 @@ def test_fence_is_the_server_clock_in_microseconds(rcache: Cache, redis_server: 
     after = server_us(redis_server)
     assert before <= lock.fence <= after
     stored = redis_server.client().get(lock_name(b"clock"))
-    assert stored == lock._token and stored is not None and stored[16:] == b"%d" % lock.fence
+    assert stored == lock._token and len(stored) == 16  # the token alone: the fence is not stored
     lock.unlock()
 
 
@@ -175,7 +175,7 @@ def proxy(redis_server: RedisServer, redis_url: str) -> Iterator[FaultProxy]:
         yield p
 
 
-def test_a_lost_acquire_reply_retried_returns_the_same_fence(
+def test_a_lost_acquire_reply_retried_holds_the_lock_with_the_retrys_fence(
     redis_backend: str, proxy: FaultProxy, redis_server: RedisServer
 ) -> None:
     cache = open_cache(redis_backend, proxy.url, timeout=0.5, connect_timeout=0.5)
@@ -186,9 +186,9 @@ def test_a_lost_acquire_reply_retried_returns_the_same_fence(
         assert proxy.dropped_replies == 1
         stored = redis_server.client().get(lock_name(b"lost"))
         assert stored == lock._token
-        # The fence is the first (lost) run's: a fresh one from the retry would be at least
-        # one reply timeout (0.5 s) later.
-        assert before <= lock.fence < before + 400_000
+        # The fence is the retry's, sent after one reply timeout (0.5 s): later than the
+        # lost run's, which no one saw, so fences still only increase.
+        assert lock.fence >= before + 250_000
         assert lock.unlock() is True
     finally:
         proxy.clear()

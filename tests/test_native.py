@@ -797,7 +797,8 @@ print("ok")
 
 
 def test_native_held_value_is_the_python_definition() -> None:
-    # The Lock formats token + fence with the C one; the scripts define it in Python.
+    # The Lock takes its held value from the C one (a permit's token '#' fence formatted
+    # there); the scripts define it in Python.
     rng = random.Random(10)
     fences = [1, 9, 10, 99, 100, 1_764_582_723_123_456, 2**53, 2**63 - 1]
     fences += [rng.randrange(1, 2**63) for _ in range(20_000)]

@@ -43,6 +43,8 @@ PASSWORD = "pw-s3cr3t-Qx7"  # scanned for in every log line, repr and exception 
 SCRIPT_PATH = [
     "+evalsha",
     "+script|load",
+    "+multi",
+    "+exec",
     "+get",
     "+set",
     "+pttl",
@@ -59,6 +61,8 @@ SCRIPT_PATH = [
 VALKEY_LUA_FREE = [
     "+evalsha",
     "+script|load",
+    "+multi",
+    "+exec",
     "+get",
     "+set",
     "+pttl",
@@ -72,7 +76,7 @@ VALKEY_LUA_FREE = [
 ]
 # The script path's list under its old name (tests/test_cli.py checks `hotlock doctor` with it).
 COMMANDS = SCRIPT_PATH
-OPTIONAL = ("+info", "+wait", "+command|info")
+OPTIONAL = ("+info", "+wait", "+command|info", "+multi", "+exec")
 # Every entry some list has, on each server (an ACL naming a command the server lacks is refused).
 KNOWN = {"redis": SCRIPT_PATH, "valkey": [*SCRIPT_PATH, "+delifeq", "+command|info"]}
 # The path under test: connect(scripts=...). On Redis 7.0 both are the script path.

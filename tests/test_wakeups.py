@@ -48,7 +48,10 @@ CAP_S = _backoff.CAP_MS / 1000.0
 USER = "hotlock_wake"
 PASSWORD = "pw-wake-9"
 # What the key operations need on either path (tests/test_security.py has the lists).
-COMMANDS = ["+evalsha", "+script|load", "+get", "+set", "+pttl", "+pexpire", "+del", "+time", "+info"]
+COMMANDS = [
+    *("+evalsha", "+script|load", "+multi", "+exec"),
+    *("+get", "+set", "+pttl", "+pexpire", "+del", "+time", "+info"),
+]
 VALKEY_EXTRA = ["+delifeq", "+command|info"]
 # The wake-up entries: the channel pattern and the commands.
 WAKE_ACL = ["&hotlock:*", "+publish", "+subscribe", "+unsubscribe"]
@@ -153,19 +156,43 @@ def test_an_uncontended_release_publishes_nothing(
         assert calls(redis_server, "evalsha") - evalsha == (40 if lua_free else 80)
 
 
+def test_a_token_ending_in_plus_is_not_taken_for_a_waiters_mark(
+    redis_backend: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    """A plain lock's value is its token, whose last byte is random: one byte in 256 is the
+    '+' of a waiter's mark. Such a token is not marked: its release publishes nothing, and
+    a waiter still marks it (then its release wakes)."""
+    side = redis_server.client()
+    token = b"t" * 15 + b"+"
+    name = lock_name("plus")
+    with open_cache(redis_backend, redis_url) as cache:
+        backend = cache._backend
+        assert backend.acquire(name, token, 5000) > 0
+        published = calls(redis_server, "publish")
+        assert backend.release(name, token) is True
+        assert calls(redis_server, "publish") == published
+        assert backend.acquire(name, token, 5000) > 0
+        other = b"o" * 16
+        # A waiting attempt (ACQUIRE_WAIT) marks the holder's value.
+        assert backend.acquire_wait(name, other, 5000, 10)[0] < 0
+        assert side.get(name) == token + b"+"
+        assert backend.release(name, token) is True
+        assert calls(redis_server, "publish") == published + 1
+
+
 def test_a_marked_lock_extends_releases_and_keeps_its_fence(
     redis_backend: str, redis_url: str, redis_server: RedisServer
 ) -> None:
     """The '+' a waiter leaves: extend and release still recognise the lock (script and
-    Lua-free paths), the release publishes on the key's channel, the CLI's fence reading
-    ignores it."""
+    Lua-free paths), the release publishes on the key's channel, the CLI reads no fence
+    into it (a plain lock's value is its token alone)."""
     side = redis_server.client()
     with open_cache(redis_backend, redis_url) as cache:
         lock = cache.lock("marked", ttl=5)
         name = lock_name("marked")
         side.set(name, side.get(name) + b"+", keepttl=True)
         value = side.get(name)
-        assert fence_of(len(value), value[16:]) == lock.fence
+        assert value == lock._token + b"+" and fence_of(len(value), value[16:]) is None
         lock.extend(20)
         assert 19_000 < side.pttl(name) <= 20_000
         assert cache.extend_many([lock], 20) == [True]

@@ -99,9 +99,10 @@ def connect(
     ``lock.lost``), its key released. It narrows, not closes, the two-holder window of a
     failover.
 
-    ``scripts="auto"`` sends extend and release without Lua where the server compares and
-    sets itself (Valkey 9: ``SET … IFEQ``, ``DELIFEQ``; Redis 8.4+: ``SET … IFEQ``,
-    ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them on the scripts.
+    ``scripts="auto"`` takes a free key without Lua (``SET NX PX`` and ``TIME`` in one
+    ``MULTI``/``EXEC``) and sends extend and release without Lua where the server compares
+    and sets itself (Valkey 9: ``SET … IFEQ``, ``DELIFEQ``; Redis 8.4+: ``SET … IFEQ``,
+    ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them all on the scripts.
     ``cache.server_info`` tells which server was found and which path is in use.
 
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())

@@ -112,6 +112,8 @@ class Dialect:
                 "kind": self.kind,
                 "version": self.version,
                 "lua_free": self.lua_free,
+                # The acquire of a free key (hotlock._acquire); every other case by script.
+                "acquire": "SET NX in MULTI" if self.transaction else "script",
                 "extend": "SET IFEQ" if self.lua_free else "script",
                 "release": "DELEX IFEQ" if self.release == "DELEX" else self.release,
                 # Keys held with a limit are hashes of permits: every call on them is a

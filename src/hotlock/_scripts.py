@@ -227,7 +227,9 @@ ACQUIRE = _acquire("", "", "", "")
 # process: the value it writes is marked from the start, so its own release wakes the next.
 # On permits the mark is the hash's field w, set by a waiter that found no place free
 # (and, chained, by the permit taken), taken by the release that publishes.
-_MARK = "if string.byte(v, -1) ~= 43 then redis.pcall('SET', KEYS[1], v .. '+', 'KEEPTTL') end\n"
+# A value of exactly n bytes is a bare token, whose last byte is random (it may be a '+'):
+# only a longer one can carry the mark.
+_MARK = "if #v == n or string.byte(v, -1) ~= 43 then redis.pcall('SET', KEYS[1], v .. '+', 'KEEPTTL') end\n"
 _PERMIT_MARK = "redis.pcall('HSET', KEYS[1], 'w', '')\n      "
 ACQUIRE_WAIT = _acquire("", _MARK, "", _PERMIT_MARK)
 ACQUIRE_CHAIN = _acquire(" .. '+'", _MARK, ", 'w', ''", _PERMIT_MARK)
@@ -297,7 +299,7 @@ if string.byte(ARGV[1], n + 1) ~= 35 then
   if type(v) == 'string' then
     if v == ARGV[1] or v == ARGV[1] .. '+' then
       redis.call('DEL', KEYS[1])
-      if string.byte(v, -1) == 43 then
+      if #v > n and string.byte(v, -1) == 43 then
         {_WAKE}
       end
       return 1
