@@ -14,9 +14,10 @@ import pytest
 
 import hotlock
 import hotlock.aio
-from hotlock.errors import LockNotAcquired
+from hotlock.errors import CacheError, HotlockError, LockNotAcquired
 
 from .conftest import RedisServer, lock_name, native_for_module, start_redis
+from .fakeserver import FakeRedis, bulk, fence_of
 from .faultproxy import FaultProxy
 
 native_for_module()
@@ -213,3 +214,64 @@ def test_lock_wait_sends_the_transaction_first_only(redis_url: str, redis_server
     finally:
         cache.close()
         holder.close()
+
+
+# -- error replies to the transaction, from the fake server (tests/fakeserver.py) -------------
+
+LOADING = b"-LOADING Redis is loading the dataset in memory\r\n"
+NOAUTH = b"-NOAUTH Authentication required.\r\n"
+# TIME's reply that makes the key "odd" the fence the fake server's script would give it.
+HONEST_CLOCK = b"*2\r\n" + b"".join(bulk(b"%d" % n) for n in divmod(fence_of(lock_name(b"odd")), 1_000_000))
+EXECABORT = b"-EXECABORT Transaction discarded because of previous errors.\r\n"
+
+
+@pytest.mark.parametrize("refusal", ["LOADING", "NOAUTH"])
+def test_a_refused_transaction_is_sent_again_as_a_scripts_would_be(opened: Callable[..., Paths], refusal: str) -> None:
+    # A transient reply (the call paused, then resent on a new connection) and NOAUTH (a
+    # new connection, which authenticates anew): MULTI and SET refused alike, nothing ran.
+    with FakeRedis() as fake:
+        cache = opened(fake.url, timeout=0.25, wakeups=False)
+        connections = fake.connections
+        reply = LOADING if refusal == "LOADING" else NOAUTH
+        for command in (b"MULTI", b"SET", b"TIME", b"EXEC"):
+            fake.on(command, reply=reply)
+        lock = cache.lock("refused", 10)
+        assert fake.pending() == 0 and fake.connections == connections + 1
+        assert lock.fence == fence_of(lock_name(b"refused"))
+        assert fake.count(b"EVALSHA") == 0  # the transaction again, not the script
+
+
+def test_an_error_at_the_set_is_a_cache_error(opened: Callable[..., Paths]) -> None:
+    with FakeRedis() as fake:
+        cache = opened(fake.url, timeout=0.25, wakeups=False)
+        fake.on(b"SET", reply=b"-OOM command not allowed when used memory > 'maxmemory'.\r\n")
+        fake.on(b"EXEC", reply=EXECABORT)
+        with pytest.raises(CacheError, match="acquire failed: the server replied OOM command not allowed"):
+            cache.lock("full", 10)
+        assert cache.lock("probe", 10).fence == fence_of(lock_name(b"probe"))
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"*2\r\n+OK\r\n*2\r\n,1.5\r\n:1\r\n",  # a RESP3 double inside TIME's
+        # The right reply and an extra one after it (the sync client drops both; the async
+        # one delivers the first and drops the connection at the second).
+        b"*2\r\n+OK\r\n" + HONEST_CLOCK + b":7\r\n",
+        b"*-1\r\n",  # EXEC nil: the script decides
+        b"*2\r\n+OK\r\n*2\r\n$1\r\nx\r\n$1\r\n1\r\n",  # a clock of no known shape: the script decides
+    ],
+    ids=["resp3-inside", "extra-reply", "exec-nil", "odd-clock"],
+)
+def test_an_odd_exec_reply_never_reaches_the_next_call(opened: Callable[..., Paths], reply: bytes) -> None:
+    with FakeRedis() as fake:
+        cache = opened(fake.url, timeout=0.25, wakeups=False)
+        fake.on(b"EXEC", reply=reply)
+        try:
+            lock = cache.lock("odd", 10)
+        except HotlockError:
+            pass
+        else:
+            assert lock.fence == fence_of(lock_name(b"odd"))  # the script's, from the fake server
+        assert fake.pending() == 0
+        assert cache.lock("probe", 10).fence == fence_of(lock_name(b"probe"))
