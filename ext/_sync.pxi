@@ -1025,7 +1025,7 @@ cdef class NativeBackend:
         cdef long long answer
         cdef bint took
         cdef _Conn conn = self._conn()
-        if plain < 0:  # extend and release as the dialect says; the acquire always by script
+        if plain < 0:  # extend and release as the dialect says; an acquire's Lua-free form is the transaction
             plain = self._plain if not acquire else _PLAIN_NONE
         txn = txn and self._txn and sha is _SHA_ACQUIRE
         if not single:
@@ -1170,7 +1170,6 @@ cdef class NativeBackend:
                     if scripted == 0:
                         break
                     continue  # the calls the transaction left to the script
-
                 reloaded = True
                 try:
                     lost = self._send(conn, [], what, err_key)
