@@ -9,18 +9,21 @@ go on to the ACQUIRE script, and give what the script alone gave before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import redis
 
 import hotlock
 import hotlock.aio
 from hotlock import CacheError, LockNotAcquired
 
-from .conftest import RedisServer, lock_name
+from .conftest import RedisServer, lock_name, start_redis
 from .faultproxy import FaultProxy
 
 T = TypeVar("T")
@@ -319,6 +322,77 @@ def test_after_one_lost_message_holding_a_lock_iff_the_key_holds_its_token(
             assert stored(redis_server, key) == lock._token
             assert papi.unlock(lock) is True
         proxy.clear()
+
+
+# -- a transient reply to the transaction: paused and resent ---------------------------------
+
+
+@pytest.fixture
+def own_server(server_kind: str) -> Iterator[RedisServer]:
+    """A private server: these tests make it busy."""
+    server = start_redis("--busy-reply-threshold", "20", kind=server_kind)
+    yield server
+    server.stop()
+
+
+def _kill_script(port: int) -> None:
+    side = redis.Redis(port=port, socket_timeout=5)
+    with contextlib.suppress(redis.ResponseError):  # NOTBUSY: over already
+        side.script_kill()
+    side.close()
+
+
+@contextlib.contextmanager
+def busy(server: RedisServer, seconds: float) -> Iterator[None]:
+    """From the moment ``server`` answers BUSY (an endless script past its
+    busy-reply-threshold), for ``seconds``: then SCRIPT KILL."""
+    runner = redis.Redis(port=server.port, socket_timeout=10)
+
+    def run() -> None:
+        with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
+            runner.eval("while true do end", 0)
+
+    thread = threading.Thread(target=run)
+    side = redis.Redis(port=server.port, socket_timeout=5)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                side.ping()
+            except redis.ResponseError as exc:
+                assert "busy" in str(exc).lower(), exc
+                break
+            assert time.monotonic() < deadline, "the server never got busy"
+            time.sleep(0.005)
+        killer = threading.Timer(seconds, _kill_script, (server.port,))
+        killer.start()
+        yield
+        killer.join()
+    finally:
+        while thread.is_alive():
+            _kill_script(server.port)
+            thread.join(0.05)
+        runner.close()
+        side.close()
+
+
+def test_a_busy_server_is_waited_out_and_the_transaction_resent(mode: str, own_server: RedisServer) -> None:
+    api = Api(mode, own_server.url, timeout=2.0)
+    try:
+        api.unlock(api.lock("warm"))
+        with busy(own_server, 0.3):
+            started = time.monotonic()
+            lock = api.lock("busy", ttl=10)
+            took = time.monotonic() - started
+        assert 0.2 < took < 2.0, took
+        assert stored(own_server, "busy") == lock._token
+        # The transaction's SET was refused BUSY (the command did not run), then resent.
+        assert int(own_server.client().info("commandstats")["cmdstat_set"]["rejected_calls"]) >= 1
+        assert own_server.client().dbsize() == 1
+        assert api.unlock(lock) is True
+    finally:
+        api.close()
 
 
 # -- (d) MULTI refused by an ACL: the script serves, from then on --------------------------

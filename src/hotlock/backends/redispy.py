@@ -211,14 +211,14 @@ class Transaction:
     def read(self, replies: list[Any]) -> list[int]:
         """The transactions' replies: the indices of the keys that go by script next. The
         first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
+        fours = [replies[4 * i : 4 * i + 4] for i in range(self._n)]
+        # Noted before any error is raised: the backend's next acquire goes by script.
+        self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, RedisError)), None)
         rest: list[int] = []
-        for i in range(self._n):
-            four = replies[4 * i : 4 * i + 4]
+        for i, four in enumerate(fours):
             result = _acquire.read(four, RedisError)
             if isinstance(result, BaseException):
                 raise result
-            if _acquire.refused_multi(four, RedisError):
-                self.refused = four[0]
             self.results.append(result)
             if result == _acquire.SCRIPT:
                 rest.append(i)
@@ -832,10 +832,12 @@ class RedisPyBackend:
             return self._by_script(script, keys, tokens, ttl_ms, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE))
-        rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
-        if taking.refused is not None and self._transactions:
-            self._transactions = False
-            refused_warning(self.server, taking.refused)
+        try:
+            rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
+        finally:
+            if taking.refused is not None and self._transactions:
+                self._transactions = False
+                refused_warning(self.server, taking.refused)
         if rest:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             keys, tokens = [keys[i] for i in rest], [tokens[i] for i in rest]

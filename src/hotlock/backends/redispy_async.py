@@ -666,10 +666,12 @@ class RedisAsyncBackend:
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return await self._by_script(script, keys, tokens, ttl_ms, trailer)
         taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [])
-        rest = taking.read(await self._execute_many(taking.commands, taking.shapes, taking.framed))
-        if taking.refused is not None and self._transactions:
-            self._transactions = False
-            refused_warning(self.server, taking.refused)
+        try:
+            rest = taking.read(await self._execute_many(taking.commands, taking.shapes, taking.framed))
+        finally:
+            if taking.refused is not None and self._transactions:
+                self._transactions = False
+                refused_warning(self.server, taking.refused)
         if rest:
             keys, tokens = [keys[i] for i in rest], [tokens[i] for i in rest]
             taking.scripted(rest, *await self._by_script(ACQUIRE, keys, tokens, ttl_ms, trailer))
@@ -688,7 +690,8 @@ class RedisAsyncBackend:
         self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
     ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
-        (WAIT confirms the writes made before it on its own connection), in one round trip."""
+        (WAIT confirms the writes made before it on its own connection), in one round trip
+        (and one more, with its own WAIT, for the keys a transaction leaves to the script)."""
         config = self._config
         wait = ("WAIT", config.wait_replicas, wait_ms(config))
         results, waited = await self._call(
