@@ -663,6 +663,8 @@ class RedisAsyncBackend:
     ) -> tuple[list[int], list[int]]:
         """One try of the acquires, as in the sync backend (RedisPyBackend._take): each
         key's result, and the reply of ``trailer`` (a WAIT) when given."""
+        # The caller's lists as they are now: another task may change them while we await.
+        keys, tokens = list(keys), list(tokens)
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return await self._by_script(script, keys, tokens, ttl_ms, trailer)
         taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [])
