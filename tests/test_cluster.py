@@ -121,6 +121,122 @@ def release_command(cluster: Cluster) -> str:
     return "delifeq" if cluster.nodes[0].lua_free else "evalsha"
 
 
+# -- the transaction acquire (hotlock._acquire) ---------------------------------------
+
+
+def test_a_free_key_is_taken_without_a_script(rcache: Cache, redis_cluster: Cluster) -> None:
+    """On every primary the acquire of a free key is one transaction on the key's own node
+    (EXEC once, no EVALSHA), alone and in a batch over every shard (one pipeline of
+    transactions per node); the fence is that node's clock, the stored value the token."""
+    for port in redis_cluster.primary_ports():
+        client = redis_cluster.client(port)
+        key = keys_on(redis_cluster, port, 1, "txn")[0]
+        before = node_calls(client, "evalsha", "exec")
+        seconds, micros = client.time()
+        lock = rcache.lock(key, ttl=10)
+        assert node_calls(client, "evalsha", "exec") == (before[0], before[1] + 1), port
+        assert client.get(lock_name(key)) == lock._token and len(lock._token) == 16
+        assert 0 <= lock.fence - (seconds * 1_000_000 + micros) < 5_000_000
+        assert lock.unlock() is True
+    keys = {p: keys_on(redis_cluster, p, 3, "txnb") for p in redis_cluster.primary_ports()}
+    before = {p: node_calls(redis_cluster.client(p), "evalsha", "exec") for p in keys}
+    locks = rcache.lock_many([k for ks in keys.values() for k in ks], ttl=10)
+    assert all(lock is not None for lock in locks)
+    for port in keys:
+        evalsha, execs = node_calls(redis_cluster.client(port), "evalsha", "exec")
+        assert (evalsha, execs) == (before[port][0], before[port][1] + 3), port
+    assert all(rcache.unlock_many(locks))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_async_a_free_key_is_taken_without_a_script(backend: str, cluster_url: str, redis_cluster: Cluster) -> None:
+    """As the sync test, on hotlock.aio: one key (the router's fast path on the native
+    backend, Route on redis-py) and a batch over every shard."""
+    keys = {p: keys_on(redis_cluster, p, 2, "atxn") for p in redis_cluster.primary_ports()}
+    before = {p: node_calls(redis_cluster.client(p), "evalsha", "exec") for p in keys}
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(cluster_url, backend=backend) as cache:
+            singles = [await cache.lock(ks[0], ttl=10) for ks in keys.values()]
+            locks = await cache.lock_many([ks[1] for ks in keys.values()], ttl=10)
+            assert all(lock is not None for lock in locks)
+            for port in keys:
+                evalsha, execs = node_calls(redis_cluster.client(port), "evalsha", "exec")
+                assert (evalsha, execs) == (before[port][0], before[port][1] + 2), port
+            for lock in singles:
+                assert await lock.unlock() is True
+            assert await cache.unlock_many(locks) == [True] * len(locks)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_a_held_key_goes_on_to_the_script(rcache: Cache, redis_cluster: Cluster) -> None:
+    """A key held by another: the transaction finds it (SET NX), and the script on the same
+    node decides, as before: -its TTL (LockNotAcquired with retry_after), alone and in a
+    batch whose other keys are taken; a key held as permits is the kind conflict."""
+    port = redis_cluster.primary_ports()[0]
+    client = redis_cluster.client(port)
+    key, permits = keys_on(redis_cluster, port, 2, "held")
+    holder = rcache.lock(key, ttl=10)
+    before = node_calls(client, "evalsha", "exec")
+    with pytest.raises(LockNotAcquired) as caught:
+        rcache.lock(key, ttl=5)
+    assert caught.value.retry_after is not None and 9 < caught.value.retry_after <= 10
+    assert node_calls(client, "evalsha", "exec") == (before[0] + 1, before[1] + 1)  # the transaction, then the script
+    ttl = rcache._backend.acquire(lock_name(key), b"r" * 16, 5000)  # type: ignore[attr-defined]
+    assert -10_000 <= ttl < -9_000
+    others = [keys_on(redis_cluster, p, 1, "heldb")[0] for p in redis_cluster.primary_ports() if p != port]
+    locks = rcache.lock_many([key, *others], ttl=5)
+    assert locks[0] is None and all(lock is not None for lock in locks[1:])
+    assert all(rcache.unlock_many(locks[1:]))  # type: ignore[arg-type]
+    assert holder.unlock() is True
+    with rcache.lock(permits, ttl=10, limit=2), pytest.raises(LockNotAcquired, match="held with a concurrency limit"):
+        rcache.lock(permits, ttl=5)
+    assert client.exists(lock_name(key)) == 0  # (the permits' hash keeps its last fence until its TTL)
+
+
+def test_a_node_that_refuses_multi_takes_its_acquires_by_script(
+    redis_backend: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user whose ACL has no MULTI and EXEC: the first acquire on each node finds MULTI
+    refused (its SET ran alone), goes by script, which finds its own token, and holds the
+    lock; a WARNING names the node once; later acquires there send no MULTI at all."""
+    from .test_security import PASSWORD, USER, acl_line, listed
+
+    # The script that finds its own token (the SET ran alone) refreshes its TTL: PEXPIRE,
+    # which the Lua-free list leaves out (a Lua-free extend is SET IFEQ).
+    listing = listed(redis_cluster.nodes[0].kind, "auto") + CLUSTER_COMMANDS + ["+pexpire"]
+    commands = [c for c in dict.fromkeys(listing) if c not in ("+multi", "+exec")]
+    for node in redis_cluster.nodes:
+        node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
+    url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
+    ports = redis_cluster.primary_ports()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hotlock"), hotlock.connect(url, backend=redis_backend) as cache:
+            keys = {p: keys_on(redis_cluster, p, 4, "nomulti") for p in ports}
+            for port, (first, _, _, _) in keys.items():
+                with cache.lock(first, ttl=10) as lock:
+                    assert redis_cluster.client(port).get(lock_name(first)) == lock._token
+            refused = {p: errors(redis_cluster.client(p)) for p in ports}
+            for _, second, _, _ in keys.values():
+                with cache.lock(second, ttl=10):
+                    pass
+            locks = cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
+            assert all(lock is not None for lock in locks)
+            assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+            assert {p: errors(redis_cluster.client(p)) for p in ports} == refused  # no MULTI sent again
+        warned = [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()]
+        assert sorted(int(w.split(" ")[0].rpartition(":")[2]) for w in warned) == ports, warned
+    finally:
+        for node in redis_cluster.nodes:
+            node.client().execute_command("ACL", "DELUSER", USER)
+
+
+def errors(client: redis.Redis) -> int:
+    """Every error reply the node has given (INFO errorstats)."""
+    return sum(int(v["count"]) for v in client.info("errorstats").values())
+
+
 # -- routing ---------------------------------------------------------------------------
 
 
