@@ -726,7 +726,19 @@ cdef class ClusterRouter:
                 if again is NULL:
                     raise MemoryError()
                 idxs = [i for i in range(n) if plains[i] == _RT_TXN_SCRIPT]
-                self._many(what, sha, [keys[i] for i in idxs], [tokens[i] for i in idxs], ms, until, again, False)
+                try:
+                    self._many(what, sha, [keys[i] for i in idxs], [tokens[i] for i in idxs], ms, until, again,
+                               False)
+                except CacheError:
+                    # As Route undoes a failed call's acquires: the keys the transactions took.
+                    taken = [i for i in range(n) if plains[i] != _RT_TXN_SCRIPT and values[i] > 0]
+                    if taken:
+                        try:
+                            self._cluster.release_many([keys[i] for i in taken],
+                                                       [_held(<bytes>tokens[i], values[i]) for i in taken])
+                        except CacheError:
+                            pass
+                    raise
                 for j in range(scripted):
                     values[<Py_ssize_t>idxs[j]] = again[j]
             if clean:

@@ -269,7 +269,8 @@ def test_the_extension_hashes_slots_as_python_and_the_server(redis_cluster: Clus
 
 def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url: str) -> None:
     """On a healthy cluster the native backend's single-key calls and batches never reach
-    Route (ClusterBackend.routed); after a slot moves, the MOVED is handed to it, and the
+    Route (ClusterBackend.routed), an acquire that the transaction leaves to the script
+    included; after a slot moves, the MOVED is handed to it, and the
     call still succeeds on the new owner."""
     cache = hotlock.connect(cluster_url, backend="native")
     backend = cache._backend
@@ -297,6 +298,13 @@ def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url
     assert cache.incr("fast-count", 3) == 3
     with cache.lock_wait(key, ttl=5, wait=1):
         pass
+    # A held key: the transaction finds it, and the script is sent from C too.
+    holder = cache.lock("fast-held", ttl=10)
+    with pytest.raises(LockNotAcquired):
+        cache.lock("fast-held", ttl=5)
+    mixed = cache.lock_many(["fast-held", *keys[:5]], ttl=10)
+    assert mixed[0] is None and all(lock is not None for lock in mixed[1:])
+    assert all(cache.unlock_many([holder, *mixed[1:]]))  # type: ignore[list-item]
     assert handed == []
     slot = key_slot(lock_name(key))
     target = _other_primary(redis_cluster, port)

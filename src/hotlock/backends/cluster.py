@@ -33,6 +33,17 @@ one that does not, so a cluster half-way through a rolling upgrade serves both. 
 longer knows the command (it was downgraded, or renamed it away, in place) sends that key
 once more by script, as on one server; the last also keeps that node on the scripts.
 
+The acquire of a plain lock (ACQUIRE, not its waiting forms; no limit) goes to the key's
+node as hotlock._acquire's transaction (MULTI, SET NX PX, TIME, EXEC), all four in that
+node's write: its fence is the answer, SCRIPT sends the ACQUIRE script to the node next
+(a batch: those keys only, one more pipeline per node), and an error reply is handled as
+the script's would be. A slot that moved answers MOVED on the queued SET (EXEC then
+refuses, EXECABORT): the transaction goes to the new owner. A slot being migrated
+answers ASK there: ASKING covers only the command after it, so that key goes to the
+target as ASKING and the script. A node that refuses MULTI alone (an ACL, a proxy) takes
+its acquires by script from then on (ClusterCore.transacts). Not under
+connect(scripts='always').
+
 None of MOVED, ASK, NOSCRIPT or the transient replies means the command ran, so resending
 after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
 

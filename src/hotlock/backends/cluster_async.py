@@ -1,7 +1,7 @@
 """Redis Cluster for hotlock.aio: hotlock.backends.cluster's Route and ClusterCore driven from the loop.
 
 Every rule (slots, MOVED, ASK, TRYAGAIN/CLUSTERDOWN, NOSCRIPT, the one lost-reply retry,
-WAIT per shard) is the sync backend's Route; this module only waits differently: each
+WAIT per shard, the acquire as a transaction) is the sync backend's Route; this module only waits differently: each
 round sends every node's commands at once (one pipelined call per node, gathered), so a
 batch over three shards costs one round trip. A link is one node as a transport reaches
 it: the native one is a NativeAsyncBackend (one protocol per node on the loop), the
@@ -21,7 +21,7 @@ from .._acquire import read as read_transaction
 from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
-from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
     MAP_ERRORS,
@@ -358,9 +358,19 @@ class AsyncClusterBackend(ClusterCore):
                 results[i] = reply
         if clean:
             if scripted:
-                again = await self._many(
-                    what, script, [keys[i] for i in scripted], [tokens[i] for i in scripted], ms, until, False
-                )
+                try:
+                    again = await self._many(
+                        what, script, [keys[i] for i in scripted], [tokens[i] for i in scripted], ms, until, False
+                    )
+                except CacheError:
+                    # As Route undoes a failed call's acquires: the keys the transactions took.
+                    taken = [i for i, r in enumerate(results) if i not in scripted and acquired(r)]
+                    if taken:
+                        with contextlib.suppress(CacheError):
+                            await self.release_many(
+                                [keys[i] for i in taken], [held_value(tokens[i], results[i]) for i in taken]
+                            )
+                    raise
                 for i, reply in zip(scripted, again, strict=True):
                     results[i] = reply
             return results
