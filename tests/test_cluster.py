@@ -195,12 +195,14 @@ def test_a_held_key_goes_on_to_the_script(rcache: Cache, redis_cluster: Cluster)
     assert client.exists(lock_name(key)) == 0  # (the permits' hash keeps its last fence until its TTL)
 
 
+@pytest.mark.parametrize("api", ["sync", "async"])
 def test_a_node_that_refuses_multi_takes_its_acquires_by_script(
-    redis_backend: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
+    redis_backend: str, api: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A user whose ACL has no MULTI and EXEC: the first acquire on each node finds MULTI
     refused (its SET ran alone), goes by script, which finds its own token, and holds the
-    lock; a WARNING names the node once; later acquires there send no MULTI at all."""
+    lock; a WARNING names the node once per cache; later acquires there send no MULTI at
+    all. The first call a single acquire on each node, or a batch over every shard."""
     from .test_security import PASSWORD, USER, acl_line, listed
 
     # The script that finds its own token (the SET ran alone) refreshes its TTL: PEXPIRE,
@@ -211,22 +213,54 @@ def test_a_node_that_refuses_multi_takes_its_acquires_by_script(
         node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
     url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
     ports = redis_cluster.primary_ports()
+    keys = {p: keys_on(redis_cluster, p, 4, f"nomulti-{api}-") for p in ports}
+    batched = {p: keys_on(redis_cluster, p, 2, f"nomultib-{api}-") for p in ports}
+
+    def stored(port: int, key: str) -> bytes | None:
+        return redis_cluster.client(port).get(lock_name(key))  # type: ignore[no-any-return]
+
     try:
-        with caplog.at_level(logging.WARNING, logger="hotlock"), hotlock.connect(url, backend=redis_backend) as cache:
-            keys = {p: keys_on(redis_cluster, p, 4, "nomulti") for p in ports}
-            for port, (first, _, _, _) in keys.items():
-                with cache.lock(first, ttl=10) as lock:
-                    assert redis_cluster.client(port).get(lock_name(first)) == lock._token
-            refused = {p: errors(redis_cluster.client(p)) for p in ports}
-            for _, second, _, _ in keys.values():
-                with cache.lock(second, ttl=10):
-                    pass
-            locks = cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
-            assert all(lock is not None for lock in locks)
-            assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
-            assert {p: errors(redis_cluster.client(p)) for p in ports} == refused  # no MULTI sent again
+        with caplog.at_level(logging.WARNING, logger="hotlock"):
+            if api == "sync":
+                with hotlock.connect(url, backend=redis_backend) as cache:
+                    for port, (first, _, _, _) in keys.items():
+                        with cache.lock(first, ttl=10) as lock:
+                            assert stored(port, first) == lock._token
+                    refused = {p: errors(redis_cluster.client(p)) for p in ports}
+                    for _, second, _, _ in keys.values():
+                        with cache.lock(second, ttl=10):
+                            pass
+                    locks = cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
+                    assert all(lock is not None for lock in locks)
+                    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+                    assert {p: errors(redis_cluster.client(p)) for p in ports} == refused  # no MULTI again
+                with hotlock.connect(url, backend=redis_backend) as cache:
+                    locks = cache.lock_many([k for ks in batched.values() for k in ks], ttl=10)
+                    assert all(lock is not None for lock in locks)
+                    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+            else:
+
+                async def main() -> None:
+                    async with await hotlock.aio.connect(url, backend=redis_backend) as cache:
+                        for port, (first, _, _, _) in keys.items():
+                            lock = await cache.lock(first, ttl=10)
+                            assert stored(port, first) == lock._token
+                            assert await lock.unlock() is True
+                        refused = {p: errors(redis_cluster.client(p)) for p in ports}
+                        for _, second, _, _ in keys.values():
+                            assert await (await cache.lock(second, ttl=10)).unlock() is True
+                        locks = await cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
+                        assert all(lock is not None for lock in locks)
+                        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+                        assert {p: errors(redis_cluster.client(p)) for p in ports} == refused
+                    async with await hotlock.aio.connect(url, backend=redis_backend) as cache:
+                        locks = await cache.lock_many([k for ks in batched.values() for k in ks], ttl=10)
+                        assert all(lock is not None for lock in locks)
+                        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+
+                asyncio.run(main())
         warned = [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()]
-        assert sorted(int(w.split(" ")[0].rpartition(":")[2]) for w in warned) == ports, warned
+        assert sorted(int(w.split(" ")[0].rpartition(":")[2]) for w in warned) == sorted(ports * 2), warned
     finally:
         for node in redis_cluster.nodes:
             node.client().execute_command("ACL", "DELUSER", USER)
