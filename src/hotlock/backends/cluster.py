@@ -782,7 +782,7 @@ class ClusterCore:
             command[0] == b"EVALSHA"
             and command[1] == ACQUIRE.sha
             and len(command[4]) == TOKEN_BYTES
-            and self._policy == "auto"
+            and self.transacts_any()
             and address not in self._no_multi
         )
 
