@@ -20,8 +20,8 @@ cache and by both sync backends (the native one sleeps in C on the same file des
   message count (``Entry.seq``, read as the attempt was sent), and the wait tries again at
   once; on a channel still being subscribed it sleeps on its backoff, and the server's
   confirmation wakes the channel's first waiter, which tries again, so a release before
-  the subscription cannot go unheard past that. A subscription
-  outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
+  the subscription cannot go unheard past that. A subscription outlives its last waiter
+  by LINGER_S (hotlock._subscriber), so a hot key pays the SUBSCRIBE round trip once.
 - **One wake per message per process.** A message wakes the longest-waiting local waiter
   of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
   backoff. A waiter that acquires while others of its process still wait on the key takes
