@@ -15,6 +15,15 @@
 # resends). A stale map, or a slot or node the table does not know, goes to Route from
 # the start.
 #
+# An ACQUIRE of a plain lock goes as hotlock._acquire's transaction (MULTI, SET NX PX,
+# TIME, EXEC) to a node that takes it (the cluster backend says: set_transactions,
+# refuse_multi), its four replies read here by hotlock._acquire.read's rules (_txn_read):
+# the fence is the answer; SCRIPT sends the ACQUIRE script next, here (a batch: one more
+# pipeline per node, for those keys only); MULTI refused alone tells the backend, which
+# keeps that node on the script from then on; an error reply (MOVED on the queued SET,
+# EXEC's EXECABORT behind it) goes to Route with the four replies, as the transaction
+# (hotlock.backends.cluster.transaction_form).
+#
 # Each node has its own dialect (hotlock.backends.cluster: ClusterCore.set_node puts it on
 # that node's NativeBackend), and an extend or release here reads it off the link it is
 # sent on: SET IFEQ / DELIFEQ / DELEX where that node has them, the script elsewhere. A
@@ -27,6 +36,12 @@ from libc.stdlib cimport calloc
 from hotlock._scripts import RELEASE_SHARDED as _RELEASE_SHARDED
 
 cdef bytes _SHA_RELEASE_SHARDED = _RELEASE_SHARDED.sha
+
+# A batch key's entry in plains besides _PLAIN_*: sent as the transaction (and, after
+# its round, answered SCRIPT: the script's pipeline takes it).
+DEF _RT_TXN = 8
+DEF _RT_TXN_SCRIPT = 9
+
 
 DEF _SLOTS = 16384
 DEF _NO_NODE = 0xFFFF
@@ -137,6 +152,8 @@ cdef class ClusterRouter:
     cdef object _map  # the SlotMap: while it is stale, every call goes to Route
     cdef object _cluster  # the ClusterBackend that takes what is handed back
     cdef double _timeout
+    cdef bint _txn_on  # an ACQUIRE goes as the transaction (connect() chose "auto")
+    cdef frozenset _no_txn  # the node numbers that refused MULTI: their acquires by script
 
     def __init__(self, cluster not None, slot_map not None):
         memset(self._node, 0xFF, sizeof(self._node))
@@ -146,6 +163,22 @@ cdef class ClusterRouter:
         self._map = slot_map
         self._cluster = cluster
         self._timeout = cluster.timeout
+        self._txn_on = False
+        self._no_txn = frozenset()
+
+    def set_transactions(self, bint on):
+        """Whether an ACQUIRE of a plain lock goes as the transaction (ClusterCore.transacts_any)."""
+        self._txn_on = on
+
+    def refuse_multi(self, Py_ssize_t number):
+        """Node ``number`` refused MULTI: its acquires by script from now on."""
+        self._no_txn = self._no_txn | {number}  # replaced whole, as _links
+
+    cdef inline bint _transacts(self, unsigned short number, bytes sha, bytes token):
+        """= ClusterCore.transacts for a call sent here: an ACQUIRE of a plain lock, on a
+        node that takes the transaction."""
+        return (self._txn_on and sha is _SHA_ACQUIRE and PyBytes_GET_SIZE(token) == _TOKEN_BYTES
+                and not (self._no_txn and number in self._no_txn))
 
     def set_map(self, bytes table not None, list addresses not None, list links not None):
         """The slot map as SlotMap.node_table gives it, each number's address and link."""
@@ -268,10 +301,17 @@ cdef class ClusterRouter:
         cdef NativeBackend link
         cdef _Conn conn
         cdef _Retry rule
+        cdef redisReply *rs[4]
         cdef redisReply *r = NULL
-        cdef int rc
+        cdef int rc, i
         cdef int plain = _PLAIN_NONE
         cdef bint missed = False
+        cdef bint txn = False
+        cdef Py_ssize_t count = 1
+        cdef long long answer = 0
+        cdef int err = 0  # _txn_read's index of the error reply (Route reads all four)
+        outcome = None
+        refused = ""
         found = None if number == _NO_NODE else self._links[number]
         if type(found) is not NativeBackend:
             return self._handed(kind, what, sha, key, arg, ms, until, None)
@@ -279,6 +319,10 @@ cdef class ClusterRouter:
         address = self._addresses[number]
         if kind == _EVAL:
             plain = _plain_of(link, sha, arg)
+            txn = self._transacts(number, sha, arg)
+            if txn:
+                plain = _RT_TXN
+                count = 4
         conn = link._conn()
         # A resent call skips the staleness poll on a just-used connection, as on one
         # server (NativeBackend._ready); here Route does the resend.
@@ -290,7 +334,9 @@ cdef class ClusterRouter:
             except CacheError as exc:  # not connected: nothing was sent
                 link._settle(conn, &rule)
                 return self._handed(kind, what, sha, key, arg, ms, until, (address, exc), plain)
-            if plain != _PLAIN_NONE:
+            if txn:
+                rc = _append_txn(conn.ctx, key, arg, ms)
+            elif plain != _PLAIN_NONE:
                 rc = _append_plain(conn.ctx, plain, key, arg, ms)
             elif kind == _EVAL or kind == _EVAL_SCRIPT:
                 rc = _append_evalsha(conn.ctx, sha, key, arg, ms)
@@ -299,15 +345,36 @@ cdef class ClusterRouter:
             if rc != REDIS_OK:
                 _drop(conn)
                 raise MemoryError()
-            rc = _exchange(conn, &r, 1)
+            rc = _exchange(conn, rs, count)
             link._settle(conn, &rule)
             if rc != 0:
-                if r is not NULL:
-                    freeReplyObject(r)
+                for i in range(count):
+                    if rs[i] is not NULL:
+                        freeReplyObject(rs[i])
                 return self._handed(kind, what, sha, key, arg, ms, until, (address, LinkLost(link._lost(conn))),
                                     plain)
         finally:
             _leave(conn)
+        if txn:
+            try:
+                answer = _txn_read(rs, &err)
+                if answer > 0:
+                    return answer
+                if answer == _TXN_ERROR:
+                    outcome = (address, [_py_reply(rs[i]) for i in range(4)])
+                elif answer == _TXN_NO_MULTI:
+                    refused = str(_py_reply(rs[0]))
+            finally:
+                for i in range(4):
+                    freeReplyObject(rs[i])
+            if answer == _TXN_ERROR:
+                return self._handed(kind, what, sha, key, arg, ms, until, outcome, plain)
+            if answer == _TXN_NO_MULTI:
+                self._cluster.refuse_multi(address, refused)
+            # SCRIPT: the key exists (held, ours after a lost reply, permits), or MULTI was
+            # refused: the script decides, on the same node.
+            return self._one(_EVAL_SCRIPT, what, sha, key, arg, ms, until)
+        r = rs[0]
         try:
             if plain != _PLAIN_NONE and r.type != REDIS_REPLY_ERROR:
                 # SET IFEQ: OK or nil; DELIFEQ/DELEX: 1 or 0.
@@ -341,10 +408,15 @@ cdef class ClusterRouter:
 
     cdef object _handed(self, int kind, str what, bytes sha, bytes key, bytes arg, long long ms, double until,
                         object outcome, int plain=_PLAIN_NONE):
-        # Route is given the command as it was sent (Lua-free or not), to read its reply.
+        # Route is given the command as it was sent (Lua-free, the transaction, or the
+        # script), to read its replies.
         first = None if outcome is None else ({outcome[0]: [0]}, [outcome])
-        command = _plain_command(plain, key, arg, ms) if plain != _PLAIN_NONE else self._command(kind, sha, key, arg,
-                                                                                                ms)
+        if plain == _RT_TXN:
+            command = (b"MULTI", key, arg, b"%d" % ms)  # hotlock.backends.cluster.transaction_form
+        elif plain != _PLAIN_NONE:
+            command = _plain_command(plain, key, arg, ms)
+        else:
+            command = self._command(kind, sha, key, arg, ms)
         results = self._cluster.routed(what, [key], [command], None if until < 0.0 else until, first)
         return results[0]
 
@@ -391,10 +463,12 @@ cdef class ClusterRouter:
             free(values)
 
     cdef int _many(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
-                   long long *values) except -1:
+                   long long *values, bint txn=True) except -1:
         """many() into values[i], for 1 or more keys and tokens that are bytes (many() and
         the batch paths of ext/_batch.pxi make sure). A Lua-free entry that went through
-        counts 1."""
+        counts 1. An ACQUIRE goes as the transaction where the node takes it (``txn``:
+        not the script's own round after it), the keys it answered SCRIPT then as the
+        script, in one more round of this (one pipeline per node, for those only)."""
         cdef Py_ssize_t n = len(keys), i, j, k, m = 0, nlinks, known
         cdef unsigned short number
         cdef unsigned short *nodes = NULL  # each key's node number
@@ -404,7 +478,11 @@ cdef class ClusterRouter:
         # position k has order[start[k]] up to order[start[k + 1]].
         cdef Py_ssize_t *order = NULL
         cdef Py_ssize_t *start = NULL
-        cdef redisReply **replies = NULL  # each key's reply
+        cdef redisReply **replies = NULL  # each key's replies: key i's at 4 * i, up to 4 of them
+        cdef long long answer
+        cdef int err = 0
+        cdef Py_ssize_t scripted = 0
+        cdef long long *again = NULL
         cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
         cdef redisContext **ctxs = NULL  # per position: its context, NULL where nothing was sent
         cdef int *rcs = NULL  # per position: REDIS_OK, or the write or read failed
@@ -422,7 +500,7 @@ cdef class ClusterRouter:
         outcomes = []  # per position: None (answered), or the exception that kept it from its replies
         nodes = <unsigned short *>malloc(n * sizeof(unsigned short))
         order = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
-        replies = <redisReply **>calloc(n, sizeof(redisReply *))
+        replies = <redisReply **>calloc(4 * n, sizeof(redisReply *))
         plains = <char *>calloc(n, 1)
         place = <Py_ssize_t *>malloc((nlinks + 1) * sizeof(Py_ssize_t))
         used = <unsigned short *>malloc((nlinks + 1) * sizeof(unsigned short))
@@ -444,6 +522,8 @@ cdef class ClusterRouter:
                     return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values)
                 nodes[i] = number
                 plains[i] = <char>_plain_of(<NativeBackend>links[number], sha, <bytes>tokens[i])
+                if txn and self._transacts(number, sha, <bytes>tokens[i]):
+                    plains[i] = _RT_TXN
                 if place[number] < 0:
                     place[number] = m
                     used[m] = number
@@ -475,7 +555,9 @@ cdef class ClusterRouter:
                     continue
                 for j in range(start[k], start[k + 1]):
                     i = order[j]
-                    if plains[i]:
+                    if plains[i] == _RT_TXN:
+                        rcs[k] = _append_txn(conn.ctx, <bytes>keys[i], <bytes>tokens[i], ms)
+                    elif plains[i]:
                         rcs[k] = _append_plain(conn.ctx, plains[i], <bytes>keys[i], <bytes>tokens[i], ms)
                     else:
                         rcs[k] = _append_evalsha(conn.ctx, sha, <bytes>keys[i], <bytes>tokens[i], ms)
@@ -489,7 +571,7 @@ cdef class ClusterRouter:
                 if ctxs[k] is not NULL:
                     (<_Conn>conns[k]).busy = True
             with nogil:
-                _many_round(ctxs, rcs, m, order, start, replies)
+                _many_round(ctxs, rcs, m, order, start, plains, replies)
             # Every connection off busy before anything that may raise (_lost may).
             for k in range(m):
                 if ctxs[k] is not NULL:
@@ -513,8 +595,20 @@ cdef class ClusterRouter:
                     clean = False
             if clean:
                 for i in range(n):
-                    r = replies[i]
-                    if plains[i]:
+                    r = replies[4 * i]
+                    if plains[i] == _RT_TXN:
+                        answer = _txn_read(&replies[4 * i], &err)
+                        if answer > 0:
+                            values[i] = answer
+                            continue
+                        if answer == _TXN_ERROR:
+                            clean = False
+                            break
+                        if answer == _TXN_NO_MULTI:
+                            self._cluster.refuse_multi(addresses[nodes[i]], str(_py_reply(r)))
+                        plains[i] = _RT_TXN_SCRIPT  # the script's round decides
+                        scripted += 1
+                    elif plains[i]:
                         # Lua-free: OK (SET IFEQ) or 1 is done; a miss or an error is Route's.
                         if r.type != REDIS_REPLY_STATUS and not (r.type == REDIS_REPLY_INTEGER and r.integer == 1):
                             clean = False
@@ -525,6 +619,26 @@ cdef class ClusterRouter:
                     else:
                         clean = False
                         break
+            if clean and scripted:
+                again = <long long *>malloc(scripted * sizeof(long long))
+                if again is NULL:
+                    raise MemoryError()
+                idxs = [i for i in range(n) if plains[i] == _RT_TXN_SCRIPT]
+                try:
+                    self._many(what, sha, [keys[i] for i in idxs], [tokens[i] for i in idxs], ms, until, again,
+                               False)
+                except CacheError:
+                    # As Route undoes a failed call's acquires: the keys the transactions took.
+                    taken = [i for i in range(n) if plains[i] != _RT_TXN_SCRIPT and values[i] > 0]
+                    if taken:
+                        try:
+                            self._cluster.release_many([keys[i] for i in taken],
+                                                       [_held(<bytes>tokens[i], values[i]) for i in taken])
+                        except CacheError:
+                            pass
+                    raise
+                for j in range(scripted):
+                    values[<Py_ssize_t>idxs[j]] = again[j]
             if clean:
                 return 0
             groups = {}
@@ -535,7 +649,13 @@ cdef class ClusterRouter:
                 if outcomes[k] is not None:
                     first.append((addresses[used[k]], outcomes[k]))
                 else:
-                    first.append((addresses[used[k]], [_py_reply(replies[i]) for i in idxs]))
+                    got = []
+                    for i in idxs:
+                        if plains[i] == _RT_TXN or plains[i] == _RT_TXN_SCRIPT:
+                            got.extend([_py_reply(replies[4 * i + j]) for j in range(4)])
+                        else:
+                            got.append(_py_reply(replies[4 * i]))
+                    first.append((addresses[used[k]], got))
             return self._many_handed(what, sha, keys, tokens, ms, until, (groups, first), plains, values)
         except BaseException:
             if sending:
@@ -550,10 +670,11 @@ cdef class ClusterRouter:
             for conn in conns:
                 _leave(conn)
             if replies is not NULL:
-                for i in range(n):
+                for i in range(4 * n):
                     if replies[i] is not NULL:
                         freeReplyObject(replies[i])
             free(replies)
+            free(again)
             free(nodes)
             free(order)
             free(place)
@@ -576,7 +697,9 @@ cdef class ClusterRouter:
             commands = [(b"EVALSHA", sha, b"1", k, t, num) for k, t in zip(keys, tokens)]
         if plains is not NULL:
             for i in range(len(keys)):
-                if plains[i]:
+                if plains[i] == _RT_TXN or plains[i] == _RT_TXN_SCRIPT:
+                    commands[i] = (b"MULTI", keys[i], tokens[i], num)  # hotlock.backends.cluster.transaction_form
+                elif plains[i]:
                     commands[i] = _plain_command(plains[i], keys[i], tokens[i], ms)
         results = self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
         if len(results) != len(keys):
@@ -588,13 +711,14 @@ cdef class ClusterRouter:
 
 
 cdef void _many_round(redisContext **ctxs, int *rcs, Py_ssize_t m, const Py_ssize_t *order,
-                      const Py_ssize_t *start, redisReply **replies) noexcept nogil:
+                      const Py_ssize_t *start, const char *plains, redisReply **replies) noexcept nogil:
     """One round trip of a batch over m nodes, without the GIL (their connections busy):
     write each context's pipeline, then read each one's replies (the keys order[start[k]]
-    up to order[start[k + 1]]) into their keys' places. A NULL context is skipped; rcs[k]
-    ends REDIS_ERR when node k's write or read failed (an I/O error or timeout) or its
-    reply stream is in doubt."""
-    cdef Py_ssize_t k, j
+    up to order[start[k + 1]]) into their keys' places (key i's at 4 * i: four for a
+    transaction, plains[i] _RT_TXN, else one). A NULL context is skipped; rcs[k] ends
+    REDIS_ERR when node k's write or read failed (an I/O error or timeout) or its reply
+    stream is in doubt."""
+    cdef Py_ssize_t k, j, c, count, at
     cdef int done
     for k in range(m):
         if ctxs[k] is not NULL:
@@ -608,13 +732,18 @@ cdef void _many_round(redisContext **ctxs, int *rcs, Py_ssize_t m, const Py_ssiz
         if ctxs[k] is NULL or rcs[k] != REDIS_OK:
             continue
         for j in range(start[k], start[k + 1]):
-            if redisGetReply(ctxs[k], <void **>&replies[order[j]]) != REDIS_OK:
-                replies[order[j]] = NULL
-                rcs[k] = REDIS_ERR
-                break
-            if hotlock_odd_reply(replies[order[j]]):
-                hotlock_doubt(ctxs[k], "the server sent a reply of a kind no command asked for")
-                rcs[k] = REDIS_ERR
+            count = 4 if plains[order[j]] == _RT_TXN else 1
+            for c in range(count):
+                at = 4 * order[j] + c
+                if redisGetReply(ctxs[k], <void **>&replies[at]) != REDIS_OK:
+                    replies[at] = NULL
+                    rcs[k] = REDIS_ERR
+                    break
+                if hotlock_odd_reply(replies[at]):
+                    hotlock_doubt(ctxs[k], "the server sent a reply of a kind no command asked for")
+                    rcs[k] = REDIS_ERR
+                    break
+            if rcs[k] != REDIS_OK:
                 break
         # A stream in doubt is a lost reply (see _exchange).
         if rcs[k] == REDIS_OK and hotlock_leftover(ctxs[k]):

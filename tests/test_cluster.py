@@ -106,6 +106,12 @@ def calls(client: redis.Redis, command: str) -> int:
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
+def node_calls(client: redis.Redis, *commands: str) -> tuple[int, ...]:
+    """How many times the node ran each of ``commands``, read at once."""
+    stats = client.info("commandstats")
+    return tuple(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in commands)
+
+
 def evalsha_calls(client: redis.Redis) -> int:
     return calls(client, "evalsha")
 
@@ -113,6 +119,156 @@ def evalsha_calls(client: redis.Redis) -> int:
 def release_command(cluster: Cluster) -> str:
     """What a release runs on this cluster's primaries: DELIFEQ on Valkey 9, the script on Redis 7.0."""
     return "delifeq" if cluster.nodes[0].lua_free else "evalsha"
+
+
+# -- the transaction acquire (hotlock._acquire) ---------------------------------------
+
+
+def test_a_free_key_is_taken_without_a_script(rcache: Cache, redis_cluster: Cluster) -> None:
+    """On every primary the acquire of a free key is one transaction on the key's own node
+    (EXEC once, no EVALSHA), alone and in a batch over every shard (one pipeline of
+    transactions per node); the fence is that node's clock, the stored value the token."""
+    for port in redis_cluster.primary_ports():
+        client = redis_cluster.client(port)
+        key = keys_on(redis_cluster, port, 1, "txn")[0]
+        before = node_calls(client, "evalsha", "exec")
+        seconds, micros = client.time()
+        lock = rcache.lock(key, ttl=10)
+        assert node_calls(client, "evalsha", "exec") == (before[0], before[1] + 1), port
+        assert client.get(lock_name(key)) == lock._token and len(lock._token) == 16
+        assert 0 <= lock.fence - (seconds * 1_000_000 + micros) < 5_000_000
+        assert lock.unlock() is True
+    keys = {p: keys_on(redis_cluster, p, 3, "txnb") for p in redis_cluster.primary_ports()}
+    before = {p: node_calls(redis_cluster.client(p), "evalsha", "exec") for p in keys}
+    locks = rcache.lock_many([k for ks in keys.values() for k in ks], ttl=10)
+    assert all(lock is not None for lock in locks)
+    for port in keys:
+        evalsha, execs = node_calls(redis_cluster.client(port), "evalsha", "exec")
+        assert (evalsha, execs) == (before[port][0], before[port][1] + 3), port
+    assert all(rcache.unlock_many(locks))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["native", "redis-py"])
+def test_async_a_free_key_is_taken_without_a_script(backend: str, cluster_url: str, redis_cluster: Cluster) -> None:
+    """As the sync test, on hotlock.aio: one key (the router's fast path on the native
+    backend, Route on redis-py) and a batch over every shard."""
+    keys = {p: keys_on(redis_cluster, p, 2, "atxn") for p in redis_cluster.primary_ports()}
+    before = {p: node_calls(redis_cluster.client(p), "evalsha", "exec") for p in keys}
+
+    async def main() -> None:
+        async with await hotlock.aio.connect(cluster_url, backend=backend) as cache:
+            singles = [await cache.lock(ks[0], ttl=10) for ks in keys.values()]
+            locks = await cache.lock_many([ks[1] for ks in keys.values()], ttl=10)
+            assert all(lock is not None for lock in locks)
+            for port in keys:
+                evalsha, execs = node_calls(redis_cluster.client(port), "evalsha", "exec")
+                assert (evalsha, execs) == (before[port][0], before[port][1] + 2), port
+            for lock in singles:
+                assert await lock.unlock() is True
+            assert await cache.unlock_many(locks) == [True] * len(locks)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_a_held_key_goes_on_to_the_script(rcache: Cache, redis_cluster: Cluster) -> None:
+    """A key held by another: the transaction finds it (SET NX), and the script on the same
+    node decides, as before: -its TTL (LockNotAcquired with retry_after), alone and in a
+    batch whose other keys are taken; a key held as permits is the kind conflict."""
+    port = redis_cluster.primary_ports()[0]
+    client = redis_cluster.client(port)
+    key, permits = keys_on(redis_cluster, port, 2, "held")
+    holder = rcache.lock(key, ttl=10)
+    before = node_calls(client, "evalsha", "exec")
+    with pytest.raises(LockNotAcquired) as caught:
+        rcache.lock(key, ttl=5)
+    assert caught.value.retry_after is not None and 9 < caught.value.retry_after <= 10
+    assert node_calls(client, "evalsha", "exec") == (before[0] + 1, before[1] + 1)  # the transaction, then the script
+    ttl = rcache._backend.acquire(lock_name(key), b"r" * 16, 5000)  # type: ignore[attr-defined]
+    assert -10_000 <= ttl < -9_000
+    others = [keys_on(redis_cluster, p, 1, "heldb")[0] for p in redis_cluster.primary_ports() if p != port]
+    locks = rcache.lock_many([key, *others], ttl=5)
+    assert locks[0] is None and all(lock is not None for lock in locks[1:])
+    assert all(rcache.unlock_many(locks[1:]))  # type: ignore[arg-type]
+    assert holder.unlock() is True
+    with rcache.lock(permits, ttl=10, limit=2), pytest.raises(LockNotAcquired, match="held with a concurrency limit"):
+        rcache.lock(permits, ttl=5)
+    assert client.exists(lock_name(key)) == 0  # (the permits' hash keeps its last fence until its TTL)
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_node_that_refuses_multi_takes_its_acquires_by_script(
+    redis_backend: str, api: str, cluster_url: str, redis_cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user whose ACL has no MULTI and EXEC: the first acquire on each node finds MULTI
+    refused (its SET ran alone), goes by script, which finds its own token, and holds the
+    lock; a WARNING names the node once per cache; later acquires there send no MULTI at
+    all. The first call a single acquire on each node, or a batch over every shard."""
+    from .test_security import PASSWORD, USER, acl_line, listed
+
+    # The script that finds its own token (the SET ran alone) refreshes its TTL: PEXPIRE,
+    # which the Lua-free list leaves out (a Lua-free extend is SET IFEQ).
+    listing = listed(redis_cluster.nodes[0].kind, "auto") + CLUSTER_COMMANDS + ["+pexpire"]
+    commands = [c for c in dict.fromkeys(listing) if c not in ("+multi", "+exec")]
+    for node in redis_cluster.nodes:
+        node.client().execute_command("ACL", "SETUSER", USER, "reset", *acl_line(commands))
+    url = cluster_url.replace("redis+cluster://", f"redis+cluster://{USER}:{PASSWORD}@")
+    ports = redis_cluster.primary_ports()
+    keys = {p: keys_on(redis_cluster, p, 4, f"nomulti-{api}-") for p in ports}
+    batched = {p: keys_on(redis_cluster, p, 2, f"nomultib-{api}-") for p in ports}
+
+    def stored(port: int, key: str) -> bytes | None:
+        return redis_cluster.client(port).get(lock_name(key))  # type: ignore[no-any-return]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="hotlock"):
+            if api == "sync":
+                with hotlock.connect(url, backend=redis_backend) as cache:
+                    for port, (first, _, _, _) in keys.items():
+                        with cache.lock(first, ttl=10) as lock:
+                            assert stored(port, first) == lock._token
+                    refused = {p: errors(redis_cluster.client(p)) for p in ports}
+                    for _, second, _, _ in keys.values():
+                        with cache.lock(second, ttl=10):
+                            pass
+                    locks = cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
+                    assert all(lock is not None for lock in locks)
+                    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+                    assert {p: errors(redis_cluster.client(p)) for p in ports} == refused  # no MULTI again
+                with hotlock.connect(url, backend=redis_backend) as cache:
+                    locks = cache.lock_many([k for ks in batched.values() for k in ks], ttl=10)
+                    assert all(lock is not None for lock in locks)
+                    assert all(cache.unlock_many(locks))  # type: ignore[arg-type]
+            else:
+
+                async def main() -> None:
+                    async with await hotlock.aio.connect(url, backend=redis_backend) as cache:
+                        for port, (first, _, _, _) in keys.items():
+                            lock = await cache.lock(first, ttl=10)
+                            assert stored(port, first) == lock._token
+                            assert await lock.unlock() is True
+                        refused = {p: errors(redis_cluster.client(p)) for p in ports}
+                        for _, second, _, _ in keys.values():
+                            assert await (await cache.lock(second, ttl=10)).unlock() is True
+                        locks = await cache.lock_many([k for ks in keys.values() for k in ks[2:]], ttl=10)
+                        assert all(lock is not None for lock in locks)
+                        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+                        assert {p: errors(redis_cluster.client(p)) for p in ports} == refused
+                    async with await hotlock.aio.connect(url, backend=redis_backend) as cache:
+                        locks = await cache.lock_many([k for ks in batched.values() for k in ks], ttl=10)
+                        assert all(lock is not None for lock in locks)
+                        assert all(await cache.unlock_many(locks))  # type: ignore[arg-type]
+
+                asyncio.run(main())
+        warned = [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()]
+        assert sorted(int(w.split(" ")[0].rpartition(":")[2]) for w in warned) == sorted(ports * 2), warned
+    finally:
+        for node in redis_cluster.nodes:
+            node.client().execute_command("ACL", "DELUSER", USER)
+
+
+def errors(client: redis.Redis) -> int:
+    """Every error reply the node has given (INFO errorstats)."""
+    return sum(int(v["count"]) for v in client.info("errorstats").values())
 
 
 # -- routing ---------------------------------------------------------------------------
@@ -147,7 +303,8 @@ def test_the_extension_hashes_slots_as_python_and_the_server(redis_cluster: Clus
 
 def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url: str) -> None:
     """On a healthy cluster the native backend's single-key calls and batches never reach
-    Route (ClusterBackend.routed); after a slot moves, the MOVED is handed to it, and the
+    Route (ClusterBackend.routed), an acquire that the transaction leaves to the script
+    included; after a slot moves, the MOVED is handed to it, and the
     call still succeeds on the new owner."""
     cache = hotlock.connect(cluster_url, backend="native")
     backend = cache._backend
@@ -175,6 +332,13 @@ def test_healthy_calls_stay_in_the_extension(redis_cluster: Cluster, cluster_url
     assert cache.incr("fast-count", 3) == 3
     with cache.lock_wait(key, ttl=5, wait=1):
         pass
+    # A held key: the transaction finds it, and the script is sent from C too.
+    holder = cache.lock("fast-held", ttl=10)
+    with pytest.raises(LockNotAcquired):
+        cache.lock("fast-held", ttl=5)
+    mixed = cache.lock_many(["fast-held", *keys[:5]], ttl=10)
+    assert mixed[0] is None and all(lock is not None for lock in mixed[1:])
+    assert all(cache.unlock_many([holder, *mixed[1:]]))  # type: ignore[list-item]
     assert handed == []
     slot = key_slot(lock_name(key))
     target = _other_primary(redis_cluster, port)
@@ -259,13 +423,14 @@ def test_batch_over_every_shard_is_one_round_trip(
 ) -> None:
     """With 100 ms added each way on every primary's path, a round trip costs >= 200 ms: a
     batch over 3 shards that went node by node would take >= 600 ms; one round trip
-    takes about 200. And each primary ran each of its keys' acquire script and release
-    exactly once (the release: the script on Redis 7.0, DELIFEQ on Valkey 9)."""
+    takes about 200. And each primary ran each of its keys' acquire (the transaction: no
+    script) and release exactly once (the release: the script on Redis 7.0, DELIFEQ on
+    Valkey 9)."""
     backend, proxies = routed
     cache = routed_cache(cluster_url, backend, proxies, timeout=2.0)
     keys = [k for port in redis_cluster.primary_ports() for k in keys_on(redis_cluster, port, 10, "b")]
     release = release_command(redis_cluster)
-    before = {p: (evalsha_calls(redis_cluster.client(p)), calls(redis_cluster.client(p), "delifeq")) for p in proxies}
+    before = {p: node_calls(redis_cluster.client(p), "evalsha", "delifeq", "exec") for p in proxies}
     for proxy in proxies.values():
         proxy.delay(0.1)
     started = time.monotonic()
@@ -278,10 +443,10 @@ def test_batch_over_every_shard_is_one_round_trip(
     took = time.monotonic() - started
     assert took < 0.5, f"unlock_many over 3 shards took {took:.3f} s"
     for port in proxies:
-        scripts = evalsha_calls(redis_cluster.client(port)) - before[port][0]
-        delifeqs = calls(redis_cluster.client(port), "delifeq") - before[port][1]
-        # 10 acquires (always a script) and 10 releases.
-        assert (scripts, delifeqs) == ((10, 10) if release == "delifeq" else (20, 0)), port
+        after = node_calls(redis_cluster.client(port), "evalsha", "delifeq", "exec")
+        scripts, delifeqs, execs = (a - b for a, b in zip(after, before[port], strict=True))
+        # 10 acquires (transactions) and 10 releases.
+        assert (scripts, delifeqs, execs) == ((0, 10, 10) if release == "delifeq" else (10, 0, 10)), port
     cache.close()
 
 
@@ -312,7 +477,8 @@ def test_a_lost_reply_is_retried_once_only(
     routed: tuple[str, dict[int, FaultProxy]], cluster_url: str, redis_cluster: Cluster
 ) -> None:
     """Two replies dropped in a row: the acquire runs exactly twice on its node (the first
-    try and the one retry, same token), never a third time. Every link reconnects with a
+    try and the one retry, same token: the retry's transaction finds the key, so the
+    script decides it, once), never a third time. Every link reconnects with a
     handshake (CLIENT SETINFO, and the native one's SCRIPT LOADs), whose reply is the second
     one dropped, retried as any lost handshake reply, so the retry's own reply arrives and
     the lock is held. A lost extend reply is never resent (the extend: the script on Redis
@@ -324,11 +490,11 @@ def test_a_lost_reply_is_retried_once_only(
     key = keys_on(redis_cluster, port, 1, "twice")[0]
     with cache.lock(keys_on(redis_cluster, port, 1, "warm2")[0], ttl=5):
         pass  # the link to the node is open
-    before = evalsha_calls(client)
+    before = node_calls(client, "exec", "evalsha")
     proxies[port].drop_replies(2)
     lock = cache.lock(key, ttl=10)
     assert proxies[port].dropped_replies == 2
-    assert evalsha_calls(client) - before == 2
+    assert tuple(a - b for a, b in zip(node_calls(client, "exec", "evalsha"), before, strict=True)) == (2, 1)
     # SET counts the acquires' own SETs too, but none runs between these two readings.
     extend = "set" if redis_cluster.nodes[0].lua_free else "evalsha"
     before_extend = calls(client, extend)
@@ -1103,7 +1269,7 @@ def test_lost_reply_after_a_moved(
 ) -> None:
     """The slot moved since the map was read: the old owner answers MOVED, the new owner
     runs the acquire but its reply is lost, and the one retry (same token, on the new
-    owner) finds it already ours: the caller holds the lock, with the fence it stored."""
+    owner) finds it already ours: the caller holds the lock, its token stored there."""
     backend, proxies = routed
     source = redis_cluster.primary_ports()[0]
     target = _other_primary(redis_cluster, source)
@@ -1118,7 +1284,7 @@ def test_lost_reply_after_a_moved(
         lock = cache.lock(key, ttl=10)
         assert proxies[target].dropped_replies == 1
         stored = redis_cluster.client(target).get(lock_name(key))
-        assert stored is not None and stored.endswith(b"%d" % lock.fence)
+        assert stored == lock._token
         assert lock.unlock() is True
     finally:
         redis_cluster.move_slot(slot, source)

@@ -119,16 +119,20 @@ def run(api: str, backend: str, url: str, keys: dict[int, list[str]], cluster: C
 
 
 def expect_lua_free(got: dict[str, int]) -> None:
-    # Per node: 2 acquires (EVALSHA, each with its SET inside), 2 SET IFEQ, 2 DELIFEQ.
-    assert got.get("evalsha") == 2, got
+    # Per node: 2 acquires (transactions: EXEC, with SET and TIME inside), 2 SET IFEQ, 2
+    # DELIFEQ; no script at all.
+    assert got.get("evalsha", 0) == 0, got
+    assert got.get("exec") == got.get("time") == 2, got
     assert got.get("set") == 2 + 2, got
     assert got.get("delifeq") == 2, got
     assert got.get("pexpire", 0) == got.get("del", 0) == 0, got
 
 
-def expect_scripts(got: dict[str, int]) -> None:
-    # Per node: acquire, extend and release of 2 locks, all EVALSHA (PEXPIRE and DEL inside).
-    assert got.get("evalsha") == 6, got
+def expect_scripts(got: dict[str, int], transaction: bool = True) -> None:
+    # Per node: extend and release of 2 locks, EVALSHA (PEXPIRE and DEL inside); the 2
+    # acquires transactions (EXEC) but under scripts="always" (EVALSHA), a SET each.
+    assert got.get("evalsha") == (4 if transaction else 6), got
+    assert got.get("exec", 0) == (2 if transaction else 0), got
     assert got.get("set") == 2, got
     assert got.get("pexpire") == got.get("del") == 2, got
     assert got.get("delifeq", 0) == 0, got
@@ -140,8 +144,9 @@ def expect_scripts(got: dict[str, int]) -> None:
 def test_every_valkey_primary_takes_the_lua_free_forms(
     valkey_cluster: Cluster, api: str, backend: str, scripts: str
 ) -> None:
-    """Valkey 9 everywhere: extend is SET IFEQ and release DELIFEQ on every primary, no
-    EVALSHA but the acquires; scripts="always" keeps every node on the scripts."""
+    """Valkey 9 everywhere: the acquire is the transaction, extend SET IFEQ and release
+    DELIFEQ on every primary, no EVALSHA at all; scripts="always" keeps every node on the
+    scripts."""
     ports = valkey_cluster.primary_ports()
     keys = {p: keys_on(valkey_cluster, p, 2, prefix=f"vk-{api}-{backend}-") for p in ports}
     info = run(api, backend, valkey_cluster.url, keys, valkey_cluster, scripts=scripts)
@@ -157,7 +162,7 @@ def test_every_valkey_primary_takes_the_lua_free_forms(
             expect_lua_free(stats(valkey_cluster, port))
         else:
             assert described == f"{named}, extend/release by script (connect(scripts='always'))"
-            expect_scripts(stats(valkey_cluster, port))
+            expect_scripts(stats(valkey_cluster, port), transaction=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,9 +11,13 @@ from typing import Any
 import pytest
 
 import hotlock.backends.cluster
+from hotlock._acquire import commands as transaction
+from hotlock._acquire import read as read_transaction
+from hotlock._acquire import refused_multi
 from hotlock._config import parse_url
-from hotlock._scripts import ACQUIRE, EXTEND, held_value
-from hotlock.backends.cluster import ClusterCore, Route, key_slot
+from hotlock._dialect import detect
+from hotlock._scripts import ACQUIRE, ACQUIRE_WAIT, EXTEND, held_value
+from hotlock.backends.cluster import ClusterCore, Route, key_slot, transaction_form
 from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated
 
 from .conftest import FakeClock, patch_clock
@@ -318,3 +322,205 @@ def test_only_acquired_keys_are_undone() -> None:
     answer(route, sent(route), {A: [9], B: [-250]})  # B: held elsewhere (minus its TTL left)
     assert route.advance() is None
     assert route.acquired_values() == ([keys[0]], [held_value(TOKEN, 9)])
+
+
+# -- the transaction acquire (hotlock._acquire) -----------------------------------------
+
+QUEUED = b"QUEUED"
+CLOCK = [b"1700000000", b"000005"]
+FENCE = 1_700_000_000_000_005
+
+
+def transacting(wait_replicas: int = 0, scripts: str = "auto") -> ClusterCore:
+    """core() after connect() chose ``scripts`` (the acquire goes as the transaction under "auto")."""
+    cluster = core(wait_replicas)
+    cluster.use_dialect(detect(None, None, scripts))
+    return cluster
+
+
+def test_an_acquire_goes_as_the_transaction_to_the_keys_node() -> None:
+    keys = [key_on(A), key_on(B)]
+    route = acquire(transacting(), keys)
+    batches = sent(route)
+    assert batches == {A: list(transaction(keys[0], TOKEN, 30000)), B: list(transaction(keys[1], TOKEN, 30000))}
+    taken = [b"OK", QUEUED, QUEUED, [b"OK", CLOCK]]
+    answer(route, batches, {A: taken, B: taken})
+    assert route.advance() is None and route.results == [FENCE, FENCE]
+
+
+def test_a_key_that_exists_goes_on_to_the_script_on_the_same_node() -> None:
+    keys = [key_on(A), key_on(A, 1)]
+    route = acquire(transacting(), keys)
+    answer(route, sent(route), {A: [b"OK", QUEUED, QUEUED, [None, CLOCK], b"OK", QUEUED, QUEUED, [b"OK", CLOCK]]})
+    assert route.advance() == 0.0
+    again = sent(route)
+    assert again == {A: [(b"EVALSHA", ACQUIRE.sha, b"1", keys[0], TOKEN, b"30000")]}
+    answer(route, again, {A: [-2500]})
+    assert route.advance() is None and route.results == [-2500, FENCE]
+
+
+def test_moved_on_the_queued_set_resends_the_transaction_to_the_new_owner() -> None:
+    cluster = transacting()
+    key = key_on(A)
+    slot = key_slot(key)
+    route = acquire(cluster, [key])
+    moved = ReplyError(f"MOVED {slot} 10.0.0.3:7000")
+    aborted = ReplyError("EXECABORT Transaction discarded because of previous errors.")
+    answer(route, sent(route), {A: [b"OK", moved, QUEUED, aborted]})
+    assert route.advance() == 0.0
+    assert cluster.map.owner(slot) == C and cluster.map.stale
+    again = sent(route)
+    assert again == {C: list(transaction(key, TOKEN, 30000))}
+    answer(route, again, {C: [b"OK", QUEUED, QUEUED, [b"OK", CLOCK]]})
+    assert route.advance() is None and route.results == [FENCE]
+
+
+def test_ask_on_the_queued_set_sends_asking_and_the_script() -> None:
+    cluster = transacting()
+    key = key_on(A)
+    route = acquire(cluster, [key])
+    asked = ReplyError(f"ASK {key_slot(key)} 10.0.0.2:7000")
+    aborted = ReplyError("EXECABORT Transaction discarded because of previous errors.")
+    answer(route, sent(route), {A: [b"OK", asked, QUEUED, aborted]})
+    assert route.advance() == 0.0
+    again = sent(route)
+    assert again == {B: [(b"ASKING",), (b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000")]}
+    assert cluster.map.owner(key_slot(key)) == A
+    answer(route, again, {B: [b"OK", FENCE]})
+    assert route.advance() is None and route.results == [FENCE]
+
+
+def test_a_transient_reply_in_the_transaction_is_waited_out_and_resent_as_one() -> None:
+    key = key_on(A)
+    route = acquire(transacting(), [key])
+    down = ReplyError("CLUSTERDOWN The cluster is down")
+    answer(route, sent(route), {A: [down, down, down, down]})
+    assert (route.advance() or 0) > 0
+    again = sent(route)
+    assert again == {A: list(transaction(key, TOKEN, 30000))}
+
+
+def test_a_node_that_refuses_multi_keeps_its_acquires_on_the_script(caplog: pytest.LogCaptureFixture) -> None:
+    cluster = transacting()
+    keys = [key_on(A), key_on(B)]
+    route = acquire(cluster, keys)
+    refused = ReplyError("NOPERM User u has no permissions to run the 'multi' command")
+    alone = ReplyError("NOPERM User u has no permissions to run the 'exec' command")
+    answer(
+        route,
+        sent(route),
+        {A: [refused, b"OK", CLOCK, alone], B: [b"OK", QUEUED, QUEUED, [b"OK", CLOCK]]},
+    )
+    assert route.advance() == 0.0
+    again = sent(route)
+    assert again == {A: [(b"EVALSHA", ACQUIRE.sha, b"1", keys[0], TOKEN, b"30000")]}
+    answer(route, again, {A: [FENCE + 1]})
+    assert route.advance() is None and route.results == [FENCE + 1, FENCE]
+    later = sent(acquire(cluster, keys))
+    assert later[A] == [(b"EVALSHA", ACQUIRE.sha, b"1", keys[0], TOKEN, b"30000")]
+    assert later[B] == list(transaction(keys[1], TOKEN, 30000))
+    assert [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()] == [
+        f"10.0.0.1:7000 refused MULTI ({refused}): acquires on it go by script from now on"
+    ]
+
+
+@pytest.mark.parametrize("scripts", ["auto", "always"])
+def test_permits_the_waiting_forms_and_scripts_always_go_by_script(scripts: str) -> None:
+    cluster = transacting(scripts=scripts)
+    key = key_on(A)
+    ask = TOKEN + b"#3"
+    permit = cluster.route("acquire", ACQUIRE, [key], [(ask, b"30000")], 1e18)
+    assert sent(permit) == {A: [(b"EVALSHA", ACQUIRE.sha, b"1", key, ask, b"30000")]}
+    waiting = cluster.route("acquire", ACQUIRE_WAIT, [key], [(TOKEN, b"30000")], 1e18)
+    assert sent(waiting)[A][0][1] == ACQUIRE_WAIT.sha
+    plain = sent(acquire(cluster, [key]))[A]
+    assert plain[0] == ((b"MULTI",) if scripts == "auto" else (b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000"))
+
+
+def test_a_lost_transaction_reply_is_resent_as_the_transaction_with_the_same_token() -> None:
+    key = key_on(A)
+    route = acquire(transacting(), [key])
+    answer(route, sent(route), {A: LinkLost("timed out")})
+    route.advance()
+    again = sent(route)
+    assert again == {A: list(transaction(key, TOKEN, 30000))}
+    # The first one ran: SET NX finds the key, the script finds its own token.
+    answer(route, again, {A: [b"OK", QUEUED, QUEUED, [None, CLOCK]]})
+    route.advance()
+    answer(route, sent(route), {A: [FENCE + 7]})
+    assert route.advance() is None and route.results == [FENCE + 7]
+
+
+def test_wait_rides_behind_the_transactions() -> None:
+    key = key_on(A)
+    route = acquire(transacting(wait_replicas=1), [key])
+    batches = sent(route)
+    assert batches[A] == [*transaction(key, TOKEN, 30000), (b"WAIT", b"1", b"100")]
+    answer(route, batches, {A: [b"OK", QUEUED, QUEUED, [b"OK", CLOCK], 1]})
+    assert route.advance() is None and route.results == [FENCE]
+
+
+def test_a_round_handed_over_names_a_transaction_by_its_form() -> None:
+    """The extension's fast path sent the transaction; Route reads its four replies and
+    goes on (here: MOVED on the SET) exactly as after its own round."""
+    cluster = transacting()
+    keys = [key_on(A), key_on(B)]
+    slot = key_slot(keys[0])
+    commands = [transaction_form(keys[0], TOKEN, b"30000"), (b"EVALSHA", ACQUIRE.sha, b"1", keys[1], TOKEN, b"30000")]
+    route = Route(cluster, "acquire_many", keys, commands, 1e18, False)
+    assert route.commands[0] == (b"EVALSHA", ACQUIRE.sha, b"1", keys[0], TOKEN, b"30000")
+    moved = ReplyError(f"MOVED {slot} 10.0.0.3:7000")
+    aborted = ReplyError("EXECABORT Transaction discarded because of previous errors.")
+    route.handed(({A: [0], B: [1]}, [(A, [b"OK", moved, QUEUED, aborted]), (B, [FENCE])]))
+    assert route.advance() == 0.0
+    assert sent(route) == {C: list(transaction(keys[0], TOKEN, 30000))}
+
+
+RESP = {
+    "ok": b"+OK\r\n",
+    "queued": b"+QUEUED\r\n",
+    "taken": b"*2\r\n+OK\r\n*2\r\n$10\r\n1700000000\r\n$6\r\n000005\r\n",
+    "exists": b"*2\r\n$-1\r\n*2\r\n$10\r\n1700000000\r\n$6\r\n000005\r\n",
+    "time": b"*2\r\n$10\r\n1700000000\r\n$6\r\n000005\r\n",
+    "noperm": b"-NOPERM no multi\r\n",
+    "moved": b"-MOVED 3999 10.0.0.3:7000\r\n",
+    "abort": b"-EXECABORT Transaction discarded\r\n",
+    "oddclock": b"*2\r\n+OK\r\n*2\r\n$3\r\nabc\r\n$1\r\n5\r\n",
+}
+
+
+@pytest.mark.parametrize(
+    "replies",
+    [
+        ["ok", "queued", "queued", "taken"],
+        ["ok", "queued", "queued", "exists"],
+        ["noperm", "ok", "time", "abort"],
+        ["ok", "moved", "queued", "abort"],
+        ["noperm", "noperm", "noperm", "noperm"],
+        ["ok", "queued", "queued", "oddclock"],
+    ],
+)
+def test_the_extension_reads_the_transaction_as_read_does(replies: list[str]) -> None:
+    native = pytest.importorskip("hotlock._native")
+    raw = [RESP[r] for r in replies]
+    parsed = [ReplyError(r.decode()[1:-2]) if r.startswith(b"-") else decoded(r) for r in raw]
+    expected = read_transaction(parsed, ReplyError)
+    got = native._read_acquire(b"".join(raw))
+    if isinstance(expected, BaseException):
+        assert got == str(expected)
+    elif refused_multi(parsed, ReplyError):
+        assert got == -1
+    else:
+        assert got == expected
+
+
+def decoded(resp: bytes) -> Any:
+    """The reply ``resp`` as Python values (the shapes RESP above uses)."""
+    return {
+        RESP["ok"]: b"OK",
+        RESP["queued"]: b"QUEUED",
+        RESP["taken"]: [b"OK", CLOCK],
+        RESP["exists"]: [None, CLOCK],
+        RESP["time"]: CLOCK,
+        RESP["oddclock"]: [b"OK", [b"abc", b"5"]],
+    }[resp]

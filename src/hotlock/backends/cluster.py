@@ -33,6 +33,17 @@ one that does not, so a cluster half-way through a rolling upgrade serves both. 
 longer knows the command (it was downgraded, or renamed it away, in place) sends that key
 once more by script, as on one server; the last also keeps that node on the scripts.
 
+The acquire of a plain lock (ACQUIRE, not its waiting forms; no limit) goes to the key's
+node as hotlock._acquire's transaction (MULTI, SET NX PX, TIME, EXEC), all four in that
+node's write: its fence is the answer, SCRIPT sends the ACQUIRE script to the node next
+(a batch: those keys only, one more pipeline per node), and an error reply is handled as
+the script's would be. A slot that moved answers MOVED on the queued SET (EXEC then
+refuses, EXECABORT): the transaction goes to the new owner. A slot being migrated
+answers ASK there: ASKING covers only the command after it, so that key goes to the
+target as ASKING and the script. A node that refuses MULTI alone (an ACL, a proxy) takes
+its acquires by script from then on (ClusterCore.transacts). Not under
+connect(scripts='always').
+
 None of MOVED, ASK, NOSCRIPT or the transient replies means the command ran, so resending
 after them is always safe; only a lost reply is ambiguous, and it gets the one retry.
 
@@ -52,6 +63,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from .._acquire import commands as transaction
+from .._acquire import read as read_transaction
+from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._credentials import is_auth_refusal
 from .._dialect import (
@@ -68,6 +82,7 @@ from .._dialect import (
     release_command,
     script_serves,
 )
+from .._ident import TOKEN_BYTES
 from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from .._transient import TRANSIENT, Retrying
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
@@ -295,9 +310,19 @@ _CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
 
 
+def transaction_form(key: bytes, token: bytes, ms: bytes) -> tuple[bytes, ...]:
+    """How an acquire sent as hotlock._acquire's transaction (four commands on the wire)
+    is named in a round handed to Route (one entry per key: Route.handed): its replies
+    are that key's four, in order."""
+    return (b"MULTI", key, token, ms)
+
+
 def script_form(command: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """The script call a Lua-free extend or release stands for (any other command as it
-    is): what Route sends the key by when the node is not to get the plain form."""
+    """The script call a Lua-free extend or release, or a transaction acquire
+    (transaction_form), stands for (any other command as it is): what Route sends the
+    key by when the node is not to get that form."""
+    if command[0] == b"MULTI":
+        return (b"EVALSHA", ACQUIRE.sha, b"1", command[1], command[2], command[3])
     if command[0] == b"SET" and len(command) == 7 and command[3] == b"IFEQ":
         return (b"EVALSHA", EXTEND.sha, b"1", command[1], command[2], command[6])
     if command[0] == b"DELIFEQ":
@@ -334,9 +359,11 @@ class Route:
         self._cluster = cluster
         self.what = what
         self.keys = keys
-        # The script forms, always; a fast path may have sent some Lua-free (see handed).
+        # The script forms, always; a fast path may have sent some Lua-free, or as the
+        # transaction acquire (see handed).
         self.commands = [script_form(c) for c in commands]
-        self._plain = {i for i, c in enumerate(commands) if c is not self.commands[i]}  # sent Lua-free this round
+        self._txn = {i for i, c in enumerate(commands) if c[0] == b"MULTI"}  # sent as the transaction this round
+        self._plain = {i for i, c in enumerate(commands) if c is not self.commands[i]} - self._txn  # Lua-free
         self._scripted: set[int] = set()  # keys that go by script from now on, whatever the node
         self._slots = [key_slot(k) for k in keys]  # hashed once per call
         self.results: list[Any] = [None] * len(keys)
@@ -413,12 +440,18 @@ class Route:
         self._pending = []
         out = []
         self._plain.clear()
+        self._txn.clear()
         for address, idxs in groups.items():
             batch: list[tuple[bytes, ...]] = []
             for i in idxs:
-                if i in self._asking:
-                    batch.append((b"ASKING",))
                 command = self.commands[i]
+                if i in self._asking:
+                    # ASKING covers the one command after it: an acquire goes by script.
+                    batch.append((b"ASKING",))
+                elif i not in self._scripted and self._cluster.transacts(address, command):
+                    batch.extend(transaction(command[3], command[4], int(command[5])))
+                    self._txn.add(i)
+                    continue
                 if i not in self._scripted:
                     command = self._cluster.sent_form(address, command)
                     if command is not self.commands[i]:
@@ -458,8 +491,15 @@ class Route:
             if asked:
                 j += 1  # ASKING's +OK
                 del self._asking[i]
-            reply = replies[j]
-            j += 1
+            if i in self._txn:
+                four = replies[j : j + 4]
+                j += 4
+                reply = self._transaction_reply(address, i, four)
+                if reply is None:
+                    continue
+            else:
+                reply = replies[j]
+                j += 1
             if i in self._plain and self._lua_free_reply(address, i, reply):
                 continue
             if not isinstance(reply, ReplyError):
@@ -504,6 +544,25 @@ class Route:
                 self._again.append(i)
             else:
                 self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
+
+    def _transaction_reply(self, address: Address, i: int, replies: list[Any]) -> Any:
+        """A transaction acquire's four replies (hotlock._acquire.read): None when dealt
+        with here (the fence, or the key to go again by script, to this node or to the
+        next one a redirection names), else the error reply to handle as a script's
+        (MOVED on the queued SET, with EXEC's EXECABORT after it, is MOVED)."""
+        if refused_multi(replies, ReplyError):
+            self._cluster.refuse_multi(address, str(replies[0]))
+        outcome = read_transaction(replies, ReplyError)
+        if isinstance(outcome, BaseException):
+            return outcome
+        if acquired(outcome):
+            self.results[i] = outcome
+        else:
+            # SCRIPT: held, ours after a lost reply, permits; or MULTI refused. The script
+            # decides, and its reply is the result.
+            self._scripted.add(i)
+            self._again.append(i)
+        return None
 
     def _lua_free_reply(self, address: Address, i: int, reply: Any) -> bool:
         """A Lua-free extend's or release's reply: True when it is dealt with here (the
@@ -652,6 +711,8 @@ class ClusterCore:
         self._nodes: dict[Address, Dialect] = {}  # each primary's own (read without a lock)
         self._probes: dict[Address, tuple[Any, Any]] = {}  # info()'s NODE_PROBE replies, for use_dialect
         self._unprobed: dict[Address, float] = {}  # a primary whose probe failed: when
+        # Primaries that refused MULTI alone (an ACL, a proxy): their acquires go by script.
+        self._no_multi: set[Address] = set()
 
     @property
     def dialect(self) -> Dialect:
@@ -708,6 +769,36 @@ class ClusterCore:
         self.set_node(address, Dialect(old.kind, old.version, "script", reason))
         log.warning(
             "%s:%d refused a Lua-free extend/release (%s): extend and release on it go by script from now on",
+            *address,
+            error,
+        )
+
+    def transacts(self, address: Address, command: tuple[bytes, ...]) -> bool:
+        """Whether ``command`` (a script call) goes to ``address`` as hotlock._acquire's
+        transaction: an ACQUIRE (not its waiting forms) of a plain lock (a permit's ask,
+        token '#' limit, goes by script), not under connect(scripts='always'), and not to
+        a node that refused MULTI."""
+        return (
+            command[0] == b"EVALSHA"
+            and command[1] == ACQUIRE.sha
+            and len(command[4]) == TOKEN_BYTES
+            and self.transacts_any()
+            and address not in self._no_multi
+        )
+
+    def transacts_any(self) -> bool:
+        """Whether the acquire goes as the transaction on the nodes that did not refuse
+        MULTI (connect() chose "auto")."""
+        return self._policy == "auto"
+
+    def refuse_multi(self, address: Address, error: str) -> None:
+        """The node refused MULTI alone (its SET ran on its own): acquires on it by script
+        from now on."""
+        if address in self._no_multi:
+            return
+        self._no_multi.add(address)
+        log.warning(
+            "%s:%d refused MULTI (%s): acquires on it go by script from now on",
             *address,
             error,
         )
@@ -873,6 +964,18 @@ class ClusterBackend(ClusterCore):
             self.unprobed(address)
         else:
             self.probed(address, info, commands)
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        super().use_dialect(dialect)
+        if self._router is not None:
+            self._router.set_transactions(self.transacts_any())
+
+    def refuse_multi(self, address: Address, error: str) -> None:
+        super().refuse_multi(address, error)
+        if self._router is not None:
+            with self._links_mutex:
+                number = self._numbers.setdefault(address, len(self._numbers))
+            self._router.refuse_multi(number)
 
     def set_node(self, address: Address, dialect: Dialect) -> None:
         super().set_node(address, dialect)

@@ -1,7 +1,7 @@
 """Redis Cluster for hotlock.aio: hotlock.backends.cluster's Route and ClusterCore driven from the loop.
 
 Every rule (slots, MOVED, ASK, TRYAGAIN/CLUSTERDOWN, NOSCRIPT, the one lost-reply retry,
-WAIT per shard) is the sync backend's Route; this module only waits differently: each
+WAIT per shard, the acquire as a transaction) is the sync backend's Route; this module only waits differently: each
 round sends every node's commands at once (one pipelined call per node, gathered), so a
 batch over three shards costs one round trip. A link is one node as a transport reaches
 it: the native one is a NativeAsyncBackend (one protocol per node on the loop), the
@@ -16,11 +16,25 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from .._acquire import commands as transaction
+from .._acquire import read as read_transaction
+from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
-from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script
+from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
-from .cluster import MAP_ERRORS, UNSERVED_REFRESH_S, Address, ClusterCore, Route, SlotMap, map_ranges, needs_slots
+from .cluster import (
+    MAP_ERRORS,
+    UNSERVED_REFRESH_S,
+    Address,
+    ClusterCore,
+    Route,
+    SlotMap,
+    acquired,
+    map_ranges,
+    needs_slots,
+    transaction_form,
+)
 from .retry_async import InFlight, retry_until
 from .wakeup_async import async_cluster_slot
 
@@ -231,12 +245,33 @@ class AsyncClusterBackend(ClusterCore):
     ) -> Any:
         """One key's command. Where the router knows the key's node and its link, the
         command goes straight to that node's connection (ordered there, as on one server),
-        Lua-free where that node has it (ClusterCore.sent_form); a reply that is no error
-        (and, Lua-free, no miss) is the answer. Anything else, or no router, goes on under
-        Route, from that first round, behind InFlight under the token ``shield``."""
+        Lua-free where that node has it (ClusterCore.sent_form), an ACQUIRE as the
+        transaction where the node takes it (ClusterCore.transacts: SCRIPT sends the script
+        there next); a reply that is no error (and, Lua-free, no miss) is the answer.
+        Anything else, or no router, goes on under Route, from that first round, behind
+        InFlight under the token ``shield``."""
         first: First | None = None
         sent = command
         found = None if self._router is None else self._router.node(key)
+        if found is not None and self.transacts(found[0], command):
+            address, link = found
+            try:
+                four = await link.link_call(list(transaction(key, command[4], int(command[5]))), None)
+            except (LinkLost, CacheError) as exc:
+                found = None
+                sent = transaction_form(key, command[4], command[5])
+                first = ({address: [0]}, [(address, exc)])
+            else:
+                if refused_multi(four, ReplyError):
+                    self.refuse_multi(address, str(four[0]))
+                outcome = read_transaction(four, ReplyError)
+                if isinstance(outcome, BaseException):
+                    found = None
+                    sent = transaction_form(key, command[4], command[5])
+                    first = ({address: [0]}, [(address, four)])
+                elif acquired(outcome):
+                    return outcome
+                # else SCRIPT: the script decides, on the same node, below
         if found is not None:
             address, link = found
             sent = self.sent_form(address, command)
@@ -254,40 +289,90 @@ class AsyncClusterBackend(ClusterCore):
         return (await (work if shield is None else self._inflight.shielded([shield], work)))[0]
 
     async def _many(
-        self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], ms: int, until: float | None
+        self,
+        what: str,
+        script: Script,
+        keys: list[bytes],
+        tokens: list[bytes],
+        ms: int,
+        until: float | None,
+        txn: bool = True,
     ) -> list[Any]:
         """A batch of one script (ms -1: no TTL argument): grouped by node in C where the
         router knows every key's node, each node's commands pipelined at once; what is not
-        a clean answer goes on under Route from that round."""
+        a clean answer goes on under Route from that round. An ACQUIRE goes as the
+        transaction where the node takes it (``txn``: not the script's own round after
+        it), the keys it answered SCRIPT then as the script, in one more round of this."""
         args = [(t,) if ms < 0 else (t, b"%d" % ms) for t in tokens]
         groups = None if self._router is None else self._router.group(keys)
         if groups is None:
             return await self._scripts(what, script, keys, args, until)
         scripts = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
-        # Each key in the form its node takes (Lua-free extend/release where it can).
+        # Each key in the form its node takes (Lua-free extend/release where it can, an
+        # acquire as the transaction).
         commands = list(scripts)
+        batches = []
         for address, _, idxs in groups:
+            batch: list[tuple[bytes, ...]] = []
             for i in idxs:
-                commands[i] = self.sent_form(address, scripts[i])
+                if txn and self.transacts(address, scripts[i]):
+                    commands[i] = transaction_form(keys[i], tokens[i], args[i][1])
+                    batch.extend(transaction(keys[i], tokens[i], ms))
+                else:
+                    commands[i] = self.sent_form(address, scripts[i])
+                    batch.append(commands[i])
+            batches.append(batch)
         outcomes = await asyncio.gather(
-            *(link.link_call([commands[i] for i in idxs], None) for _, link, idxs in groups), return_exceptions=True
+            *(link.link_call(batch, None) for (_, link, _), batch in zip(groups, batches, strict=True)),
+            return_exceptions=True,
         )
         results: list[Any] = [None] * len(keys)
         clean = True
-        for (_, _, idxs), outcome in zip(groups, outcomes, strict=True):
+        scripted = []  # the transactions answered SCRIPT
+        for (address, _, idxs), outcome in zip(groups, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 if not isinstance(outcome, (LinkLost, CacheError)):
                     raise outcome
                 clean = False
                 continue
-            for i, reply in zip(idxs, outcome, strict=True):
-                if commands[i] is not scripts[i]:
+            j = 0
+            reply: Any
+            for i in idxs:
+                if commands[i][0] == b"MULTI":
+                    four = outcome[j : j + 4]
+                    j += 4
+                    if refused_multi(four, ReplyError):
+                        self.refuse_multi(address, str(four[0]))
+                    reply = read_transaction(four, ReplyError)
+                    if not isinstance(reply, BaseException) and not acquired(reply):
+                        scripted.append(i)
+                        continue
+                else:
+                    reply = outcome[j]
+                    j += 1
+                if commands[i] is not scripts[i] and commands[i][0] != b"MULTI":
                     # Lua-free: OK or 1 is done; a miss, or an error, is Route's to finish.
                     clean = clean and (reply == b"OK" or reply == 1)
                     reply = 1
                 clean = clean and not isinstance(reply, ReplyError)
                 results[i] = reply
         if clean:
+            if scripted:
+                try:
+                    again = await self._many(
+                        what, script, [keys[i] for i in scripted], [tokens[i] for i in scripted], ms, until, False
+                    )
+                except CacheError:
+                    # As Route undoes a failed call's acquires: the keys the transactions took.
+                    taken = [i for i, r in enumerate(results) if i not in scripted and acquired(r)]
+                    if taken:
+                        with contextlib.suppress(CacheError):
+                            await self.release_many(
+                                [keys[i] for i in taken], [held_value(tokens[i], results[i]) for i in taken]
+                            )
+                    raise
+                for i, reply in zip(scripted, again, strict=True):
+                    results[i] = reply
             return results
         first = ({a: idxs for a, _, idxs in groups}, [(a, o) for (a, _, _), o in zip(groups, outcomes, strict=True)])
         return await self._run(Route(self, what, keys, commands, until, False), first)
