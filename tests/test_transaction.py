@@ -234,6 +234,26 @@ def test_lock_wait_on_a_held_key_gets_it_when_released(api: Api, redis_server: R
     assert api.unlock(lock) is True
 
 
+def test_a_wait_without_wake_ups_polls_by_script_after_its_first_attempt(
+    mode: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    # A key held at the first attempt is likely held at the next: the polls send the
+    # script, which decides in one round trip (the transaction would find the key held,
+    # then send the script: two).
+    api, holder = Api(mode, redis_url, wakeups=False), Api(mode, redis_url)
+    try:
+        api.unlock(api.lock("warm"))
+        holder.lock("polled", ttl=0.3)
+        counts = Counts(redis_server)
+        lock = api.lock_wait("polled", ttl=5, wait=3)
+        ran = counts.ran()
+        assert ran["exec"] == 1 and ran["evalsha"] >= 2
+        assert stored(redis_server, "polled") == lock._token
+    finally:
+        api.close()
+        holder.close()
+
+
 def test_a_lock_taken_by_transaction_extends_and_releases_as_any(api: Api, redis_server: RedisServer) -> None:
     lock = api.lock("kept", ttl=2)
     api.extend(lock, 20)

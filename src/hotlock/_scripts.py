@@ -6,6 +6,7 @@ the source and retries the same call once.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 from ._ident import TOKEN_BYTES
@@ -13,6 +14,7 @@ from ._ident import TOKEN_BYTES
 __all__ = [
     "ACQUIRE",
     "ACQUIRE_CHAIN",
+    "ACQUIRE_POLL",
     "ACQUIRE_WAIT",
     "EXTEND",
     "KIND_CONFLICT",
@@ -217,6 +219,13 @@ def _acquire(own_mark: str, mark: str, permit_own_mark: str, permit_mark: str) -
 
 
 ACQUIRE = _acquire("", "", "", "")
+
+# ACQUIRE as an attempt after a failed one (a lock_wait's polls without wake-ups): the same
+# script under the same SHA1, another object. A transport sends the transaction
+# (hotlock._acquire) for ACQUIRE itself only: a key found held a moment ago is likely held
+# still, and the transaction would find it so and send this script after it, a round trip
+# more.
+ACQUIRE_POLL = copy.copy(ACQUIRE)
 
 # The waiting forms of ACQUIRE (lock_wait with wake-ups on; same KEYS, ARGV and returns).
 # ACQUIRE_WAIT also marks a holder's value with a trailing '+' (SET ... KEEPTTL: the TTL and

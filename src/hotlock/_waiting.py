@@ -36,7 +36,7 @@ from typing import Protocol
 
 from ._backoff import CAP_MS, delay_ms
 from ._keys import wake_channel
-from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, Script
+from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_POLL, ACQUIRE_WAIT, Script
 
 __all__ = ["FIRST", "POLL_FIRST", "ChannelEntry", "Step", "Waiting", "poll"]
 
@@ -115,7 +115,8 @@ class Waiting:
         poll_first: int = POLL_FIRST,
     ) -> None:
         self.deadline = start + wait_ms / 1000.0
-        self.script: Script = FIRST  # what the next attempt sends
+        # What the next attempt sends: after a failed one, never the transaction (ACQUIRE_POLL).
+        self.script: Script = ACQUIRE_POLL
         self.channel = b""  # the key's wake-up channel, known from the first LOOK on
         self.seq = 0  # the channel's message count as the last attempt went out
         self.sleep_s = 0.0  # the length of the sleep a SLEEP or WAKEABLE step asks for
@@ -202,13 +203,13 @@ class Waiting:
         return self.slept()
 
 
-def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float, int]:
+def poll(acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float, int]:
     """The driver of a wait without wake-ups (the in-process backend, a Redis backend with
-    wake-ups off): ``acquire()`` on the backoff schedule until it returns a fence (> 0) or
-    the deadline passes. Returns the last result, the time.monotonic() that attempt was
-    sent and the number of attempts made."""
+    wake-ups off): ``acquire(script)`` on the backoff schedule, FIRST then the machine's
+    script, until it returns a fence (> 0) or the deadline passes. Returns the last result,
+    the time.monotonic() that attempt was sent and the number of attempts made."""
     sent = time.monotonic()
-    result = acquire()
+    result = acquire(FIRST)
     if result > 0:
         return result, sent, 1
     # No channel is ever looked up without wake-ups, so the machine needs no key.
@@ -220,7 +221,7 @@ def poll(acquire: Callable[[], int], wait_ms: int) -> tuple[int, float, int]:
             step = machine.slept()
             continue
         sent = time.monotonic()
-        result = acquire()
+        result = acquire(machine.script)
         if result > 0:
             return result, sent, machine.failures + 1
         step = machine.failed(result)

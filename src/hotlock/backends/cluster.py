@@ -83,7 +83,17 @@ from .._dialect import (
     script_serves,
 )
 from .._ident import TOKEN_BYTES
-from .._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from .._scripts import (
+    ACQUIRE,
+    ACQUIRE_CHAIN,
+    ACQUIRE_POLL,
+    ACQUIRE_WAIT,
+    EXTEND,
+    RELEASE_SHARDED,
+    SCRIPTS,
+    Script,
+    held_value,
+)
 from .._transient import TRANSIENT, Retrying
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
@@ -306,7 +316,7 @@ def acquired(result: int) -> bool:
 # The scripts whose call a node with compare-and-set takes as one plain command.
 _LUA_FREE_SHAS = (EXTEND.sha, RELEASE_SHARDED.sha)
 # What WAIT rides behind under wait_replicas: every form of the acquire, and the extend.
-_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
+_CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
 
 

@@ -121,7 +121,7 @@ class MemoryBackend:
             return self._acquire_locked(key, token, ttl_ms, time.monotonic())
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
-        return poll(lambda: self.acquire(key, token, ttl_ms), wait_ms)
+        return poll(lambda _script: self.acquire(key, token, ttl_ms), wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         with self._mutex:

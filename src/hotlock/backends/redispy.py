@@ -52,6 +52,7 @@ from .._ident import TOKEN_BYTES
 from .._scripts import (
     ACQUIRE,
     ACQUIRE_CHAIN,
+    ACQUIRE_POLL,
     ACQUIRE_WAIT,
     EXTEND,
     RELEASE,
@@ -114,6 +115,7 @@ SCRIPT_REPLY: dict[Script, Shape] = {
     ACQUIRE: is_int,
     ACQUIRE_WAIT: is_int,
     ACQUIRE_CHAIN: is_int,
+    ACQUIRE_POLL: is_int,
     EXTEND: is_flag,
     RELEASE: is_flag,
     RELEASE_SHARDED: is_flag,
@@ -975,7 +977,7 @@ class RedisPyBackend:
 
 
 # ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
-_CONFIRMED = (ACQUIRE, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
+_CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command
-from .._scripts import ACQUIRE, Script
+from .._scripts import Script
 from .._sentinel import PrimaryWatch
 from .._subscriber import ConnectTrouble, Entry, Refused, Subscriber
 from .._waiting import FIRST, Step, Waiting, poll
@@ -436,7 +436,7 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
     attempts, the sleeps, the subscriber's start, join and leave).
     NativeBackend.acquire_wait runs the same steps in C."""
     if slot is None:
-        return poll(lambda: acquire(ACQUIRE), wait_ms)
+        return poll(acquire, wait_ms)
     sent = time.monotonic()
     result = acquire(FIRST)
     if result > 0:
