@@ -675,7 +675,8 @@ def test_watch_counts_acquisitions_and_waits(redis_url: str) -> None:
     assert last["rates"]["acquired"] > 10
     assert last["rates"]["failed_attempts"] > 10
     assert last["rates"]["released"] > 10
-    assert last["rates"]["scripts"] >= last["rates"]["acquired"]
+    # Each round takes and releases "free", and "busy" costs a script (its conflict).
+    assert last["rates"]["scripts"] >= last["rates"]["failed_attempts"] / 2
     assert counts["acquired"] and counts["conflicts"]
 
 

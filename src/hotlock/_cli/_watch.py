@@ -1,10 +1,13 @@
 """`hotlock watch`: the held locks and the lock traffic, refreshed every second.
 
 The traffic comes from INFO commandstats, which counts the commands a script calls under
-their own names. So, of hotlock's scripts: every successful acquire calls SET, every failed
-one (a waiter's poll, a try-once conflict) PTTL, every extend PEXPIRE, every release DEL
+their own names. So, of hotlock's calls: every failed acquire (a waiter's poll, a try-once
+conflict) ends in the script's PTTL, every extend PEXPIRE, every release DEL
 (DELIFEQ/DELEX on the Lua-free path). They are the server's counters, so another client's
-SET, PTTL or DEL on the same server counts too; watch's own PTTLs are subtracted.
+PTTL or DEL on the same server counts too; watch's own PTTLs are subtracted. The
+acquisitions are the releases plus the change in held locks: a free key is taken by a
+transaction whose commands are the same whether it took the key or found it held, so no
+counter tells them apart (a lock that expires unreleased is not counted).
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from ._target import CliError, Target, shown_key
 
 __all__ = ["watch"]
 
-# rate name -> the commandstats entries it sums
-RATES = {
-    "acquired": ("set",),
+# rate name -> the commandstats entries it sums ("acquired": see the module docstring)
+RATES: dict[str, tuple[str, ...]] = {
+    "acquired": (),
     "failed_attempts": ("pttl",),
     "extended": ("pexpire",),
     "released": ("del", "delifeq", "delex"),
     "scripts": ("evalsha", "eval", "evalsha_ro", "eval_ro"),
 }
 LABELS = {
-    "acquired": ("acquisitions/s", "SET: each acquire that got the lock"),
+    "acquired": ("acquisitions/s", "releases + the change in held locks"),
     "failed_attempts": ("waits/s", "PTTL: each acquire that found the lock held (a waiter's poll or a conflict)"),
     "extended": ("extends/s", "PEXPIRE"),
     "released": ("releases/s", "DEL"),
@@ -76,6 +79,8 @@ def sample(target: Target, previous: Sample | None) -> Sample:
         if rate == "failed_attempts":
             delta -= previous.own_pttl  # our own scan's PTTLs, counted since the last sample
         now.rates[rate] = max(delta, 0) / elapsed
+    released = now.rates["released"] or 0.0
+    now.rates["acquired"] = max(released * elapsed + len(locks) - len(previous.locks), 0) / elapsed
     return now
 
 
