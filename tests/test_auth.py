@@ -455,20 +455,23 @@ def test_noauth_on_a_live_connection_asks_again_and_retries_once(path: str, comm
         try:
             driver.cycle("warm")
             asked, conns = provider.asked, fake.connections
-            # A free key's acquire is a transaction (its MULTI refused first), or the
-            # ACQUIRE script on a backend that still sends it.
+            # A free key's acquire is a transaction, each of whose commands the server
+            # refuses, or the ACQUIRE script on a backend that still sends it.
             by_transaction = any(c[0].upper() == b"MULTI" for c in fake.received)
             if command == "extend":
-                match: tuple[bytes, ...] = (b"EVALSHA", EXTEND.sha)
+                refused: list[tuple[bytes, ...]] = [(b"EVALSHA", EXTEND.sha)]
+            elif by_transaction:
+                refused = [(b"MULTI",), (b"SET",), (b"TIME",), (b"EXEC",)]
             else:
-                match = (b"MULTI",) if by_transaction else (b"EVALSHA", ACQUIRE.sha)
-            fake.on(*match, reply=NOAUTH)
+                refused = [(b"EVALSHA", ACQUIRE.sha)]
+            for match in refused:
+                fake.on(*match, reply=NOAUTH)
             driver.cycle("k")
             assert fake.pending() == 0
             assert provider.asked == asked + 1
             assert fake.connections == conns + 1
-            fake.on(*match, reply=NOAUTH)
-            fake.on(*match, reply=NOAUTH)
+            for match in refused * 2:
+                fake.on(*match, reply=NOAUTH)
             with pytest.raises(CacheError, match="NOAUTH"):
                 driver.cycle("k2")
         finally:

@@ -37,22 +37,22 @@ class Api:
 
     def __init__(self, mode: str, url: str, **kwargs: Any) -> None:
         self.mode = mode
-        self._runner: asyncio.Runner | None = None
+        # The async cache's loop (no asyncio.Runner before 3.11).
+        self._loop = None if mode == "sync" else asyncio.new_event_loop()
         self.cache: Any
-        if mode == "sync":
+        if self._loop is None:
             self.cache = hotlock.connect(url, backend="redis-py", **kwargs)
         else:
-            self._runner = asyncio.Runner()
-            self.cache = self._runner.run(hotlock.aio.connect(url, backend="redis-py", **kwargs))
+            self.cache = self._loop.run_until_complete(hotlock.aio.connect(url, backend="redis-py", **kwargs))
 
     def _run(self, result: Any) -> Any:
-        if self._runner is None:
+        if self._loop is None:
             return result
 
         async def done(aw: Awaitable[T]) -> T:
             return await aw
 
-        return self._runner.run(done(result))
+        return self._loop.run_until_complete(done(result))
 
     def lock(self, key: str, ttl: float = 10, **kwargs: Any) -> Any:
         return self._run(self.cache.lock(key, ttl, **kwargs))
@@ -72,8 +72,9 @@ class Api:
 
     def close(self) -> None:
         self._run(self.cache.close())
-        if self._runner is not None:
-            self._runner.close()
+        if self._loop is not None:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
 
 
 @pytest.fixture(params=MODES)
