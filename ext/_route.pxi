@@ -17,7 +17,7 @@
 #
 # An ACQUIRE of a plain lock goes as hotlock._acquire's transaction (MULTI, SET NX PX,
 # TIME, EXEC) to a node that takes it (the cluster backend says: set_transactions,
-# refuse_multi), its four replies read here by hotlock._acquire.read's rules (_txn_read):
+# refuse_multi), its four replies read here by hotlock._acquire.read's rules (_rt_txn_read):
 # the fence is the answer; SCRIPT sends the ACQUIRE script next, here (a batch: one more
 # pipeline per node, for those keys only); MULTI refused alone tells the backend, which
 # keeps that node on the script from then on; an error reply (MOVED on the queued SET,
@@ -43,7 +43,7 @@ cdef const char *_RT_TIME = b"*1\r\n$4\r\nTIME\r\n"
 cdef const char *_RT_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 cdef const char *_RT_NX = b"NX"
 
-# _txn_read's answers besides a fence (> 0).
+# _rt_txn_read's answers besides a fence (> 0).
 cdef enum:
     _RT_SCRIPT = 0  # the ACQUIRE script decides (hotlock._acquire.SCRIPT)
     _RT_NO_MULTI = -1  # SCRIPT too, and MULTI was refused alone (hotlock._acquire.refused_multi)
@@ -51,8 +51,9 @@ cdef enum:
 
 # A batch key's entry in plains besides _PLAIN_*: sent as the transaction (and, after
 # its round, answered SCRIPT: the script's pipeline takes it).
-DEF _RT_TXN = 8
-DEF _RT_TXN_SCRIPT = 9
+cdef enum:
+    _RT_TXN = 8
+    _RT_TXN_SCRIPT = 9
 
 
 cdef int _rt_append_txn(redisContext *ctx, bytes key, bytes token, long long ms) noexcept:
@@ -91,7 +92,7 @@ cdef inline long long _rt_clock_part(const redisReply *r) noexcept nogil:
     return v
 
 
-cdef long long _txn_read(redisReply **r) noexcept nogil:
+cdef long long _rt_txn_read(redisReply **r) noexcept nogil:
     """= hotlock._acquire.read over the transaction's four replies r[0..3]: the fence
     (> 0), _RT_SCRIPT, _RT_NO_MULTI, or _RT_ERROR (one of SET, TIME, EXEC refused: Route
     reads which)."""
@@ -122,8 +123,8 @@ cdef long long _txn_read(redisReply **r) noexcept nogil:
 
 
 def _txn_answer(list replies not None):
-    """Test hook: _txn_read of four replies given as RESP bytes each (tests/unit/test_route.py
-    holds it to hotlock._acquire.read)."""
+    """Test hook: _rt_txn_read of four replies given as RESP bytes each
+    (tests/unit/test_route.py holds it to hotlock._acquire.read)."""
     cdef redisReader *reader = redisReaderCreate()
     cdef redisReply *r[4]
     cdef void *reply
@@ -140,7 +141,7 @@ def _txn_answer(list replies not None):
             if redisReaderGetReply(reader, &reply) != REDIS_OK or reply is NULL:
                 raise ValueError("not one whole RESP reply")
             r[i] = <redisReply *>reply
-        return _txn_read(r)
+        return _rt_txn_read(r)
     finally:
         for i in range(4):
             if r[i] is not NULL:
@@ -460,7 +461,7 @@ cdef class ClusterRouter:
             _leave(conn)
         if txn:
             try:
-                answer = _txn_read(rs)
+                answer = _rt_txn_read(rs)
                 if answer > 0:
                     return answer
                 if answer == _RT_ERROR:
@@ -699,7 +700,7 @@ cdef class ClusterRouter:
                 for i in range(n):
                     r = replies[4 * i]
                     if plains[i] == _RT_TXN:
-                        answer = _txn_read(&replies[4 * i])
+                        answer = _rt_txn_read(&replies[4 * i])
                         if answer > 0:
                             values[i] = answer
                             continue
