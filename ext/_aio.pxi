@@ -125,12 +125,42 @@ cdef object _aio_reply(redisReply *r, object error_class, bint *alien):
     return None
 
 
+cdef bint _aio_odd(const redisReply *r) noexcept:
+    """A reply, or an element of one, of a type RESP2 has not (see _aio_reply's alien)."""
+    cdef size_t i
+    if hotlock_odd_reply(r):
+        return True
+    if r.type == REDIS_REPLY_ARRAY:
+        for i in range(r.elements):
+            if _aio_odd(r.element[i]):
+                return True
+    return False
+
+
 cdef class _AioWaiter:
     """One future and the replies it takes: 1 for a command, n for a pipeline."""
 
     cdef object fut
     cdef Py_ssize_t want
     cdef list got  # None for a single command
+    # Transaction acquires (AioCore.acquire): the first `txns` answers are each four replies
+    # kept here as hiredis gave them until the fourth, then decided in C (_txn_read) into
+    # one answer, with no Python object made for any of them on the way to the fence.
+    cdef Py_ssize_t txns
+    cdef bint single  # the one answer is the future's result, not a list of them
+    cdef int held
+    cdef redisReply *four[4]
+
+    def __dealloc__(self):
+        cdef int i
+        for i in range(self.held):
+            freeReplyObject(self.four[i])
+        self.held = 0
+
+
+cdef inline bint _in_txn(_AioWaiter w):
+    """Whether w's next reply is one of a transaction's (see _AioWaiter.txns)."""
+    return w.txns > 0 and len(w.got) < w.txns
 
 
 cdef class AioCore:
@@ -160,6 +190,8 @@ cdef class AioCore:
     # transport.write calls so far: the coalescing of one loop iteration's commands into
     # one write is the point of this protocol, and tests hold it to that.
     cdef readonly unsigned long long writes
+    # The error reply of a MULTI refused alone (an acquire answered -1), for the backend's warning.
+    cdef readonly str multi_refusal
 
     def __cinit__(self, loop, double timeout, reply_error, not_sent):
         self._reader = redisReaderCreate()
@@ -198,6 +230,51 @@ cdef class AioCore:
             w.fut.set_exception(self._not_sent("the connection is closed"))
             return w.fut
         _aio_format(args, self._wbuf)
+        self._queue(w)
+        return w.fut
+
+    def acquire(self, bytes key not None, bytes token not None, long long ms):
+        """The transaction acquire of hotlock._acquire; a future for its answer: the fence
+        (> 0), 0 (the ACQUIRE script is to decide), -1 (that too, and MULTI was refused
+        alone: multi_refusal says how), or the error reply the call failed with."""
+        return self._txn([key], [token], ms, None, True)
+
+    def acquire_many(self, list keys not None, list tokens not None, long long ms, tuple trailer=None):
+        """acquire() for each key, in one write, ``trailer`` (a WAIT) last; a future for the
+        list of the answers, then the trailer's reply."""
+        return self._txn(keys, tokens, ms, trailer, False)
+
+    cdef object _txn(self, list keys, list tokens, long long ms, tuple trailer, bint single):
+        cdef _AioWaiter w = _AioWaiter.__new__(_AioWaiter)
+        cdef Py_ssize_t n = len(keys), i, old, size = 0
+        cdef char *at
+        w.fut = self._loop.create_future()
+        w.txns = n
+        w.want = n + (trailer is not None)
+        w.single = single
+        w.got = []
+        if len(tokens) != n:
+            raise ValueError("keys and tokens differ in length")
+        for i in range(n):
+            if type(keys[i]) is not bytes or type(tokens[i]) is not bytes:
+                raise TypeError("keys and tokens must be bytes")
+            size += _txn_size(<bytes>keys[i], <bytes>tokens[i])
+        if self._closed or self._gen != _fork_gen:
+            w.fut.set_exception(self._not_sent("the connection is closed"))
+            return w.fut
+        if w.want == 0:
+            w.fut.set_result([])
+            return w.fut
+        cdef bytearray formatted = bytearray()
+        if trailer is not None:
+            _aio_format(trailer, formatted)  # first: a bad argument leaves nothing half-queued
+        old = PyByteArray_GET_SIZE(self._wbuf)
+        PyByteArray_Resize(self._wbuf, old + size)
+        at = PyByteArray_AS_STRING(self._wbuf) + old
+        for i in range(n):
+            at += _txn_resp(at, <bytes>keys[i], <bytes>tokens[i], ms)
+        PyByteArray_Resize(self._wbuf, <Py_ssize_t>(at - PyByteArray_AS_STRING(self._wbuf)))
+        self._wbuf += formatted
         self._queue(w)
         return w.fut
 
@@ -271,6 +348,19 @@ cdef class AioCore:
                 elif self._retiring and not self._waiters and self._transport is not None:
                     self._transport.close()  # retired, and every written command answered
                 return
+            if len(self._waiters) > self._unflushed and _in_txn(<_AioWaiter>self._waiters[0]):
+                # A transaction's reply: kept, and decided in C with its fourth.
+                if _aio_odd(<redisReply *>reply):
+                    freeReplyObject(reply)
+                    self._broken("a reply of a type this connection never asked for (RESP3)")
+                    return
+                if not self._txn_reply(<_AioWaiter>self._waiters[0], <redisReply *>reply):
+                    continue
+                value = self._answer(<_AioWaiter>self._waiters[0])
+                if not self._deliver(value):
+                    self._broken("a reply came that no command was waiting for")
+                    return
+                continue
             try:
                 value = _aio_reply(<redisReply *>reply, self._reply_error, &alien)
             finally:
@@ -284,6 +374,30 @@ cdef class AioCore:
             if not self._deliver(value):
                 self._broken("a reply came that no command was waiting for")
                 return
+
+    cdef bint _txn_reply(self, _AioWaiter w, redisReply *reply) noexcept:
+        """Keep one of a transaction's replies; True once it has all four."""
+        w.four[w.held] = reply
+        w.held += 1
+        return w.held == 4
+
+    cdef object _answer(self, _AioWaiter w):
+        """The four replies w holds, decided (see acquire) and let go of."""
+        cdef int err = 0, i
+        cdef long long answer = _txn_read(w.four, &err)
+        cdef redisReply *r
+        try:
+            if answer == _TXN_ERROR:
+                r = w.four[err]
+                return self._reply_error(PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len).decode("utf-8", "replace"))
+            if answer == _TXN_NO_MULTI:
+                r = w.four[0]
+                self.multi_refusal = PyBytes_FromStringAndSize(r.str, <Py_ssize_t>r.len).decode("utf-8", "replace")
+            return answer
+        finally:
+            for i in range(w.held):
+                freeReplyObject(w.four[i])
+            w.held = 0
 
     cdef bint _deliver(self, object value) except -1:
         cdef _AioWaiter w
@@ -300,7 +414,7 @@ cdef class AioCore:
         if len(w.got) == w.want:
             self._waiters.popleft()
             if not w.fut.done():
-                w.fut.set_result(w.got)
+                w.fut.set_result(w.got[0] if w.single else w.got)
         return True
 
     def _check_timeout(self):

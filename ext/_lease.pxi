@@ -210,7 +210,7 @@ cdef class _Taker:
             v = (<PyObject **>(template + self._rest[i]))[0]
             Py_XINCREF(v)
             (<PyObject **>(obj + self._rest[i]))[0] = v
-        # As Lease.__init__: the held value is token + fence digits; the TTL runs from
+        # As Lease.__init__: the held value is the token (a permit's: token '#' fence); the TTL runs from
         # when the acquire was sent.
         _put(obj, self._own[0], self._owner)
         _put(obj, self._own[1], key)

@@ -12,6 +12,7 @@ links), _aio.pxi (the asyncio protocol under hotlock.aio), _lease.pxi (Cache.loc
 common case in one call), _batch.pxi (Cache.lock_many's and unlock_many's).
 """
 
+import logging
 import os
 import threading
 import weakref
@@ -41,6 +42,8 @@ from hotlock._transient import pause_s as _transient_pause
 from hotlock._waiting import POLL_FIRST
 from hotlock.backends.wakeup import slot as _wakeup_slot
 from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
+
+_log = logging.getLogger("hotlock")
 
 
 cdef extern from "compat.h" nogil:

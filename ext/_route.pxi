@@ -17,7 +17,7 @@
 #
 # An ACQUIRE of a plain lock goes as hotlock._acquire's transaction (MULTI, SET NX PX,
 # TIME, EXEC) to a node that takes it (the cluster backend says: set_transactions,
-# refuse_multi), its four replies read here by hotlock._acquire.read's rules (_rt_txn_read):
+# refuse_multi), its four replies read here by hotlock._acquire.read's rules (_txn_read):
 # the fence is the answer; SCRIPT sends the ACQUIRE script next, here (a batch: one more
 # pipeline per node, for those keys only); MULTI refused alone tells the backend, which
 # keeps that node on the script from then on; an error reply (MOVED on the queued SET,
@@ -37,116 +37,12 @@ from hotlock._scripts import RELEASE_SHARDED as _RELEASE_SHARDED
 
 cdef bytes _SHA_RELEASE_SHARDED = _RELEASE_SHARDED.sha
 
-# The transaction's constant commands, as they are on the wire.
-cdef const char *_RT_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-cdef const char *_RT_TIME = b"*1\r\n$4\r\nTIME\r\n"
-cdef const char *_RT_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-cdef const char *_RT_NX = b"NX"
-
-# _rt_txn_read's answers besides a fence (> 0).
-cdef enum:
-    _RT_SCRIPT = 0  # the ACQUIRE script decides (hotlock._acquire.SCRIPT)
-    _RT_NO_MULTI = -1  # SCRIPT too, and MULTI was refused alone (hotlock._acquire.refused_multi)
-    _RT_ERROR = -2  # an error reply, handled by Route as the script's would be
-
 # A batch key's entry in plains besides _PLAIN_*: sent as the transaction (and, after
 # its round, answered SCRIPT: the script's pipeline takes it).
 cdef enum:
     _RT_TXN = 8
     _RT_TXN_SCRIPT = 9
 
-
-cdef int _rt_append_txn(redisContext *ctx, bytes key, bytes token, long long ms) noexcept:
-    """Append hotlock._acquire.commands(key, token, ms): four commands, four replies."""
-    cdef const char *argv[6]
-    cdef size_t lens[6]
-    cdef char num[24]
-    argv[0] = _S_SET; lens[0] = 3
-    argv[1] = PyBytes_AS_STRING(key); lens[1] = <size_t>PyBytes_GET_SIZE(key)
-    argv[2] = PyBytes_AS_STRING(token); lens[2] = <size_t>PyBytes_GET_SIZE(token)
-    argv[3] = _RT_NX; lens[3] = 2
-    argv[4] = _S_PX; lens[4] = 2
-    argv[5] = num
-    lens[5] = <size_t>_decimal(num, <unsigned long long>ms)  # ms > 0 for an acquire
-    if (redisAppendFormattedCommand(ctx, _RT_MULTI, 15) != REDIS_OK
-            or _append_resp(ctx, 6, argv, lens) != REDIS_OK
-            or redisAppendFormattedCommand(ctx, _RT_TIME, 14) != REDIS_OK):
-        return REDIS_ERR
-    return redisAppendFormattedCommand(ctx, _RT_EXEC, 14)
-
-
-cdef inline long long _rt_clock_part(const redisReply *r) noexcept nogil:
-    """One of TIME's two numbers: a decimal string (or an integer reply); -1 if neither."""
-    cdef long long v = 0
-    cdef size_t i
-    cdef char c
-    if r.type == REDIS_REPLY_INTEGER:
-        return r.integer
-    if (r.type != REDIS_REPLY_STRING and r.type != REDIS_REPLY_STATUS) or r.len == 0 or r.len > 18:
-        return -1
-    for i in range(r.len):
-        c = r.str[i]
-        if c < 48 or c > 57:
-            return -1
-        v = v * 10 + (c - 48)
-    return v
-
-
-cdef long long _rt_txn_read(redisReply **r) noexcept nogil:
-    """= hotlock._acquire.read over the transaction's four replies r[0..3]: the fence
-    (> 0), _RT_SCRIPT, _RT_NO_MULTI, or _RT_ERROR (one of SET, TIME, EXEC refused: Route
-    reads which)."""
-    cdef int i
-    cdef long long seconds, micros
-    cdef redisReply *e
-    cdef redisReply *taken
-    if r[0].type == REDIS_REPLY_ERROR and r[1].type != REDIS_REPLY_ERROR:
-        return _RT_NO_MULTI
-    for i in range(1, 4):
-        if r[i].type == REDIS_REPLY_ERROR:
-            return _RT_ERROR
-    e = r[3]
-    if e.type != REDIS_REPLY_ARRAY or e.elements != 2:
-        return _RT_SCRIPT  # a shape no server sends: the script asks again
-    taken = e.element[0]
-    if not ((taken.type == REDIS_REPLY_STATUS or taken.type == REDIS_REPLY_STRING) and taken.len == 2
-            and taken.str[0] == 79 and taken.str[1] == 75):  # not OK: nil, the key exists
-        return _RT_SCRIPT
-    e = e.element[1]  # TIME's [seconds, microseconds]: the fence (hotlock._acquire.fence_of)
-    if e.type != REDIS_REPLY_ARRAY or e.elements != 2:
-        return _RT_SCRIPT
-    seconds = _rt_clock_part(e.element[0])
-    micros = _rt_clock_part(e.element[1])
-    if seconds <= 0 or micros < 0 or micros >= 1000000 or seconds > 9000000000000LL:
-        return _RT_SCRIPT
-    return seconds * 1000000 + micros
-
-
-def _txn_answer(list replies not None):
-    """Test hook: _rt_txn_read of four replies given as RESP bytes each
-    (tests/unit/test_route.py holds it to hotlock._acquire.read)."""
-    cdef redisReader *reader = redisReaderCreate()
-    cdef redisReply *r[4]
-    cdef void *reply
-    cdef int i
-    if reader is NULL:
-        raise MemoryError()
-    for i in range(4):
-        r[i] = NULL
-    try:
-        for i in range(4):
-            data = <bytes>replies[i]
-            if redisReaderFeed(reader, PyBytes_AS_STRING(data), <size_t>PyBytes_GET_SIZE(data)) != REDIS_OK:
-                raise MemoryError()
-            if redisReaderGetReply(reader, &reply) != REDIS_OK or reply is NULL:
-                raise ValueError("not one whole RESP reply")
-            r[i] = <redisReply *>reply
-        return _rt_txn_read(r)
-    finally:
-        for i in range(4):
-            if r[i] is not NULL:
-                freeReplyObject(r[i])
-        redisReaderFree(reader)
 
 DEF _SLOTS = 16384
 DEF _NO_NODE = 0xFFFF
@@ -414,6 +310,7 @@ cdef class ClusterRouter:
         cdef bint txn = False
         cdef Py_ssize_t count = 1
         cdef long long answer = 0
+        cdef int err = 0  # _txn_read's index of the error reply (Route reads all four)
         outcome = None
         refused = ""
         found = None if number == _NO_NODE else self._links[number]
@@ -439,7 +336,7 @@ cdef class ClusterRouter:
                 link._settle(conn, &rule)
                 return self._handed(kind, what, sha, key, arg, ms, until, (address, exc), plain)
             if txn:
-                rc = _rt_append_txn(conn.ctx, key, arg, ms)
+                rc = _append_txn(conn.ctx, key, arg, ms)
             elif plain != _PLAIN_NONE:
                 rc = _append_plain(conn.ctx, plain, key, arg, ms)
             elif kind == _EVAL or kind == _EVAL_SCRIPT:
@@ -461,19 +358,19 @@ cdef class ClusterRouter:
             _leave(conn)
         if txn:
             try:
-                answer = _rt_txn_read(rs)
+                answer = _txn_read(rs, &err)
                 if answer > 0:
                     return answer
-                if answer == _RT_ERROR:
+                if answer == _TXN_ERROR:
                     outcome = (address, [_py_reply(rs[i]) for i in range(4)])
-                elif answer == _RT_NO_MULTI:
+                elif answer == _TXN_NO_MULTI:
                     refused = str(_py_reply(rs[0]))
             finally:
                 for i in range(4):
                     freeReplyObject(rs[i])
-            if answer == _RT_ERROR:
+            if answer == _TXN_ERROR:
                 return self._handed(kind, what, sha, key, arg, ms, until, outcome, plain)
-            if answer == _RT_NO_MULTI:
+            if answer == _TXN_NO_MULTI:
                 self._cluster.refuse_multi(address, refused)
             # SCRIPT: the key exists (held, ours after a lost reply, permits), or MULTI was
             # refused: the script decides, on the same node.
@@ -584,6 +481,7 @@ cdef class ClusterRouter:
         cdef Py_ssize_t *start = NULL
         cdef redisReply **replies = NULL  # each key's replies: key i's at 4 * i, up to 4 of them
         cdef long long answer
+        cdef int err = 0
         cdef Py_ssize_t scripted = 0
         cdef long long *again = NULL
         cdef char *plains = NULL  # each key's _PLAIN_*: Lua-free on its node, or the script
@@ -659,7 +557,7 @@ cdef class ClusterRouter:
                 for j in range(start[k], start[k + 1]):
                     i = order[j]
                     if plains[i] == _RT_TXN:
-                        rcs[k] = _rt_append_txn(conn.ctx, <bytes>keys[i], <bytes>tokens[i], ms)
+                        rcs[k] = _append_txn(conn.ctx, <bytes>keys[i], <bytes>tokens[i], ms)
                     elif plains[i]:
                         rcs[k] = _append_plain(conn.ctx, plains[i], <bytes>keys[i], <bytes>tokens[i], ms)
                     else:
@@ -700,14 +598,14 @@ cdef class ClusterRouter:
                 for i in range(n):
                     r = replies[4 * i]
                     if plains[i] == _RT_TXN:
-                        answer = _rt_txn_read(&replies[4 * i])
+                        answer = _txn_read(&replies[4 * i], &err)
                         if answer > 0:
                             values[i] = answer
                             continue
-                        if answer == _RT_ERROR:
+                        if answer == _TXN_ERROR:
                             clean = False
                             break
-                        if answer == _RT_NO_MULTI:
+                        if answer == _TXN_NO_MULTI:
                             self._cluster.refuse_multi(addresses[nodes[i]], str(_py_reply(r)))
                         plains[i] = _RT_TXN_SCRIPT  # the script's round decides
                         scripted += 1

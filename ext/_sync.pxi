@@ -299,6 +299,163 @@ cdef inline int _append_plain(redisContext *ctx, int plain, bytes key, bytes tok
     return _append_resp(ctx, 4, argv, lens)
 
 
+# The transaction acquire of hotlock._acquire: MULTI, SET key token NX PX ms, TIME, EXEC,
+# written as one piece (the constant three as they are on the wire), and its four replies
+# decided in C by hotlock._acquire.read's rules (_txn_read), with no Python object made
+# on the way to the fence. tests/unit/test_acquire.py holds the two to the same answers.
+cdef const char *_W_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+cdef const char *_W_TIME = b"*1\r\n$4\r\nTIME\r\n"
+cdef const char *_W_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+cdef const char *_S_MULTI = b"MULTI"
+cdef const char *_S_NX = b"NX"
+cdef const char *_S_TIME = b"TIME"
+cdef const char *_S_EXEC = b"EXEC"
+cdef enum:
+    _TXN_SCRIPT = 0  # the ACQUIRE script decides (hotlock._acquire.SCRIPT)
+    _TXN_NO_MULTI = -1  # SCRIPT too, and MULTI was refused alone (hotlock._acquire.refused_multi)
+    _TXN_ERROR = -2  # an error reply, handled as the script's would be
+
+
+cdef inline void _txn_set_argv(const char **argv, size_t *lens, char *num, bytes key, bytes token,
+                               long long ms) noexcept:
+    argv[0] = _S_SET; lens[0] = 3
+    argv[1] = PyBytes_AS_STRING(key); lens[1] = <size_t>PyBytes_GET_SIZE(key)
+    argv[2] = PyBytes_AS_STRING(token); lens[2] = <size_t>PyBytes_GET_SIZE(token)
+    argv[3] = _S_NX; lens[3] = 2
+    argv[4] = _S_PX; lens[4] = 2
+    argv[5] = num
+    lens[5] = <size_t>_decimal(num, <unsigned long long>ms)  # ms > 0 for an acquire
+
+
+cdef inline size_t _txn_size(bytes key, bytes token) noexcept:
+    """An upper bound of the transaction's wire size (_txn_resp)."""
+    return 15 + 14 + 14 + 24 + 6 * 25 + 3 + <size_t>PyBytes_GET_SIZE(key) + <size_t>PyBytes_GET_SIZE(token) + 2 + 2 + 20
+
+
+cdef size_t _txn_resp(char *buf, bytes key, bytes token, long long ms) noexcept:
+    """= hotlock._acquire.commands(key, token, ms) on the wire, at buf (room for _txn_size)."""
+    cdef const char *argv[6]
+    cdef size_t lens[6]
+    cdef char num[24]
+    cdef size_t n
+    _txn_set_argv(argv, lens, num, key, token, ms)
+    memcpy(buf, _W_MULTI, 15)
+    n = 15 + _resp(buf + 15, 6, argv, lens)
+    memcpy(buf + n, _W_TIME, 14)
+    memcpy(buf + n + 14, _W_EXEC, 14)
+    return n + 28
+
+
+cdef int _append_txn(redisContext *ctx, bytes key, bytes token, long long ms) noexcept:
+    """Append the transaction (four commands, four replies) in one piece."""
+    cdef char buf[_RESP_STACK]
+    cdef const char *argv[6]
+    cdef size_t lens[6]
+    cdef char num[24]
+    if _txn_size(key, token) <= _RESP_STACK:
+        return redisAppendFormattedCommand(ctx, buf, _txn_resp(buf, key, token, ms))
+    # A long key: hiredis formats the SET.
+    _txn_set_argv(argv, lens, num, key, token, ms)
+    if (redisAppendFormattedCommand(ctx, _W_MULTI, 15) != REDIS_OK
+            or redisAppendCommandArgv(ctx, 6, argv, lens) != REDIS_OK
+            or redisAppendFormattedCommand(ctx, _W_TIME, 14) != REDIS_OK):
+        return REDIS_ERR
+    return redisAppendFormattedCommand(ctx, _W_EXEC, 14)
+
+
+def _acquire_wire(bytes key not None, bytes token not None, long long ms):
+    """Test hook: the transaction's wire form as _append_txn writes it (compared with
+    hiredis's form of hotlock._acquire.commands)."""
+    cdef bytes ours = PyBytes_FromStringAndSize(NULL, _txn_size(key, token))
+    return ours[:_txn_resp(PyBytes_AS_STRING(ours), key, token, ms)]
+
+
+cdef inline long long _clock_part(const redisReply *r) noexcept nogil:
+    """One of TIME's two numbers: a decimal string (or an integer reply); -1 if neither."""
+    cdef long long v = 0
+    cdef size_t i
+    cdef char c
+    if r.type == REDIS_REPLY_INTEGER:
+        return r.integer
+    if (r.type != REDIS_REPLY_STRING and r.type != REDIS_REPLY_STATUS) or r.len == 0 or r.len > 18:
+        return -1
+    for i in range(r.len):
+        c = r.str[i]
+        if c < 48 or c > 57:
+            return -1
+        v = v * 10 + (c - 48)
+    return v
+
+
+cdef inline long long _fence_of(const redisReply *t) noexcept nogil:
+    """= hotlock._acquire.fence_of: TIME's reply as the clock in microseconds; 0 if it is
+    not [seconds, microseconds]."""
+    cdef long long s, u
+    if t.type != REDIS_REPLY_ARRAY or t.elements != 2:
+        return 0
+    s = _clock_part(t.element[0])
+    u = _clock_part(t.element[1])
+    if s <= 0 or u < 0 or u >= 1000000 or s > 9000000000000LL:
+        return 0
+    return s * 1000000 + u
+
+
+cdef long long _txn_read(redisReply **r, int *err) noexcept nogil:
+    """= hotlock._acquire.read over the transaction's four replies r[0..3]: the fence
+    (> 0), _TXN_SCRIPT, _TXN_NO_MULTI, or _TXN_ERROR with *err the index of the error
+    reply the call failed with (SET's, TIME's or EXEC's, the first)."""
+    cdef int i
+    cdef redisReply *e
+    cdef redisReply *taken
+    if r[0].type == REDIS_REPLY_ERROR and r[1].type != REDIS_REPLY_ERROR:
+        return _TXN_NO_MULTI
+    for i in range(1, 4):
+        if r[i].type == REDIS_REPLY_ERROR:
+            err[0] = i
+            return _TXN_ERROR
+    e = r[3]
+    if e.type == REDIS_REPLY_ARRAY and e.elements == 2:
+        taken = e.element[0]
+        if (taken.type == REDIS_REPLY_STATUS or taken.type == REDIS_REPLY_STRING) and taken.len == 2 \
+                and taken.str[0] == 79 and taken.str[1] == 75:  # OK: the key is ours now
+            return _fence_of(e.element[1])  # 0 (SCRIPT) for a clock of no known shape
+    # nil (the key exists: held, ours after a lost reply, or permits), or a shape no
+    # server sends: the script asks again, and its reply is checked.
+    return _TXN_SCRIPT
+
+
+def _read_acquire(bytes resp not None):
+    """Test hook: the transaction's four replies given as RESP, read by a hiredis reader
+    and decided by _txn_read: the fence, 0 (SCRIPT), -1 (SCRIPT, MULTI refused alone) or
+    the text of the error reply the call failed with."""
+    cdef redisReader *reader = redisReaderCreate()
+    cdef redisReply *r[4]
+    cdef void *reply
+    cdef int i, got = 0, err = 0
+    cdef long long answer
+    if reader is NULL:
+        raise MemoryError()
+    try:
+        if redisReaderFeed(reader, PyBytes_AS_STRING(resp), <size_t>PyBytes_GET_SIZE(resp)) != REDIS_OK:
+            raise MemoryError()
+        while got < 4:
+            reply = NULL
+            if redisReaderGetReply(reader, &reply) != REDIS_OK:
+                raise ValueError((<bytes>reader.errstr).decode("utf-8", "replace"))
+            if reply is NULL:
+                raise ValueError(f"{got} replies, not 4")
+            r[got] = <redisReply *>reply
+            got += 1
+        answer = _txn_read(r, &err)
+        if answer == _TXN_ERROR:
+            return r[err].str[:r[err].len].decode("utf-8", "replace")
+        return answer
+    finally:
+        for i in range(got):
+            freeReplyObject(r[i])
+        redisReaderFree(reader)
+
+
 cdef int _append_args(redisContext *ctx, tuple args) except -1:
     """Append one command given as a tuple of bytes (handshake and rare commands)."""
     cdef Py_ssize_t n = len(args), i
@@ -399,6 +556,10 @@ cdef class NativeBackend:
     cdef object _conns  # weakref.WeakSet of every _Conn, for close()
     cdef readonly object dialect  # hotlock._dialect.Dialect, set by connect() (use_dialect)
     cdef int _plain  # _PLAIN_*: what extend and release send
+    # The acquire of a free key goes as the transaction (hotlock._acquire): the dialect's
+    # transaction, until the server refuses MULTI alone (then False for good: _refuse_multi).
+    cdef bint _txn
+    cdef bint _multi_refused
     # What an extend passes _scripts as its plain: -1 (the dialect's), or _PLAIN_NONE under
     # wait_replicas, where the script takes a waiter's mark and permits as they are, so one
     # write carries every extend of a call and the one WAIT behind them.
@@ -450,6 +611,8 @@ cdef class NativeBackend:
         self._conns = weakref.WeakSet()
         self.dialect = UNDETECTED  # the scripts, until connect() has detected the server
         self._plain = _PLAIN_NONE
+        self._txn = False
+        self._multi_refused = False
         self._extend_as = _PLAIN_NONE if self._wait_replicas else -1
         self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
@@ -816,7 +979,8 @@ cdef class NativeBackend:
     # -- scripts ----------------------------------------------------------------------------
 
     cdef int _scripts(self, bytes sha, object keys, object tokens, Py_ssize_t n, long long ms,
-                      _Retry rule, str what, bytes err_key, long long *values, int plain=-1) except -1:
+                      _Retry rule, str what, bytes err_key, long long *values, int plain=-1,
+                      bint txn=True) except -1:
         """EVALSHA sha 1 key token [ms] for n keys, appended together and read together:
         one round trip. ``keys``/``tokens`` are one bytes each when n == 1 (the hot path,
         no list), else lists. Each integer reply goes to values[i].
@@ -830,8 +994,18 @@ cdef class NativeBackend:
 
         On a server with compare-and-set (self._plain), extend and release go as plain
         commands (_append_plain) through this same loop: the same batching and lost-reply
-        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come."""
-        cdef redisReply *one[2]
+        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come.
+
+        The ACQUIRE script of a plain token (not a permit's ask) goes as the transaction
+        of hotlock._acquire where the dialect has it (self._txn; ``txn`` False keeps this
+        call on the script: lock_wait's attempts after its first): four replies, read by
+        _txn_read. A call it leaves to the script stays to do and goes as EVALSHA ACQUIRE
+        in the next round, on the same connection, with a WAIT of its own under
+        wait_replicas; an error reply is handled as the script's would be. A lost reply
+        resends the transaction (same token: a SET NX that ran finds the key, and the
+        script then finds its own token)."""
+        cdef redisReply *one[5]
+        # What each call sends next: 0 nothing (done), 1 its script or plain command, 2 the transaction.
         cdef char one_todo[1]
         cdef redisReply **replies = one
         cdef char *todo = one_todo
@@ -844,27 +1018,45 @@ cdef class NativeBackend:
         cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
         cdef bint reauthed = False  # the one reconnect after NOAUTH/WRONGPASS is spent
-        cdef long long replicas = 0
-        cdef Py_ssize_t i, j, sent, missing, refused
-        cdef int rc
+        # The fewest replicas a WAIT confirmed, over the rounds that decided a call (-1: none yet).
+        cdef long long replicas = -1
+        cdef Py_ssize_t i, j, k, sent, calls, missing, refused, scripted
+        cdef int rc, err = 0
+        cdef long long answer
+        cdef bint took
         cdef _Conn conn = self._conn()
-        if plain < 0:  # extend and release as the dialect says; the acquire always by script
+        if plain < 0:  # extend and release as the dialect says; an acquire's Lua-free form is the transaction
             plain = self._plain if not acquire else _PLAIN_NONE
+        txn = txn and self._txn and sha is _SHA_ACQUIRE
         if not single:
-            replies = <redisReply **>malloc((n + 1) * sizeof(redisReply *))
+            replies = <redisReply **>malloc((4 * n + 1) * sizeof(redisReply *))
             todo = <char *>malloc(n)
             if replies is NULL or todo is NULL:
                 free(replies)
                 free(todo)
                 raise MemoryError()
-        memset(todo, 1, n)
+        if not txn:
+            memset(todo, 1, n)
+        elif single:
+            todo[0] = 2 if PyBytes_GET_SIZE(<bytes>tokens) == _TOKEN_BYTES else 1
+        else:
+            for i in range(n):
+                todo[i] = 2 if PyBytes_GET_SIZE(<bytes>(<list>tokens)[i]) == _TOKEN_BYTES else 1
         _enter(conn)
         try:
             while True:
                 self._ready(conn, what, err_key, &rule)
                 sent = 0
+                calls = 0
                 for i in range(n):
-                    if todo[i]:
+                    if todo[i] == 2:
+                        if _append_txn(conn.ctx, <bytes>keys if single else <bytes>(<list>keys)[i],
+                                       <bytes>tokens if single else <bytes>(<list>tokens)[i], ms) != REDIS_OK:
+                            _drop(conn)
+                            raise MemoryError()
+                        sent += 4
+                        calls += 1
+                    elif todo[i]:
                         if plain:
                             rc = _append_plain(conn.ctx, plain, <bytes>keys if single else <bytes>(<list>keys)[i],
                                                <bytes>tokens if single else <bytes>(<list>tokens)[i], ms)
@@ -877,6 +1069,7 @@ cdef class NativeBackend:
                             _drop(conn)
                             raise MemoryError()
                         sent += 1
+                        calls += 1
                 if wait and redisAppendCommandArgv(conn.ctx, 3, self._wait_argv, self._wait_lens) != REDIS_OK:
                     _drop(conn)
                     raise MemoryError()
@@ -888,22 +1081,51 @@ cdef class NativeBackend:
                     if rule.resend and self._may_retry(&rule):
                         continue
                     raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, err_key)
+                # A transaction's four replies come in one piece as a single command's reply
+                # does (the server answers them together): only a pipeline of calls makes
+                # the next call poll for a reply beyond the count (see _ready).
+                conn.piped = calls + wait > 1
                 error = None
                 transient = None
+                no_multi = None
+                took = False
                 missing = 0
                 refused = 0
+                scripted = 0
                 j = 0
                 for i in range(n):
                     if not todo[i]:
                         continue
-                    r = replies[j]
-                    j += 1
-                    if r.type == REDIS_REPLY_INTEGER:
-                        values[i] = r.integer
-                        todo[i] = 0
-                    elif plain and (r.type == REDIS_REPLY_STATUS or r.type == REDIS_REPLY_NIL):
-                        values[i] = r.type == REDIS_REPLY_STATUS  # SET IFEQ: OK (extended) or nil
-                        todo[i] = 0
+                    if todo[i] == 2:
+                        k = 4
+                        answer = _txn_read(replies + j, &err)
+                        r = NULL
+                        if answer > 0:
+                            values[i] = answer
+                            todo[i] = 0
+                            took = True
+                        elif answer == _TXN_ERROR:
+                            r = replies[j + err]
+                        else:
+                            todo[i] = 1  # the script decides, next round
+                            scripted += 1
+                            if answer == _TXN_NO_MULTI and no_multi is None:
+                                no_multi = replies[j].str[:replies[j].len].decode("utf-8", "replace")
+                    else:
+                        k = 1
+                        r = replies[j]
+                        if r.type == REDIS_REPLY_INTEGER:
+                            values[i] = r.integer
+                            todo[i] = 0
+                            took = True
+                            r = NULL
+                        elif plain and (r.type == REDIS_REPLY_STATUS or r.type == REDIS_REPLY_NIL):
+                            values[i] = r.type == REDIS_REPLY_STATUS  # SET IFEQ: OK (extended) or nil
+                            todo[i] = 0
+                            took = True
+                            r = NULL
+                    if r is NULL:
+                        pass
                     elif not reloaded and _is_error(r, b"NOSCRIPT", 8):
                         missing += 1
                     elif not reauthed and _auth_refused(r):
@@ -915,14 +1137,22 @@ cdef class NativeBackend:
                                          keys if single else keys[i])
                     elif error is None:
                         error = (self._reply_error(conn, r), keys if single else keys[i])
-                    freeReplyObject(r)
+                    while k > 0:
+                        freeReplyObject(replies[j])
+                        j += 1
+                        k -= 1
                 if wait:
                     r = replies[sent]
                     if r.type == REDIS_REPLY_INTEGER:
-                        replicas = r.integer
+                        # A round that decided nothing wrote nothing of ours for it to confirm
+                        # (every transaction left to the script, say).
+                        if took and (replicas < 0 or r.integer < replicas):
+                            replicas = r.integer
                     elif error is None and not (refused and _auth_refused(r)):
                         error = (self._reply_error(conn, r), err_key)
                     freeReplyObject(r)
+                if no_multi is not None:
+                    self._refuse_multi(no_multi)
                 if error is not None:
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
                 if refused:
@@ -937,7 +1167,9 @@ cdef class NativeBackend:
                         raise cache_error(f"{_tried(what, &rule)} failed: {transient[0]}", self.server, transient[1])
                     continue  # on a new connection, whose handshake loads the scripts
                 if missing == 0:
-                    break
+                    if scripted == 0:
+                        break
+                    continue  # the calls the transaction left to the script
                 reloaded = True
                 try:
                     lost = self._send(conn, [], what, err_key)
@@ -1109,7 +1341,9 @@ cdef class NativeBackend:
                     seq = 0 if watched is None else watched.seq
                     sha = _SHA_ACQUIRE_CHAIN if watched is not None and watched.waiters else _SHA_ACQUIRE_WAIT
                 sent = _monotonic()
-                self._scripts(sha, key, token, 1, ttl_ms, rule, "acquire", key, &result)
+                # The transaction for the first attempt only: a key held then is likely held
+                # still, and the script decides that in one round trip.
+                self._scripts(sha, key, token, 1, ttl_ms, rule, "acquire", key, &result, -1, attempt == 0)
                 if result > 0:
                     acquired = True
                     return result, sent, attempt + 1  # the fence, and the attempts made
@@ -1276,6 +1510,17 @@ cdef class NativeBackend:
     def use_dialect(self, dialect):
         self.dialect = dialect
         self._plain = {"DELIFEQ": _PLAIN_DELIFEQ, "DELEX": _PLAIN_DELEX}.get(dialect.release, _PLAIN_NONE)
+        self._txn = dialect.transaction and not self._multi_refused
+
+    cdef int _refuse_multi(self, str text) except -1:
+        """MULTI was refused alone (an ACL without it, a proxy): every later acquire goes
+        by script (hotlock._acquire.refused_multi), said once."""
+        self._txn = False
+        if not self._multi_refused:
+            self._multi_refused = True
+            _log.warning("%s refused MULTI (the server replied %s): every acquire goes by the ACQUIRE script "
+                         "from now on", self.server, text)
+        return 0
 
     def close(self):
         """Drop every thread's connection (a later call reconnects, as on redis-py)."""

@@ -65,9 +65,8 @@ class Step(enum.Enum):
 
 
 class ChannelEntry(Protocol):
-    """What the machine reads of a channel's entry: hotlock.backends.wakeup.Entry and
-    hotlock.backends.wakeup_async.AsyncEntry both have it. Read-only here: only the
-    subscriber changes them."""
+    """What the machine reads of a channel's entry (hotlock._subscriber.Entry, the sync and
+    the async subscriber's). Read-only here: only the subscriber changes them."""
 
     @property
     def seq(self) -> int: ...

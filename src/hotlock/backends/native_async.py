@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
+from .._ident import TOKEN_BYTES
 from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, code, tried
@@ -25,6 +27,8 @@ from .retry_async import info_fields, retry_until, unconfirmed, unconfirmed_rene
 from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend", "NotSent", "ReplyError"]
+
+log = logging.getLogger("hotlock")
 
 
 # An error reply, as the protocol hands it over: returned as a value, never raised by it
@@ -52,6 +56,14 @@ class AioConnection(Protocol):
     def usable(self) -> bool: ...
     def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
+    # The transaction acquire (hotlock._acquire), decided in C: the fence, 0 (the script is
+    # to decide), -1 (that too, MULTI refused alone: multi_refusal), or the error reply.
+    def acquire(self, key: bytes, token: bytes, ms: int) -> asyncio.Future[int | ReplyError]: ...
+    def acquire_many(
+        self, keys: list[bytes], tokens: list[bytes], ms: int, trailer: tuple[bytes | int, ...] | None = None
+    ) -> asyncio.Future[list[Any]]: ...
+    @property
+    def multi_refusal(self) -> str | None: ...
     def close(self) -> None: ...
     def retire(self) -> None: ...
     def abort(self) -> None: ...
@@ -84,6 +96,10 @@ class NativeAsyncBackend:
         # long has passed (loop time) since the last (_reauthenticate).
         self._reauth = config.reauth_interval
         self._authed_at = 0.0
+        # The acquire of a free key goes as the transaction (hotlock._acquire): the dialect's
+        # transaction, until the server refuses MULTI alone (then False for good).
+        self._txn = False
+        self._multi_refused = False
 
     @classmethod
     async def open(cls, config: ServerConfig, protocol_class: Callable[..., AioConnection]) -> NativeAsyncBackend:
@@ -456,6 +472,16 @@ class NativeAsyncBackend:
         if self._config.wait_replicas:
             return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms, script))[0]
         until = retry_until(since, wait_ms, self._config.timeout)
+        if script is ACQUIRE and self._txn and len(token) == TOKEN_BYTES:
+            # The transaction (hotlock._acquire), resent whole after a lost reply (same token).
+            answer = await self._roundtrip("acquire", key, lambda p: p.acquire(key, token, ttl_ms), True, until)
+            if type(answer) is not int:
+                raise self._refused("acquire", key, answer)
+            if answer > 0:
+                return answer
+            if answer < 0:
+                self._refuse_multi()
+            # The key exists (held, ours after a lost reply, permits): the script decides.
         return self._int(
             "acquire", key, await self._script("acquire", script, key, token, ttl_ms, retry=True, until=until)
         )
@@ -465,19 +491,78 @@ class NativeAsyncBackend:
         keys, tokens = list(keys), list(tokens)
         if self._config.wait_replicas:
             return await self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms)
+        if self._txn:
+            return (await self._take("acquire_many", keys, tokens, ttl_ms, None))[0]
         replies = await self._script_many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, retry=True)
         return [self._int("acquire_many", None, r) for r in replies]
+
+    async def _take(
+        self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, wait: tuple[bytes | int, ...] | None
+    ) -> tuple[list[int], int]:
+        """The acquires of plain tokens as transactions (hotlock._acquire) in one write,
+        ``wait`` (a WAIT) behind them; then those left to the script, and permits' asks, as
+        ACQUIRE in a second write with a WAIT of its own. Each key's result, and the fewest
+        replicas a WAIT that confirmed an acquire counted (-1 without ``wait``)."""
+        results = [0] * len(keys)
+        rest = [i for i, t in enumerate(tokens) if len(t) != TOKEN_BYTES]
+        plain = [i for i, t in enumerate(tokens) if len(t) == TOKEN_BYTES]
+        counts: list[int] = []
+        if plain:
+            ks, ts = [keys[i] for i in plain], [tokens[i] for i in plain]
+            answers = await self._roundtrip(what, None, lambda p: p.acquire_many(ks, ts, ttl_ms, wait), True)
+            taken = False
+            for i, answer in zip(plain, answers, strict=False):
+                if type(answer) is not int:
+                    raise self._refused(what, None, answer)
+                if answer > 0:
+                    results[i] = answer
+                    taken = True
+                else:
+                    rest.append(i)
+                    if answer < 0:
+                        self._refuse_multi()
+            if wait is not None and isinstance(answers[-1], ReplyError):
+                raise self._refused(f"{what} (WAIT)", None, answers[-1])
+            # A WAIT behind transactions that took nothing confirms nothing of ours.
+            if wait is not None and taken:
+                counts.append(self._int(f"{what} (WAIT)", None, answers[-1]))
+        if rest:
+            rest.sort()
+            ks, ts = [keys[i] for i in rest], [tokens[i] for i in rest]
+            replies = await self._script_many(what, ACQUIRE, ks, ts, ttl_ms, retry=True, trailer=wait)
+            for i, reply in zip(rest, replies, strict=False):
+                results[i] = self._int(what, None, reply)
+            if wait is not None:
+                counts.append(self._int(f"{what} (WAIT)", None, replies[-1]))
+        return results, min(counts, default=-1)
+
+    def _refuse_multi(self) -> None:
+        """MULTI was refused alone (an ACL without it, a proxy): every later acquire goes by
+        script (hotlock._acquire.refused_multi), said once."""
+        self._txn = False
+        if not self._multi_refused:
+            self._multi_refused = True
+            why = getattr(self._proto, "multi_refusal", None)
+            log.warning(
+                "%s refused MULTI (the server replied %s): every acquire goes by the ACQUIRE script from now on",
+                self.server,
+                why,
+            )
 
     async def _acquire_confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
     ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
-        (WAIT confirms the writes made before it on its own connection), in one write."""
+        (WAIT confirms the writes made before it on its own connection), in one write; a
+        second write for those the transactions left to the script, with its own WAIT."""
         config = self._config
         wait = (b"WAIT", config.wait_replicas, wait_ms(config))
-        *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
-        results = [self._int(what, None, r) for r in replies]
-        confirmed = self._int(f"{what} (WAIT)", None, confirmed)
+        if script is ACQUIRE and self._txn:
+            results, confirmed = await self._take(what, keys, tokens, ttl_ms, wait)
+        else:
+            *replies, confirmed = await self._script_many(what, script, keys, tokens, ttl_ms, retry=True, trailer=wait)
+            results = [self._int(what, None, r) for r in replies]
+            confirmed = self._int(f"{what} (WAIT)", None, confirmed)
         if confirmed >= config.wait_replicas:
             return results
         held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
@@ -611,6 +696,7 @@ class NativeAsyncBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self._txn = dialect.transaction and not self._multi_refused
 
     # -- a cluster node's link (hotlock.backends.cluster_async.AsyncLink) -------------------------
 

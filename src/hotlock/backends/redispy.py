@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import inspect
 import itertools
+import logging
 import os
 import ssl
 import time
@@ -34,6 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from .. import _acquire
 from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, redispy_tls_kwargs
 from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
@@ -46,6 +48,7 @@ from .._dialect import (
     release_command,
     script_serves,
 )
+from .._ident import TOKEN_BYTES
 from .._scripts import (
     ACQUIRE,
     ACQUIRE_CHAIN,
@@ -65,6 +68,8 @@ from .wakeup import slot, wait
 __all__ = ["RedisPyBackend", "RedisPyLink"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("hotlock")
 
 # The errors after which a request may or may not have reached the server.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -130,11 +135,120 @@ SCRIPT_LOADED: list[Shape] = [_sha_of(s) for s in SCRIPTS]
 # to read can miss a reply the server has yet to send. TIME, since the scripts need its
 # ACL permission anyway. A single command needs no frame: an extra reply behind its own is
 # found in the parser's buffer, or by the pool's poll before the connection is used again.
+# Nor do transactions (Transaction.framed): each EXEC's reply, a pair holding TIME's, is of
+# a shape no other reply of theirs has, so a shift before it shows in its place.
 FRAME = (b"TIME",)
 
 
 def is_frame(reply: object) -> bool:
     return type(reply) is list and len(reply) == 2 and type(reply[0]) is bytes and type(reply[1]) is bytes
+
+
+# -- the transaction acquire (hotlock._acquire) --------------------------------------------
+# Its four replies, as each is checked on arrival. With MULTI refused (an ACL, a proxy), SET
+# and TIME run on their own and EXEC is refused: SET then answers OK or nil, TIME the clock.
+
+
+def is_ok(reply: object) -> bool:
+    return reply == b"OK"
+
+
+def is_queued_set(reply: object) -> bool:
+    return reply == b"QUEUED" or is_ok_or_nil(reply)
+
+
+def is_queued_time(reply: object) -> bool:
+    return reply == b"QUEUED" or is_frame(reply)
+
+
+def is_exec(reply: object) -> bool:
+    """EXEC's: SET's reply (OK, or nil: the key exists) and TIME's."""
+    return type(reply) is list and len(reply) == 2 and is_ok_or_nil(reply[0]) and is_frame(reply[1])
+
+
+TRANSACTION_REPLY: list[Shape] = [is_ok, is_queued_set, is_queued_time, is_exec]
+
+
+def by_transaction(dialect: Dialect, script: Script, tokens: Sequence[bytes]) -> bool:
+    """Whether an acquire with ``script`` of these tokens goes as the transaction: only the
+    ACQUIRE script itself (the waiting forms are the contended path), and only plain
+    locks (a permit's ask, token '#' limit, always goes by script). Shared with redispy_async."""
+    return script is ACQUIRE and dialect.transaction and all(len(t) == TOKEN_BYTES for t in tokens)
+
+
+class Transaction:
+    """The acquires of some keys by hotlock._acquire's transaction, without I/O: what to
+    send and what the replies say, for the sync and async backends alike, each of which
+    sends and receives.
+
+    The backend writes ``commands`` at once (every key's transaction, then ``wait``: the
+    WAIT of wait_replicas, which confirms the SETs before it on its connection) and hands
+    the replies (error replies in place) to ``read``, which names the keys the ACQUIRE
+    script is to decide. Those go next as ACQUIRE (with their own WAIT), and ``scripted``
+    takes their results. ``outcome`` is then what one acquire by script gives: each key's
+    result, and the WAIT reply ([] without wait_replicas)."""
+
+    __slots__ = ("_n", "_waits", "commands", "refused", "results", "shapes")
+
+    # Whether the write needs FRAME behind it: no, EXEC's reply frames it.
+    framed = False
+
+    def __init__(
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]]
+    ) -> None:
+        self._n = len(keys)
+        self.commands: list[tuple[Any, ...]] = [
+            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms)
+        ]
+        self.commands += wait
+        self.shapes = TRANSACTION_REPLY * self._n + [is_count] * len(wait)
+        self.results: list[int] = []
+        # MULTI's error reply when it was refused alone: this server takes no transaction
+        # from us, and the backend sends every later acquire by script.
+        self.refused: RedisError | None = None
+        self._waits: list[int] = []
+
+    def read(self, replies: list[Any]) -> list[int]:
+        """The transactions' replies: the indices of the keys that go by script next. The
+        first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
+        fours = [replies[4 * i : 4 * i + 4] for i in range(self._n)]
+        # Noted before any error is raised: the backend's next acquire goes by script.
+        self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, RedisError)), None)
+        rest: list[int] = []
+        for i, four in enumerate(fours):
+            result = _acquire.read(four, RedisError)
+            if isinstance(result, BaseException):
+                raise result
+            self.results.append(result)
+            if result == _acquire.SCRIPT:
+                rest.append(i)
+        waits = replies[4 * self._n :]
+        for reply in waits:
+            if isinstance(reply, Exception):
+                raise reply
+        if len(rest) < self._n:
+            # A key was taken: this WAIT confirms it. One that took nothing confirms
+            # nothing of ours (the script's own WAIT covers the keys it decides, and a
+            # SET run outside a refused MULTI too: the script writes after it).
+            self._waits += waits
+        return rest
+
+    def scripted(self, rest: list[int], results: list[int], waits: list[int]) -> None:
+        """The ACQUIRE script's results for the keys ``read`` named, and its WAIT reply."""
+        for i, result in zip(rest, results, strict=True):
+            self.results[i] = result
+        self._waits += waits
+
+    def outcome(self) -> tuple[list[int], list[int]]:
+        """Each key's result, and the fewest replicas a WAIT confirmed ([] without WAIT)."""
+        return self.results, [min(self._waits)] if self._waits else []
+
+
+def refused_warning(server: str, refusal: BaseException) -> None:
+    """Said once per backend, when MULTI is first refused. Shared with redispy_async."""
+    log.warning(
+        "%s refused MULTI (%s): every acquire goes by the ACQUIRE script from now on", server, describe(refusal)
+    )
 
 
 class UnexpectedReply(RedisError):
@@ -440,6 +554,8 @@ class RedisPyBackend:
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
         self._pid = os.getpid()
+        # False once this server refused MULTI: every acquire goes by script (Transaction).
+        self._transactions = True
         self._client: Any = self._new_client()  # redis.Redis; Any: the connection-level API it reaches is untyped
         # The wake-up subscriber (hotlock.backends.wakeup), made on the first contended lock_wait.
         self._wakeups = slot(config)
@@ -474,10 +590,13 @@ class RedisPyBackend:
             self._client = self._new_client()
         return self._client
 
-    def _send(self, commands: list[tuple[Any, ...]], shapes: list[Shape], timeout: float | None = None) -> list[Any]:
+    def _send(
+        self, commands: list[tuple[Any, ...]], shapes: list[Shape], timeout: float | None = None, frame: bool = True
+    ) -> list[Any]:
         """Write ``commands`` at once on one pooled connection and read every reply, each
         checked against its ``shapes`` entry (UnexpectedReply), then that nothing more came
-        (StrayReply).
+        (StrayReply). Several commands are framed (FRAME) unless ``frame`` is False: their
+        replies frame themselves.
 
         Error replies come back in place as exceptions (NoScriptError included). With
         ``timeout``, all the replies together get at most that many seconds, else each gets
@@ -493,7 +612,7 @@ class RedisPyBackend:
         conn = pool.get_connection()
         complete = False
         fresh = False  # a transient reply came: this connection is not used again
-        framed = len(commands) > 1
+        framed = frame and len(commands) > 1
         try:
             if reauth_due(conn, self._config.reauth_interval):
                 try:
@@ -697,10 +816,41 @@ class RedisPyBackend:
         return self._acquire(key, token, ttl_ms, self._retry_until())
 
     def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float, script: Script = ACQUIRE) -> int:
-        replies = self._call(
-            "acquire", key, lambda t: self._scripts(script, [(key, token, b"%d" % ttl_ms)], t), True, retry_until
+        results, waited = self._call(
+            "acquire", key, lambda t: self._take(script, [key], [token], ttl_ms, t), True, retry_until
         )
-        return self._confirmed("acquire", [key], [token], [replies[0]], replies[1:])[0]
+        return self._confirmed("acquire", [key], [token], results, waited)[0]
+
+    def _take(
+        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, timeout: float | None
+    ) -> tuple[list[int], list[int]]:
+        """One try of the acquires (a lost reply resends it whole, with the same tokens):
+        each key's result, and WAIT's reply under wait_replicas. By transaction where it
+        serves (by_transaction), the keys it leaves to the script in a second round trip,
+        within the same ``timeout``."""
+        if not (self._transactions and by_transaction(self.dialect, script, tokens)):
+            return self._by_script(script, keys, tokens, ttl_ms, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE))
+        try:
+            rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
+        finally:
+            if taking.refused is not None and self._transactions:
+                self._transactions = False
+                refused_warning(self.server, taking.refused)
+        if rest:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            keys, tokens = [keys[i] for i in rest], [tokens[i] for i in rest]
+            taking.scripted(rest, *self._by_script(ACQUIRE, keys, tokens, ttl_ms, left))
+        return taking.outcome()
+
+    def _by_script(
+        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, timeout: float | None
+    ) -> tuple[list[int], list[int]]:
+        """The acquires as ``script``, in one round trip: each key's result, and WAIT's reply."""
+        ms = b"%d" % ttl_ms
+        replies = self._scripts(script, [(k, t, ms) for k, t in zip(keys, tokens, strict=True)], timeout)
+        return replies[: len(keys)], replies[len(keys) :]
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
         retry_until = self._retry_until(wait_ms)
@@ -709,9 +859,8 @@ class RedisPyBackend:
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         # The caller's lists as they are now: another thread may change them during the round trip.
         keys, tokens = list(keys), list(tokens)
-        calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call("acquire_many", None, lambda t: self._scripts(ACQUIRE, calls, t), True)
-        return self._confirmed("acquire_many", keys, tokens, replies[: len(keys)], replies[len(keys) :])
+        results, waited = self._call("acquire_many", None, lambda t: self._take(ACQUIRE, keys, tokens, ttl_ms, t), True)
+        return self._confirmed("acquire_many", keys, tokens, results, waited)
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
         # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.

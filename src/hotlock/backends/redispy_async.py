@@ -49,7 +49,9 @@ from .redispy import (
     HandshakeLost,
     Shape,
     StrayReply,
+    Transaction,
     UnexpectedReply,
+    by_transaction,
     describe,
     is_anything,
     is_count,
@@ -62,6 +64,7 @@ from .redispy import (
     reauth_due,
     refusal_text,
     refused,
+    refused_warning,
     reply_serves_script,
     tls_hint,
     transient_code,
@@ -412,6 +415,8 @@ class RedisAsyncBackend:
         self._inflight = InFlight(config.display)
         # Set by close(): a call then gets no second try, so the calls close() cancels end.
         self._closing = False
+        # False once this server refused MULTI: every acquire goes by script (Transaction).
+        self._transactions = True
 
     @classmethod
     async def open(cls, config: ServerConfig) -> RedisAsyncBackend:
@@ -547,11 +552,13 @@ class RedisAsyncBackend:
         finally:
             self._pool.put(conn)
 
-    async def _execute_many(self, commands: list[tuple[Any, ...]], shapes: list[Shape]) -> list[Any]:
+    async def _execute_many(
+        self, commands: list[tuple[Any, ...]], shapes: list[Shape], frame: bool = True
+    ) -> list[Any]:
         """Commands written at once on one connection and every reply read, error replies
         in place (as exceptions), as _execute does for one; framed by a trailing TIME as in
-        the sync backend (hotlock.backends.redispy.FRAME)."""
-        framed = len(commands) > 1
+        the sync backend (hotlock.backends.redispy.FRAME), unless ``frame`` is False."""
+        framed = frame and len(commands) > 1
         conn = await self._pool.get()
         try:
             await conn.send_packed_command(conn.pack_commands([*commands, FRAME] if framed else commands), False)
@@ -638,33 +645,61 @@ class RedisAsyncBackend:
             confirmed = self._acquire_confirmed("acquire", [key], [token], ttl_ms, script)
             return (await self._inflight.shielded([token], confirmed))[0]
         until = retry_until(since, wait_ms, self._timeout)
-        reply = await self._inflight.shielded(
-            [token], self._call("acquire", key, lambda: self._evalsha(script, key, token, ttl_ms), True, until)
+        results, _ = await self._inflight.shielded(
+            [token], self._call("acquire", key, lambda: self._take(script, [key], [token], ttl_ms), True, until)
         )
-        return int(reply)
+        return results[0]
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         if self._config.wait_replicas:
             return await self._inflight.shielded(tokens, self._acquire_confirmed("acquire_many", keys, tokens, ttl_ms))
-        replies = await self._inflight.shielded(
-            tokens, self._call("acquire_many", None, lambda: self._pipeline(ACQUIRE, keys, tokens, ttl_ms), True)
+        results, _ = await self._inflight.shielded(
+            tokens, self._call("acquire_many", None, lambda: self._take(ACQUIRE, keys, tokens, ttl_ms), True)
         )
-        return [int(r) for r in replies]
+        return results
+
+    async def _take(
+        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, trailer: tuple[Any, ...] = ()
+    ) -> tuple[list[int], list[int]]:
+        """One try of the acquires, as in the sync backend (RedisPyBackend._take): each
+        key's result, and the reply of ``trailer`` (a WAIT) when given."""
+        # The caller's lists as they are now: another task may change them while we await.
+        keys, tokens = list(keys), list(tokens)
+        if not (self._transactions and by_transaction(self.dialect, script, tokens)):
+            return await self._by_script(script, keys, tokens, ttl_ms, trailer)
+        taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [])
+        try:
+            rest = taking.read(await self._execute_many(taking.commands, taking.shapes, taking.framed))
+        finally:
+            if taking.refused is not None and self._transactions:
+                self._transactions = False
+                refused_warning(self.server, taking.refused)
+        if rest:
+            keys, tokens = [keys[i] for i in rest], [tokens[i] for i in rest]
+            taking.scripted(rest, *await self._by_script(ACQUIRE, keys, tokens, ttl_ms, trailer))
+        return taking.outcome()
+
+    async def _by_script(
+        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, trailer: tuple[Any, ...]
+    ) -> tuple[list[int], list[int]]:
+        """The acquires as ``script``, in one round trip: each key's result, and the trailer's reply."""
+        if len(keys) == 1 and not trailer:
+            return [await self._evalsha(script, keys[0], tokens[0], ttl_ms)], []
+        replies = await self._pipeline(script, keys, tokens, ttl_ms, trailer=trailer)
+        return replies[: len(keys)], replies[len(keys) :]
 
     async def _acquire_confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE
     ) -> list[int]:
         """Under wait_replicas: the acquires and a WAIT behind them on the same connection
-        (WAIT confirms the writes made before it on its own connection), in one round trip."""
+        (WAIT confirms the writes made before it on its own connection), in one round trip
+        (and one more, with its own WAIT, for the keys a transaction leaves to the script)."""
         config = self._config
         wait = ("WAIT", config.wait_replicas, wait_ms(config))
-        replies = await self._call(
-            what,
-            keys[0] if len(keys) == 1 else None,
-            lambda: self._pipeline(script, keys, tokens, ttl_ms, trailer=wait),
-            True,
+        results, waited = await self._call(
+            what, keys[0] if len(keys) == 1 else None, lambda: self._take(script, keys, tokens, ttl_ms, wait), True
         )
-        results, confirmed = replies[:-1], replies[-1]
+        confirmed = waited[0]
         if confirmed >= config.wait_replicas:
             return results
         held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]

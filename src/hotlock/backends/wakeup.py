@@ -8,7 +8,9 @@ cache and by both sync backends (the native one sleeps in C on the same file des
 
 - **One connection, one thread.** The subscriber thread does all of the connection's I/O
   (poll() on its socket and on a control pipe, so it never holds the GIL while it
-  waits); waiting threads hand it SUBSCRIBE requests through ``_outbox``.
+  waits); a waiting thread that joins a new channel queues its SUBSCRIBE and pokes it.
+  What is sent and what each reply means is hotlock._subscriber's (the async subscriber
+  shares it): this module only drives it.
 - **Poll first, then ask to be woken.** A wait's first attempts (_waiting.POLL_FIRST) are plain
   polling (many contended waits end after the first short sleep, and a wake-up costs
   more than that sleep); then every attempt marks, and a wait whose first marking
@@ -18,8 +20,8 @@ cache and by both sync backends (the native one sleeps in C on the same file des
   message count (``Entry.seq``, read as the attempt was sent), and the wait tries again at
   once; on a channel still being subscribed it sleeps on its backoff, and the server's
   confirmation wakes the channel's first waiter, which tries again, so a release before
-  the subscription cannot go unheard past that. A subscription
-  outlives its last waiter by LINGER_S, so a hot key pays the SUBSCRIBE round trip once.
+  the subscription cannot go unheard past that. A subscription outlives its last waiter
+  by LINGER_S (hotlock._subscriber), so a hot key pays the SUBSCRIBE round trip once.
 - **One wake per message per process.** A message wakes the longest-waiting local waiter
   of its key (``Entry.waiters[0]``), not all of them: the others stay asleep on their
   backoff. A waiter that acquires while others of its process still wait on the key takes
@@ -36,7 +38,6 @@ cache and by both sync backends (the native one sleeps in C on the same file des
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -47,40 +48,29 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command
 from .._scripts import ACQUIRE, Script
 from .._sentinel import PrimaryWatch
+from .._subscriber import ConnectTrouble, Entry, Refused, Subscriber
 from .._waiting import FIRST, Step, Waiting, poll
 
 __all__ = [
-    "LINGER_S",
-    "UNREAD",
     "ClusterWakeups",
     "ConnectTrouble",
-    "Entry",
     "Refused",
     "Slot",
-    "Unread",
     "Waiter",
     "Wakeups",
     "cluster_slot",
     "handshake",
-    "refused",
     "slot",
     "wait",
 ]
 
 log = logging.getLogger("hotlock")
 
-# How long a key's subscription outlives its last waiter: a hot key is subscribed once, not
-# once per wait; a key nobody waits on any more is unsubscribed within LINGER_S + TICK_S.
-LINGER_S = 5.0
-# The subscriber thread's longest sleep: how often it looks for lingering subscriptions
-# to drop and for close().
-TICK_S = 0.5
 _ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd takes an 8-byte counter
 
 
@@ -108,7 +98,7 @@ class Waiter:
             os.set_blocking(self.fd, False)
             os.set_blocking(self._wfd, False)
         self.pid = os.getpid()
-        self.entry: Entry | None = None
+        self.entry: Entry[Waiter] | None = None
         self.owner: Wakeups | None = None  # the subscriber it is registered with (a cluster has several)
 
     def wake(self) -> None:
@@ -134,91 +124,14 @@ class Waiter:
                 os.close(self._wfd)
 
 
-class Entry:
-    """One channel: its subscription's state and the waiters of this process on it."""
-
-    __slots__ = ("channel", "confirmed", "idle_since", "seq", "waiters")
-
-    def __init__(self, channel: bytes) -> None:
-        self.channel = channel
-        self.seq = 0  # messages received (and resubscriptions): see the module docstring
-        self.waiters: list[Waiter] = []  # in the order they came: [0] is woken first
-        self.confirmed = False
-        self.idle_since = time.monotonic()
-
-
-def resp_command(*args: bytes) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-class Unread:
-    """In a subscriber's queue of replies due: one to a handshake command sent without
-    waiting (CLIENT SETINFO), skipped as it comes, whatever it is."""
-
-
-UNREAD = Unread()
-
-
-class Refused(ConnectionError):
-    """The server refused the subscriber's handshake (AUTH, CLIENT SETNAME): the next try
-    meets the same answer until the server or the url changes."""
-
-
-def handshake(config: ServerConfig, auth: tuple[bytes, ...] | None) -> list[tuple[bytes, ...]]:
+def handshake(config: ServerConfig, auth: tuple[bytes, ...] | None) -> tuple[list[tuple[bytes, ...]], list[str | None]]:
     """What a subscriber sends on connecting, in one write: ``auth`` (the AUTH command of
     hotlock._credentials, or None), then the connection's name (_config.naming_commands).
-    No SELECT: pub/sub channels are not per database."""
-    return ([] if auth is None else [auth]) + naming_commands(config)
-
-
-def check_handshake(commands: list[tuple[bytes, ...]], replies: list[Any], error_type: type) -> None:
-    """Raise Refused for an error reply to any of ``commands`` but CLIENT SETINFO."""
-    for command, reply in zip(commands, replies, strict=True):
-        if isinstance(reply, error_type) and not naming_optional(command):
-            raise Refused(f"{command_name(command)} refused: {reply}")
-
-
-def refused(exc: BaseException) -> bool:
-    """Whether a subscriber's failed connect will fail the same way until something is
-    changed: a handshake the server refused, a certificate that does not verify, a TLS
-    alert. A refused or reset TCP connect, a timeout, a TLS stream cut short: passing."""
-    import ssl
-
-    if isinstance(exc, Refused):
-        return True
-    return isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
-
-
-class ConnectTrouble:
-    """How a subscriber's failed connects are logged. It tries again every second at most,
-    for as long as the cache lives, so a refusal (a wrong password, a certificate that
-    does not verify) is said at WARNING once per distinct error and at DEBUG while it
-    repeats; passing failures (the server restarting) at DEBUG; a connect that succeeds
-    after a WARNING is said at INFO."""
-
-    __slots__ = ("_server", "_warned")
-
-    def __init__(self, server: str) -> None:
-        self._server = server
-        self._warned: str | None = None  # the text of the last refusal said at WARNING
-
-    def failed(self, exc: BaseException) -> None:
-        text = str(exc) or type(exc).__name__
-        if refused(exc) and text != self._warned:
-            self._warned = text
-            log.warning(
-                "wake-ups: cannot connect to %s: %s; lock_wait polls with backoff meanwhile, "
-                "and the subscriber keeps trying (said again only if the error changes)",
-                self._server,
-                text,
-            )
-        else:
-            log.debug("wake-ups: cannot connect to %s: %s", self._server, text)
-
-    def connected(self) -> None:
-        if self._warned is not None:
-            self._warned = None
-            log.info("wake-ups: connected to %s again", self._server)
+    No SELECT: pub/sub channels are not per database. With each command, how its refusal
+    is reported, or None where a refusal is ignored (CLIENT SETINFO): what
+    Subscriber.connecting takes."""
+    commands = ([] if auth is None else [auth]) + naming_commands(config)
+    return commands, [None if naming_optional(c) else command_name(c) for c in commands]
 
 
 class Wakeups:
@@ -228,22 +141,18 @@ class Wakeups:
     def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
         self.pid = os.getpid()
         self.off: str | None = None
-        # On a Redis Cluster node: sharded pub/sub (SSUBSCRIBE, the releases' SPUBLISH).
-        self._sub, self._unsub = (b"SSUBSCRIBE", b"SUNSUBSCRIBE") if sharded else (b"SUBSCRIBE", b"UNSUBSCRIBE")
-        self._kinds = (b"smessage", b"sunsubscribe") if sharded else (b"message", b"unsubscribe")
         self._config = config
         self._server = config.display
-        self._timeout = config.timeout
+        # The protocol's state, shared by the waiting threads and the subscriber thread:
+        # every call to it is made under _lock.
+        self._core: Subscriber[Waiter] = Subscriber(self._server, sharded)
         self._lock = threading.Lock()
-        self._entries: dict[bytes, Entry] = {}
-        self._outbox: list[Entry] = []  # entries whose SUBSCRIBE the thread is to send
         self._local = threading.local()
         self._closed = False
         # Under Sentinel: the primary to connect to, and the epoch the connection is of (a
         # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
         self._watch = PrimaryWatch(config.primary) if config.sentinels else None
         self._epoch = 0
-        self._unread = 0  # handshake replies the next _serve skips (see _connect)
         self._ctl_r, self._ctl_w = os.pipe()
         os.set_blocking(self._ctl_r, False)
         os.set_blocking(self._ctl_w, False)
@@ -252,10 +161,9 @@ class Wakeups:
 
     # -- the waiting side (any thread) --------------------------------------------------
 
-    def subscribed(self, channel: bytes) -> Entry | None:
+    def subscribed(self, channel: bytes) -> Entry[Waiter] | None:
         """The channel's entry when its subscription is confirmed (a waiter may mark at once)."""
-        entry = self._entries.get(channel)
-        return entry if entry is not None and entry.confirmed else None
+        return self._core.subscribed(channel)  # no lock: one dict lookup
 
     def join(self, channel: bytes) -> Waiter | None:
         """Register this thread as a waiter on ``channel``, asking for its subscription if
@@ -270,28 +178,15 @@ class Wakeups:
             waiter = self._local.waiter = Waiter()
         waiter.drain()  # a wake left over from this thread's previous wait
         with self._lock:
-            entry = self._entries.get(channel)
-            if entry is None:
-                entry = self._entries[channel] = Entry(channel)
-                self._outbox.append(entry)
-                self._poke()
-            entry.waiters.append(waiter)
-            waiter.entry = entry
+            if self._core.join(channel, waiter, time.monotonic()):
+                self._poke()  # the subscriber thread sends the SUBSCRIBE
             waiter.owner = self
         return waiter
 
     def leave(self, waiter: Waiter, acquired: bool) -> None:
         """The wait is over. A wake it did not use goes to the next waiter of the key."""
         with self._lock:
-            entry = waiter.entry
-            if entry is None:
-                return
-            waiter.entry = None
-            entry.waiters.remove(waiter)
-            if not entry.waiters:
-                entry.idle_since = time.monotonic()
-            if waiter.drain() and not acquired and entry.waiters:
-                entry.waiters[0].wake()
+            self._core.leave(waiter, acquired, time.monotonic())
 
     def close(self) -> None:
         self._closed = True
@@ -306,18 +201,14 @@ class Wakeups:
     def _run(self) -> None:
         import hiredis  # here, not at import: the native path never pays for it unless it waits
 
-        delay = 0.05
         trouble = ConnectTrouble(self._server)
         while not self._closed and self.off is None:
             try:
                 sock, close = self._connect()
             except Exception as exc:  # OSError, a refused handshake: try again
-                trouble.failed(exc)
-                self._nap(delay)
-                delay = min(delay * 2, 1.0)
+                self._nap(trouble.failed(exc))
                 continue
             trouble.connected()
-            delay = 0.05
             try:
                 self._serve(sock)
             except (OSError, hiredis.ProtocolError) as exc:
@@ -325,7 +216,8 @@ class Wakeups:
             finally:
                 with contextlib.suppress(Exception):
                     close()
-                self._lost()
+                with self._lock:
+                    self._core.lost()
         with contextlib.suppress(OSError):
             os.close(self._ctl_r)
             os.close(self._ctl_w)
@@ -343,8 +235,6 @@ class Wakeups:
         """A connected, authenticated and named socket and how to close it, opened here rather than
         by redis-py (the native path must not pay its import on the first contended wait
         of a process). Under Sentinel, to whichever primary the sentinels name now."""
-        import hiredis
-
         config = self._config
         host, port = config.host, config.port
         if self._watch is not None:
@@ -374,154 +264,55 @@ class Wakeups:
         try:
             sock.settimeout(config.timeout)
             # The url's credentials, or the provider's answer now (hotlock._credentials).
-            commands = handshake(config, auth_command(config))
-            sock.sendall(b"".join(resp_command(*c) for c in commands))
-            self._unread = 0
-            if all(naming_optional(c) for c in commands):
-                # Nothing here can be refused (a refused CLIENT SETINFO is ignored): the
-                # replies are skipped as they come, ahead of the first SUBSCRIBE's, and the
-                # handshake costs no round trip of its own.
-                self._unread = len(commands)
-                return sock, sock.close
-            reader = hiredis.Reader()
-            replies: list[Any] = []
-            while len(replies) < len(commands):
+            hello = handshake(config, auth_command(config))
+            with self._lock:
+                data = self._core.connecting(*hello)
+            sock.sendall(data)
+            while self._core.greeting:  # only this thread feeds the core: read without the lock
                 data = sock.recv(65536)
                 if not data:
                     raise ConnectionError("the server closed the connection during the handshake")
-                reader.feed(data)
-                while len(replies) < len(commands) and (reply := reader.gets()) is not False:
-                    replies.append(reply)
-            check_handshake(commands, replies, hiredis.ReplyError)
+                with self._lock:
+                    self._core.feed(data)
         except BaseException:
             sock.close()
             raise
         return sock, sock.close
 
     def _serve(self, sock: socket.socket) -> None:
-        import hiredis
-
-        reader = hiredis.Reader()
-        # The commands sent whose reply is due, in order: an Entry for a SUBSCRIBE, a channel
-        # (bytes) for an UNSUBSCRIBE. Each has one reply (its push, or an error).
-        pending: collections.deque[Entry | bytes | Unread] = collections.deque([UNREAD] * self._unread)
+        core = self._core
         with self._lock:
-            self._outbox = list(self._entries.values())  # after a reconnect: all of them again
-        next_tick = time.monotonic() + TICK_S
+            core.serving(time.monotonic())
         tls = hasattr(sock, "pending")
         while not self._closed:
             with self._lock:
-                out, self._outbox = self._outbox, []
+                out = core.outgoing()
             if out:
-                pending.extend(out)
-                sock.sendall(b"".join(resp_command(self._sub, e.channel) for e in out))
+                sock.sendall(out)
             ready: set[int]
             if tls and sock.pending():  # type: ignore[attr-defined]
                 ready = {sock.fileno()}
             else:
-                ready = readable([sock.fileno(), self._ctl_r], next_tick - time.monotonic())
+                ready = readable([sock.fileno(), self._ctl_r], core.wait_s(time.monotonic()))
             if self._ctl_r in ready:
                 self._drain_ctl()
             if sock.fileno() in ready:
                 data = sock.recv(65536)
                 if not data:
                     raise ConnectionError("the server closed the connection")
-                reader.feed(data)
-                while (reply := reader.gets()) is not False:
-                    if not self._on_reply(reply, pending):
-                        return
+                with self._lock:
+                    core.feed(data)
+                if core.off is not None:
+                    self.off = core.off
+                    return
             now = time.monotonic()
-            if now >= next_tick:
-                next_tick = now + TICK_S
+            if core.due(now):
                 if self._watch is not None and self._watch.refresh() != self._epoch:
                     raise ConnectionError("the sentinels name another primary")
-                idle = self._idle(now)
-                if idle:
-                    pending.extend(idle)
-                    sock.sendall(b"".join(resp_command(self._unsub, ch) for ch in idle))
-
-    def _on_reply(self, reply: Any, pending: collections.deque[Entry | bytes | Unread]) -> bool:
-        """Handle one reply or message; False when wake-ups are now off."""
-        import hiredis
-
-        if isinstance(reply, list) and len(reply) >= 2 and reply[0] == self._kinds[0]:
-            with self._lock:
-                entry = self._entries.get(reply[1])
-                if entry is not None:
-                    entry.seq += 1
-                    if entry.waiters:
-                        entry.waiters[0].wake()
-            return True
-        if (
-            isinstance(reply, list)
-            and len(reply) >= 2
-            and reply[0] == self._kinds[1]
-            and not (pending and pending[0] == reply[1])
-        ):
-            # An unsubscription we did not ask for: the slot moved to another node (sharded
-            # pub/sub). Its waiters try now and poll; the next wait on it joins the new owner.
-            self._forget(reply[1])
-            return True
-        # Otherwise the reply to the oldest command sent.
-        sent = pending.popleft() if pending else None
-        if sent is UNREAD:
-            return True
-        if isinstance(reply, hiredis.ReplyError):
-            if isinstance(sent, Entry) and str(reply).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
-                # The channel's slot is not (or not yet) this node's: as a moved slot.
-                self._forget(sent.channel)
-            elif isinstance(sent, Entry):
-                # NOPERM from an ACL without +subscribe or the channel, most likely.
-                self._turn_off(f"the server refused SUBSCRIBE {sent.channel.decode('utf-8', 'replace')}: {reply}")
-                return False
-            # A refused UNSUBSCRIBE: the channel stays subscribed, its messages unheard.
-            log.debug("wake-ups: UNSUBSCRIBE refused by %s: %s", self._server, reply)
-        elif isinstance(sent, Entry):
-            with self._lock:
-                # From now on no release goes unheard; one before it may have (a reconnect,
-                # or the waiters' attempts made while it was on its way): the first waiter
-                # tries again now.
-                sent.confirmed = True
-                sent.seq += 1
-                if sent.waiters:
-                    sent.waiters[0].wake()
-        return True
-
-    def _forget(self, channel: bytes) -> None:
-        with self._lock:
-            entry = self._entries.pop(channel, None)
-            if entry is not None:
-                entry.confirmed = False
-                entry.seq += 1
-                for waiter in entry.waiters:
-                    waiter.wake()
-
-    def _idle(self, now: float) -> list[bytes]:
-        """Drop the subscriptions nobody waited on for LINGER_S; their channels."""
-        with self._lock:
-            idle = [
-                ch
-                for ch, e in self._entries.items()
-                if e.confirmed and not e.waiters and now - e.idle_since >= LINGER_S
-            ]
-            for ch in idle:
-                del self._entries[ch]
-        return idle
-
-    def _lost(self) -> None:
-        """The connection is gone: every subscription is to be made again (on the next
-        connection), and every waiter tries now (a release meanwhile may go unheard)."""
-        with self._lock:
-            for entry in self._entries.values():  # lingering ones too: a hot key stays subscribed
-                entry.confirmed = False
-                entry.seq += 1
-                for waiter in entry.waiters:
-                    waiter.wake()
-            self._outbox = []
-
-    def _turn_off(self, why: str) -> None:
-        self.off = why
-        log.warning("wake-ups are off for %s: %s; lock_wait polls with backoff", self._server, why)
+                with self._lock:
+                    out = core.sweep(now)
+                if out:
+                    sock.sendall(out)
 
 
 _slot_lock = threading.Lock()
@@ -598,7 +389,7 @@ class ClusterWakeups(Wakeups):
         self._nodes_lock = threading.Lock()
         self._closed = False  # then no node's subscriber is made any more: a waiter polls
 
-    def subscribed(self, channel: bytes) -> Entry | None:
+    def subscribed(self, channel: bytes) -> Entry[Waiter] | None:
         address = self._owner(channel)
         hub = None if address is None else self._nodes.get(address)
         return None if hub is None else hub.subscribed(channel)
