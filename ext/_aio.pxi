@@ -384,8 +384,14 @@ cdef class AioCore:
     cdef object _answer(self, _AioWaiter w):
         """The four replies w holds, decided (see acquire) and let go of."""
         cdef int err = 0, i
-        cdef long long answer = _txn_read(w.four, &err)
+        cdef long long answer
         cdef redisReply *r
+        if _auth_refused(w.four[0]):
+            # This connection is not authenticated (whatever came after): never a server
+            # without transactions.
+            answer = _TXN_ERROR
+        else:
+            answer = _txn_read(w.four, &err)
         try:
             if answer == _TXN_ERROR:
                 r = w.four[err]

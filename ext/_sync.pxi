@@ -1098,7 +1098,13 @@ cdef class NativeBackend:
                         continue
                     if todo[i] == 2:
                         k = 4
-                        answer = _txn_read(replies + j, &err)
+                        if _auth_refused(replies[j]):
+                            # This connection is not authenticated (whatever came after):
+                            # never a server without transactions.
+                            answer = _TXN_ERROR
+                            err = 0
+                        else:
+                            answer = _txn_read(replies + j, &err)
                         r = NULL
                         if answer > 0:
                             values[i] = answer

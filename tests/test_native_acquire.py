@@ -225,20 +225,27 @@ HONEST_CLOCK = b"*2\r\n" + b"".join(bulk(b"%d" % n) for n in divmod(fence_of(loc
 EXECABORT = b"-EXECABORT Transaction discarded because of previous errors.\r\n"
 
 
-@pytest.mark.parametrize("refusal", ["LOADING", "NOAUTH"])
-def test_a_refused_transaction_is_sent_again_as_a_scripts_would_be(opened: Callable[..., Paths], refusal: str) -> None:
+@pytest.mark.parametrize("refusal", ["LOADING", "NOAUTH", "NOAUTH-at-MULTI"])
+def test_a_refused_transaction_is_sent_again_as_a_scripts_would_be(
+    opened: Callable[..., Paths], refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # A transient reply (the call paused, then resent on a new connection) and NOAUTH (a
     # new connection, which authenticates anew): MULTI and SET refused alike, nothing ran.
+    # NOAUTH at MULTI alone still says the connection is not authenticated, never that the
+    # server has no transactions.
     with FakeRedis() as fake:
         cache = opened(fake.url, timeout=0.25, wakeups=False)
         connections = fake.connections
         reply = LOADING if refusal == "LOADING" else NOAUTH
-        for command in (b"MULTI", b"SET", b"TIME", b"EXEC"):
+        for command in (b"MULTI",) if refusal == "NOAUTH-at-MULTI" else (b"MULTI", b"SET", b"TIME", b"EXEC"):
             fake.on(command, reply=reply)
         lock = cache.lock("refused", 10)
         assert fake.pending() == 0 and fake.connections == connections + 1
         assert lock.fence == fence_of(lock_name(b"refused"))
         assert fake.count(b"EVALSHA") == 0  # the transaction again, not the script
+        cache.lock("after", 10)
+        assert fake.count(b"EVALSHA") == 0  # still by transaction
+        assert not [r for r in caplog.records if "refused MULTI" in r.getMessage()]
 
 
 def test_an_error_at_the_set_is_a_cache_error(opened: Callable[..., Paths]) -> None:
