@@ -39,8 +39,9 @@ cdef bytes _SHA_RELEASE_SHARDED = _RELEASE_SHARDED.sha
 
 # A batch key's entry in plains besides _PLAIN_*: sent as the transaction (and, after
 # its round, answered SCRIPT: the script's pipeline takes it).
-DEF _RT_TXN = 8
-DEF _RT_TXN_SCRIPT = 9
+cdef enum:
+    _RT_TXN = 8
+    _RT_TXN_SCRIPT = 9
 
 
 DEF _SLOTS = 16384
@@ -124,6 +125,16 @@ cdef tuple _plain_command(int plain, bytes key, bytes value, long long ms):
     if plain == _PLAIN_DELIFEQ:
         return (b"DELIFEQ", key, value)
     return (b"DELEX", key, b"IFEQ", value)
+
+
+cdef inline long long _route_txn_read(redisReply **r, int *err) noexcept:
+    """_txn_read, but NOAUTH/WRONGPASS at MULTI is the connection's refusal, whatever came
+    after it (Route: a new connection, the transaction again), never a node without
+    transactions; as the standalone client reads it."""
+    if _auth_refused(r[0]):
+        err[0] = 0
+        return _TXN_ERROR
+    return _txn_read(r, err)
 
 
 cdef inline ClusterRouter _router_of(object backend):
@@ -357,7 +368,7 @@ cdef class ClusterRouter:
             _leave(conn)
         if txn:
             try:
-                answer = _txn_read(rs, &err)
+                answer = _route_txn_read(rs, &err)
                 if answer > 0:
                     return answer
                 if answer == _TXN_ERROR:
@@ -597,7 +608,7 @@ cdef class ClusterRouter:
                 for i in range(n):
                     r = replies[4 * i]
                     if plains[i] == _RT_TXN:
-                        answer = _txn_read(&replies[4 * i], &err)
+                        answer = _route_txn_read(&replies[4 * i], &err)
                         if answer > 0:
                             values[i] = answer
                             continue

@@ -524,3 +524,16 @@ def decoded(resp: bytes) -> Any:
         RESP["time"]: CLOCK,
         RESP["oddclock"]: [b"OK", [b"abc", b"5"]],
     }[resp]
+
+
+def test_an_auth_refusal_at_multi_is_the_connections_not_a_node_without_transactions() -> None:
+    cluster = transacting()
+    key = key_on(A)
+    route = acquire(cluster, [key])
+    refused = ReplyError("NOAUTH Authentication required.")
+    answer(route, sent(route), {A: [refused, b"OK", CLOCK, ReplyError("ERR EXEC without MULTI")]})
+    assert route.advance() == 0.0
+    assert route.reconnect == {A}
+    route.reconnect.clear()
+    assert sent(route) == {A: list(transaction(key, TOKEN, 30000))}  # still the transaction
+    assert cluster.transacts(A, (b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000"))
