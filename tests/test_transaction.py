@@ -235,13 +235,14 @@ def test_lock_wait_on_a_held_key_gets_it_when_released(api: Api, redis_server: R
     assert api.unlock(lock) is True
 
 
-def test_a_wait_without_wake_ups_polls_by_script_after_its_first_attempt(
-    mode: str, redis_url: str, redis_server: RedisServer
+@pytest.mark.parametrize("wakeups", [False, True])
+def test_a_wait_polls_by_script_after_its_first_attempt(
+    mode: str, redis_url: str, redis_server: RedisServer, wakeups: bool
 ) -> None:
     # A key held at the first attempt is likely held at the next: the polls send the
     # script, which decides in one round trip (the transaction would find the key held,
-    # then send the script: two).
-    api, holder = Api(mode, redis_url, wakeups=False), Api(mode, redis_url)
+    # then send the script: two). With wake-ups: ACQUIRE_POLL, then the waiting forms.
+    api, holder = Api(mode, redis_url, wakeups=wakeups), Api(mode, redis_url)
     try:
         api.unlock(api.lock("warm"))
         holder.lock("polled", ttl=0.3)
