@@ -29,6 +29,7 @@ from posix.unistd cimport close, getpid, read
 from hiredis cimport *
 
 from hotlock import _backoff
+from hotlock._acquire import warn_refused
 from hotlock._config import command_name, naming_commands, naming_optional, tls_files_stamp
 from hotlock._credentials import auth_args, auth_command, reauth_command
 from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script

@@ -1524,8 +1524,7 @@ cdef class NativeBackend:
         self._txn = False
         if not self._multi_refused:
             self._multi_refused = True
-            _log.warning("%s refused MULTI (the server replied %s): every acquire goes by the ACQUIRE script "
-                         "from now on", self.server, text)
+            warn_refused(self.server, text)
         return 0
 
     def close(self):

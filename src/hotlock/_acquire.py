@@ -32,9 +32,12 @@ tests/unit/test_acquire.py holds the two to the same answers.
 
 from __future__ import annotations
 
+import logging
 from typing import Final
 
-__all__ = ["SCRIPT", "commands", "fence_of", "read", "refused_multi"]
+__all__ = ["SCRIPT", "commands", "fence_of", "read", "refused_multi", "warn_refused"]
+
+log = logging.getLogger("hotlock")
 
 # read()'s answer when the ACQUIRE script is to decide this call.
 SCRIPT: Final = 0
@@ -80,6 +83,12 @@ def read(replies: list[object], error: type[BaseException]) -> int | BaseExcepti
             if fence is not None:
                 return fence
     return SCRIPT  # a shape no server sends: the script asks again, and its reply is checked
+
+
+def warn_refused(where: str, reply: object) -> None:
+    """The one WARNING a backend (or a cluster, per node) gives when MULTI is first
+    refused alone: ``where`` the server, ``reply`` what it replied."""
+    log.warning("%s refused MULTI (%s): its acquires go by the ACQUIRE script from now on", where, reply)
 
 
 def refused_multi(replies: list[object], error: type[BaseException]) -> bool:

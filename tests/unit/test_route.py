@@ -420,7 +420,7 @@ def test_a_node_that_refuses_multi_keeps_its_acquires_on_the_script(caplog: pyte
     assert later[A] == [(b"EVALSHA", ACQUIRE.sha, b"1", keys[0], TOKEN, b"30000")]
     assert later[B] == list(transaction(keys[1], TOKEN, 30000))
     assert [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()] == [
-        f"10.0.0.1:7000 refused MULTI ({refused}): acquires on it go by script from now on"
+        f"10.0.0.1:7000 refused MULTI ({refused}): its acquires go by the ACQUIRE script from now on"
     ]
 
 

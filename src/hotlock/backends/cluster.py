@@ -65,7 +65,7 @@ from typing import Any, Protocol
 
 from .._acquire import commands as transaction
 from .._acquire import read as read_transaction
-from .._acquire import refused_multi
+from .._acquire import refused_multi, warn_refused
 from .._config import ServerConfig
 from .._credentials import is_auth_refusal
 from .._dialect import (
@@ -814,11 +814,7 @@ class ClusterCore:
         if address in self._no_multi:
             return
         self._no_multi.add(address)
-        log.warning(
-            "%s:%d refused MULTI (%s): acquires on it go by script from now on",
-            *address,
-            error,
-        )
+        warn_refused(f"{address[0]}:{address[1]}", error)
 
     def sent_form(self, address: Address, command: tuple[bytes, ...]) -> tuple[bytes, ...]:
         """What goes to ``address`` for ``command`` (a script call): an extend's or a

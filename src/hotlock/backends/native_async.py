@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from .._acquire import warn_refused
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
@@ -543,11 +544,7 @@ class NativeAsyncBackend:
         if not self._multi_refused:
             self._multi_refused = True
             why = getattr(self._proto, "multi_refusal", None)
-            log.warning(
-                "%s refused MULTI (the server replied %s): every acquire goes by the ACQUIRE script from now on",
-                self.server,
-                why,
-            )
+            warn_refused(self.server, why)
 
     async def _acquire_confirmed(
         self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int, script: Script = ACQUIRE

@@ -248,9 +248,7 @@ class Transaction:
 
 def refused_warning(server: str, refusal: BaseException) -> None:
     """Said once per backend, when MULTI is first refused. Shared with redispy_async."""
-    log.warning(
-        "%s refused MULTI (%s): every acquire goes by the ACQUIRE script from now on", server, describe(refusal)
-    )
+    _acquire.warn_refused(server, describe(refusal))
 
 
 class UnexpectedReply(RedisError):
