@@ -291,10 +291,13 @@ cdef class ClusterRouter:
 
     # -- one key ----------------------------------------------------------------------
 
-    def script(self, str what, bytes sha not None, bytes key not None, bytes token not None, long long ms, until):
+    def script(self, str what, bytes sha not None, bytes key not None, bytes token not None, long long ms, until,
+               bint transaction=True):
         """EVALSHA sha 1 key token [ms] (ms < 0: none); ``until`` (time.monotonic) as
-        Route's retry_until: None when a lost reply is never resent."""
-        return self._one(_EVAL, what, sha, key, token, ms, -1.0 if until is None else <double>until)
+        Route's retry_until: None when a lost reply is never resent. ``transaction``
+        False: an ACQUIRE goes as the script whatever the node takes (ACQUIRE_POLL)."""
+        return self._one(_EVAL if transaction else _EVAL_SCRIPT, what, sha, key, token, ms,
+                         -1.0 if until is None else <double>until)
 
     def set_nx(self, bytes key not None, bytes value not None, long long ms):
         # Never resent after a lost reply, as on one server.
@@ -428,7 +431,7 @@ cdef class ClusterRouter:
             command = _plain_command(plain, key, arg, ms)
         else:
             command = self._command(kind, sha, key, arg, ms)
-        results = self._cluster.routed(what, [key], [command], None if until < 0.0 else until, first)
+        results = self._cluster.routed(what, [key], [command], None if until < 0.0 else until, first, kind == _EVAL)
         return results[0]
 
     # -- the native call paths of ext/_lease.pxi -------------------------------------------
@@ -526,11 +529,11 @@ cdef class ClusterRouter:
             for k in range(nlinks):
                 place[k] = -1
             if self._map.stale:  # asked once: no Python code runs in the loop below
-                return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values)
+                return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values, txn)
             for i in range(n):
                 number = self._table_number(<bytes>keys[i], known)
                 if number == _NO_NODE or type(links[number]) is not NativeBackend:
-                    return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values)
+                    return self._many_handed(what, sha, keys, tokens, ms, until, None, NULL, values, txn)
                 nodes[i] = number
                 plains[i] = <char>_plain_of(<NativeBackend>links[number], sha, <bytes>tokens[i])
                 if txn and self._transacts(number, sha, <bytes>tokens[i]):
@@ -667,7 +670,7 @@ cdef class ClusterRouter:
                         else:
                             got.append(_py_reply(replies[4 * i]))
                     first.append((addresses[used[k]], got))
-            return self._many_handed(what, sha, keys, tokens, ms, until, (groups, first), plains, values)
+            return self._many_handed(what, sha, keys, tokens, ms, until, (groups, first), plains, values, txn)
         except BaseException:
             if sending:
                 # Commands appended or out on some nodes whose replies will not be read:
@@ -697,7 +700,7 @@ cdef class ClusterRouter:
             free(plains)
 
     cdef int _many_handed(self, str what, bytes sha, list keys, list tokens, long long ms, double until,
-                          object first, const char *plains, long long *values) except -1:
+                          object first, const char *plains, long long *values, bint txn) except -1:
         # Each key's command as it was sent (plains: Lua-free or not), for Route to read its
         # reply; its results into values (Route answers True/False for a Lua-free one).
         cdef Py_ssize_t i
@@ -712,7 +715,7 @@ cdef class ClusterRouter:
                     commands[i] = (b"MULTI", keys[i], tokens[i], num)  # hotlock.backends.cluster.transaction_form
                 elif plains[i]:
                     commands[i] = _plain_command(plains[i], keys[i], tokens[i], ms)
-        results = self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first)
+        results = self._cluster.routed(what, keys, commands, None if until < 0.0 else until, first, txn)
         if len(results) != len(keys):
             raise ValueError(f"{what}: one result per key")
         for i in range(len(keys)):

@@ -266,6 +266,35 @@ def test_a_node_that_refuses_multi_takes_its_acquires_by_script(
             node.client().execute_command("ACL", "DELUSER", USER)
 
 
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_lock_waits_polls_go_by_script(
+    redis_backend: str, api: str, cluster_url: str, redis_cluster: Cluster
+) -> None:
+    """lock_wait without wake-ups on a held key: the first attempt is the transaction, every
+    poll after it the script alone (a key found held is likely held still)."""
+    port = redis_cluster.primary_ports()[0]
+    client = redis_cluster.client(port)
+    key = keys_on(redis_cluster, port, 1, f"poll-{api}-")[0]
+    with hotlock.connect(cluster_url, backend=redis_backend) as holder, holder.lock(key, ttl=10):
+        before = node_calls(client, "exec", "evalsha")
+        if api == "sync":
+            with (
+                hotlock.connect(cluster_url, backend=redis_backend, wakeups=False) as cache,
+                pytest.raises(LockNotAcquired),
+            ):
+                cache.lock_wait(key, ttl=5, wait=0.3)
+        else:
+
+            async def main() -> None:
+                async with await hotlock.aio.connect(cluster_url, backend=redis_backend, wakeups=False) as cache:
+                    with pytest.raises(LockNotAcquired):
+                        await cache.lock_wait(key, ttl=5, wait=0.3)
+
+            asyncio.run(main())
+        execs, scripts = (a - b for a, b in zip(node_calls(client, "exec", "evalsha"), before, strict=True))
+        assert execs == 1 and scripts >= 3, (execs, scripts)  # the first attempt's script after its EXEC, then polls
+
+
 def errors(client: redis.Redis) -> int:
     """Every error reply the node has given (INFO errorstats)."""
     return sum(int(v["count"]) for v in client.info("errorstats").values())

@@ -16,7 +16,7 @@ from hotlock._acquire import read as read_transaction
 from hotlock._acquire import refused_multi
 from hotlock._config import parse_url
 from hotlock._dialect import detect
-from hotlock._scripts import ACQUIRE, ACQUIRE_WAIT, EXTEND, held_value
+from hotlock._scripts import ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, EXTEND, held_value
 from hotlock.backends.cluster import ClusterCore, Route, key_slot, transaction_form
 from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated
 
@@ -537,3 +537,14 @@ def test_an_auth_refusal_at_multi_is_the_connections_not_a_node_without_transact
     route.reconnect.clear()
     assert sent(route) == {A: list(transaction(key, TOKEN, 30000))}  # still the transaction
     assert cluster.transacts(A, (b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000"))
+
+
+def test_a_poll_goes_by_script_even_where_the_node_takes_the_transaction() -> None:
+    cluster = transacting()
+    key = key_on(A)
+    route = cluster.route("acquire", ACQUIRE_POLL, [key], [(TOKEN, b"30000")], 1e18)
+    assert sent(route) == {A: [(b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000")]}
+    moved = ReplyError(f"MOVED {key_slot(key)} 10.0.0.3:7000")
+    answer(route, {A: []}, {A: [moved]})
+    route.advance()
+    assert sent(route) == {C: [(b"EVALSHA", ACQUIRE.sha, b"1", key, TOKEN, b"30000")]}  # after MOVED too

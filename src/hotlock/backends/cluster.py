@@ -365,8 +365,11 @@ class Route:
         commands: Sequence[tuple[bytes, ...]],
         retry_until: float | None,
         wait: bool,
+        transaction: bool = True,
     ) -> None:
         self._cluster = cluster
+        # False: an ACQUIRE goes as the script whatever the node takes (ACQUIRE_POLL).
+        self._transaction = transaction
         self.what = what
         self.keys = keys
         # The script forms, always; a fast path may have sent some Lua-free, or as the
@@ -458,7 +461,7 @@ class Route:
                 if i in self._asking:
                     # ASKING covers the one command after it: an acquire goes by script.
                     batch.append((b"ASKING",))
-                elif i not in self._scripted and self._cluster.transacts(address, command):
+                elif self._transaction and i not in self._scripted and self._cluster.transacts(address, command):
                     batch.extend(transaction(command[3], command[4], int(command[5])))
                     self._txn.add(i)
                     continue
@@ -860,7 +863,9 @@ class ClusterCore:
         retry_until: float | None,
     ) -> Route:
         commands = [(b"EVALSHA", script.sha, b"1", k, *a) for k, a in zip(keys, args, strict=True)]
-        return Route(self, what, keys, commands, retry_until, self.confirms(script))
+        # ACQUIRE_POLL: the same script, never the transaction (a key found held a moment
+        # ago is likely held still).
+        return Route(self, what, keys, commands, retry_until, self.confirms(script), script is not ACQUIRE_POLL)
 
     def confirms(self, script: Script) -> bool:
         """Whether WAIT rides behind ``script``'s calls: under wait_replicas, the acquires
@@ -1029,12 +1034,14 @@ class ClusterBackend(ClusterCore):
         commands: list[tuple[bytes, ...]],
         retry_until: float | None,
         first: tuple[dict[Address, list[int]], list[tuple[Address, Any]]] | None,
+        transaction: bool = True,
     ) -> list[Any]:
         """A call the extension's fast path did not finish, under Route's rules: from the
         start (``first`` None: a stale map, a slot or node it does not know), or after the
         first round it sent (a redirection, an error reply, a lost reply: the same
-        commands, the same tokens, the one lost-reply retry still Route's to spend)."""
-        return self._run(Route(self, what, keys, commands, retry_until, False), first)
+        commands, the same tokens, the one lost-reply retry still Route's to spend).
+        ``transaction`` False: an ACQUIRE goes on as the script (Route)."""
+        return self._run(Route(self, what, keys, commands, retry_until, False, transaction), first)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -1135,7 +1142,7 @@ class ClusterBackend(ClusterCore):
         """One key's script (ms -1: no TTL argument), on the extension's fast path when it
         routes here."""
         if self._router is not None:
-            return self._router.script(what, script.sha, key, token, ms, until)
+            return self._router.script(what, script.sha, key, token, ms, until, script is not ACQUIRE_POLL)
         return self._scripts(what, script, [key], [(token,) if ms < 0 else (token, b"%d" % ms)], until)[0]
 
     # -- the Backend interface --------------------------------------------------------

@@ -21,7 +21,7 @@ from .._acquire import read as read_transaction
 from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
-from .._scripts import ACQUIRE, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
     MAP_ERRORS,
@@ -242,6 +242,7 @@ class AsyncClusterBackend(ClusterCore):
         until: float | None,
         wait: bool,
         shield: bytes | None,
+        transact: bool = False,
     ) -> Any:
         """One key's command. Where the router knows the key's node and its link, the
         command goes straight to that node's connection (ordered there, as on one server),
@@ -249,11 +250,12 @@ class AsyncClusterBackend(ClusterCore):
         transaction where the node takes it (ClusterCore.transacts: SCRIPT sends the script
         there next); a reply that is no error (and, Lua-free, no miss) is the answer.
         Anything else, or no router, goes on under Route, from that first round, behind
-        InFlight under the token ``shield``."""
+        InFlight under the token ``shield``. ``transact``: whether an ACQUIRE may go as the
+        transaction (not ACQUIRE_POLL)."""
         first: First | None = None
         sent = command
         found = None if self._router is None else self._router.node(key)
-        if found is not None and self.transacts(found[0], command):
+        if found is not None and transact and self.transacts(found[0], command):
             address, link = found
             try:
                 four = await link.link_call(list(transaction(key, command[4], int(command[5]))), None)
@@ -285,7 +287,7 @@ class AsyncClusterBackend(ClusterCore):
                 if sent is not command and (reply == b"OK" or reply == 1):
                     return 1  # SET IFEQ's OK, DELIFEQ's or DELEX's 1; a miss goes by script in Route
                 first = ({address: [0]}, [(address, [reply])])
-        work = self._run(Route(self, what, [key], [sent], until, wait), first)
+        work = self._run(Route(self, what, [key], [sent], until, wait, transact), first)
         return (await (work if shield is None else self._inflight.shielded([shield], work)))[0]
 
     async def _many(
@@ -396,7 +398,8 @@ class AsyncClusterBackend(ClusterCore):
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)
-        return int(await self._fast("acquire", key, command, until, self.confirms(script), token))
+        transact = script is not ACQUIRE_POLL
+        return int(await self._fast("acquire", key, command, until, self.confirms(script), token, transact))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self._until(None, 0, self.timeout))
