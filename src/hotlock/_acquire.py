@@ -48,16 +48,25 @@ def commands(key: bytes, token: bytes, ttl_ms: int) -> tuple[tuple[bytes, ...], 
     return ((b"MULTI",), (b"SET", key, token, b"NX", b"PX", b"%d" % ttl_ms), (b"TIME",), (b"EXEC",))
 
 
+def _clock_part(part: object) -> int | None:
+    """One of TIME's two numbers: up to 18 ASCII digits (or an integer reply), as the C
+    reader takes them; None otherwise."""
+    if type(part) is int:
+        return part
+    if isinstance(part, str):
+        part = part.encode()
+    if isinstance(part, bytes) and 0 < len(part) <= 18 and part.isdigit():
+        return int(part)
+    return None
+
+
 def fence_of(time_reply: object) -> int | None:
     """TIME's reply, [seconds, microseconds] as bytes (or ints), as the fence: the clock in
     microseconds; None when it is not that shape."""
     if not isinstance(time_reply, (list, tuple)) or len(time_reply) != 2:
         return None
-    try:
-        seconds, micros = int(time_reply[0]), int(time_reply[1])
-    except (TypeError, ValueError):
-        return None
-    if seconds <= 0 or not 0 <= micros < 1_000_000:
+    seconds, micros = _clock_part(time_reply[0]), _clock_part(time_reply[1])
+    if seconds is None or micros is None or not 0 < seconds <= 9_000_000_000_000 or not 0 <= micros < 1_000_000:
         return None
     return seconds * 1_000_000 + micros
 

@@ -110,9 +110,9 @@ def test_the_c_decision_is_the_python_one(case: str) -> None:
 
 
 # Every combination of these, one per reply: what each of the four may be, errors and
-# shapes no server sends included (Python's int() reads more than digits, a '+' or spaces
-# or '_' in TIME's numbers, and an EXEC whose SET reply is the integer 1 counts as OK
-# there: no server sends those, and they are left out).
+# shapes no server sends included (TIME's numbers with a sign, a space, an underscore or
+# 19 digits among them; an EXEC whose SET reply is the integer 1, which Python takes for
+# OK as redis-py may give it, is left out).
 POOL: list[list[bytes]] = [
     [OK, NOPERM, NOAUTH, b"$-1\r\n", QUEUED],
     [QUEUED, OK, b"$-1\r\n", NOAUTH, b"-OOM full\r\n", b":1\r\n"],
@@ -122,6 +122,10 @@ POOL: list[list[bytes]] = [
         exec_of(b"$-1\r\n"),
         exec_of(OK, clock(b"12", b"999999")),
         exec_of(OK, clock(b"1", b"x")),
+        exec_of(OK, clock(b"+12", b"5")),
+        exec_of(OK, clock(b"12", b" 5")),
+        exec_of(OK, clock(b"1_2", b"5")),
+        exec_of(OK, clock(b"1" * 19, b"5")),
         exec_of(OK, b"*2\r\n:7\r\n:-1\r\n"),
         exec_of(bulk(b"OK"), b"*3\r\n:1\r\n:2\r\n:3\r\n"),
         EXECABORT,
