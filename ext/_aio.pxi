@@ -386,12 +386,7 @@ cdef class AioCore:
         cdef int err = 0, i
         cdef long long answer
         cdef redisReply *r
-        if _auth_refused(w.four[0]):
-            # This connection is not authenticated (whatever came after): never a server
-            # without transactions.
-            answer = _TXN_ERROR
-        else:
-            answer = _txn_read(w.four, &err)
+        answer = _txn_read(w.four, &err)
         try:
             if answer == _TXN_ERROR:
                 r = w.four[err]

@@ -127,16 +127,6 @@ cdef tuple _plain_command(int plain, bytes key, bytes value, long long ms):
     return (b"DELEX", key, b"IFEQ", value)
 
 
-cdef inline long long _route_txn_read(redisReply **r, int *err) noexcept:
-    """_txn_read, but NOAUTH/WRONGPASS at MULTI is the connection's refusal, whatever came
-    after it (Route: a new connection, the transaction again), never a node without
-    transactions; as the standalone client reads it."""
-    if _auth_refused(r[0]):
-        err[0] = 0
-        return _TXN_ERROR
-    return _txn_read(r, err)
-
-
 cdef inline ClusterRouter _router_of(object backend):
     """The router of a native ClusterBackend that has one (NativeLock.unlock/extend's fast
     path: a NativeLock's backend is a NativeBackend or a native ClusterBackend)."""
@@ -371,7 +361,7 @@ cdef class ClusterRouter:
             _leave(conn)
         if txn:
             try:
-                answer = _route_txn_read(rs, &err)
+                answer = _txn_read(rs, &err)
                 if answer > 0:
                     return answer
                 if answer == _TXN_ERROR:
@@ -611,7 +601,7 @@ cdef class ClusterRouter:
                 for i in range(n):
                     r = replies[4 * i]
                     if plains[i] == _RT_TXN:
-                        answer = _route_txn_read(&replies[4 * i], &err)
+                        answer = _txn_read(&replies[4 * i], &err)
                         if answer > 0:
                             values[i] = answer
                             continue

@@ -403,10 +403,14 @@ cdef inline long long _fence_of(const redisReply *t) noexcept nogil:
 cdef long long _txn_read(redisReply **r, int *err) noexcept nogil:
     """= hotlock._acquire.read over the transaction's four replies r[0..3]: the fence
     (> 0), _TXN_SCRIPT, _TXN_NO_MULTI, or _TXN_ERROR with *err the index of the error
-    reply the call failed with (SET's, TIME's or EXEC's, the first)."""
+    reply the call failed with (MULTI's NOAUTH/WRONGPASS, else SET's, TIME's or EXEC's, the
+    first)."""
     cdef int i
     cdef redisReply *e
     cdef redisReply *taken
+    if _auth_refused(r[0]):
+        err[0] = 0
+        return _TXN_ERROR
     if r[0].type == REDIS_REPLY_ERROR and r[1].type != REDIS_REPLY_ERROR:
         return _TXN_NO_MULTI
     for i in range(1, 4):
@@ -479,7 +483,7 @@ cdef int _append_args(redisContext *ctx, tuple args) except -1:
     return 0
 
 
-cdef inline bint _is_error(redisReply *r, const char *prefix, size_t n) noexcept:
+cdef inline bint _is_error(redisReply *r, const char *prefix, size_t n) noexcept nogil:
     return r.type == REDIS_REPLY_ERROR and r.len >= n and memcmp(r.str, prefix, n) == 0
 
 
@@ -1098,13 +1102,7 @@ cdef class NativeBackend:
                         continue
                     if todo[i] == 2:
                         k = 4
-                        if _auth_refused(replies[j]):
-                            # This connection is not authenticated (whatever came after):
-                            # never a server without transactions.
-                            answer = _TXN_ERROR
-                            err = 0
-                        else:
-                            answer = _txn_read(replies + j, &err)
+                        answer = _txn_read(replies + j, &err)
                         r = NULL
                         if answer > 0:
                             values[i] = answer
@@ -1630,7 +1628,7 @@ cdef object _py_reply(redisReply *r):
     return None
 
 
-cdef inline bint _auth_refused(redisReply *r) noexcept:
+cdef inline bint _auth_refused(redisReply *r) noexcept nogil:
     # = hotlock._credentials.is_auth_refusal: this connection is not authenticated.
     return _is_error(r, b"NOAUTH", 6) or _is_error(r, b"WRONGPASS", 9)
 

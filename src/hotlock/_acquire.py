@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+from ._credentials import is_auth_refusal
+
 __all__ = ["SCRIPT", "commands", "fence_of", "read", "refused_multi", "warn_refused"]
 
 log = logging.getLogger("hotlock")
@@ -76,7 +78,11 @@ def read(replies: list[object], error: type[BaseException]) -> int | BaseExcepti
     fence (> 0) when the key was taken, SCRIPT when the ACQUIRE script is to decide, or
     the error reply the call failed with, to be treated as a script's (the first one of
     SET, TIME, EXEC: a queued command refused makes EXEC refuse the whole, EXECABORT, so
-    SET's own error names why; NOAUTH refuses MULTI and SET alike)."""
+    SET's own error names why). A MULTI refused NOAUTH or WRONGPASS is that error, whatever
+    came after it: this connection is not authenticated, never a server without
+    transactions."""
+    if isinstance(replies[0], error) and is_auth_refusal(str(replies[0])):
+        return replies[0]
     if refused_multi(replies, error):
         return SCRIPT
     for reply in replies[1:]:
@@ -104,5 +110,5 @@ def refused_multi(replies: list[object], error: type[BaseException]) -> bool:
     """Whether MULTI alone was refused and SET then ran on its own (it replied, no error):
     this server, or what stands before it, has no transactions for us (an ACL without
     MULTI, a proxy), and the acquire goes by script from now on. A MULTI refused with
-    the SET (NOAUTH, a server loading) is that error, not this."""
-    return isinstance(replies[0], error) and not isinstance(replies[1], error)
+    the SET (a server loading), or refused NOAUTH/WRONGPASS, is that error, not this."""
+    return isinstance(replies[0], error) and not isinstance(replies[1], error) and not is_auth_refusal(str(replies[0]))

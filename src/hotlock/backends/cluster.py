@@ -563,10 +563,6 @@ class Route:
         with here (the fence, or the key to go again by script, to this node or to the
         next one a redirection names), else the error reply to handle as a script's
         (MOVED on the queued SET, with EXEC's EXECABORT after it, is MOVED)."""
-        if isinstance(replies[0], ReplyError) and is_auth_refusal(str(replies[0])):
-            # NOAUTH/WRONGPASS at MULTI: this connection is not authenticated, whatever
-            # came after it; never a node without transactions.
-            return replies[0]
         if refused_multi(replies, ReplyError):
             self._cluster.refuse_multi(address, str(replies[0]))
         outcome = read_transaction(replies, ReplyError)
