@@ -1,8 +1,10 @@
 """Client CPU per operation of hotlock trees against each other and the C loop, interleaved:
-``python -m bench.abcpu cycle|extend [TREE ...]``.
+``python -m bench.abcpu cycle|extend|batch [TREE ...]``.
 
 Each TREE is a checkout with its extension built in place (``src/hotlock/_native*.so``);
-the default is this one. Every round runs each tree's native cycle or extend in a fresh
+the default is this one. Every round runs each tree's native cycle, extend or batch
+(``lock_many`` of 100 fresh keys, then ``unlock_many``; the keys made as the bench's batch
+workload makes them, one f-string each, which the C loop does with snprintf) in a fresh
 interpreter (``PYTHONPATH=TREE/src``), then the C loop, all pinned like ``--one-core``
 (server and client on one core, or ``--split``), so a before/after comparison is taken on
 the same server in the same minutes. Client CPU (getrusage) per operation moves less with
@@ -35,6 +37,10 @@ what, n, serial = sys.argv[2], int(sys.argv[3]), itertools.count()
 if what == "extend":
     held = cache.lock(f"abcpu:held:{sys.argv[4]}", 30)
     op = lambda: held.extend(30)
+elif what == "batch":
+    tag = sys.argv[4]
+    def op():
+        cache.unlock_many(cache.lock_many([f"abcpu:{tag}:{next(serial)}" for _ in range(100)], 30))
 else:
     op = lambda: cache.lock(f"abcpu:{sys.argv[4]}:{next(serial)}", 30).unlock()
 for _ in range(n // 10):
@@ -48,12 +54,14 @@ print((cpu() - c0) / n * 1e6, n / (time.perf_counter() - t0))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.abcpu", description=__doc__.splitlines()[0])
-    ap.add_argument("workload", choices=("cycle", "extend"))
+    ap.add_argument("workload", choices=("cycle", "extend", "batch"))
     ap.add_argument("trees", nargs="*", type=Path, default=[ROOT])
     ap.add_argument("--split", action="store_true", help="server and client on different cores")
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--ops", type=int, default=60_000)
+    ap.add_argument("--ops", type=int, help="operations per run (default 60,000; 1,000 batches)")
     args = ap.parse_args(argv)
+    if args.ops is None:
+        args.ops = 1_000 if args.workload == "batch" else 60_000
     pin = pinning(one_core=not args.split)
     client = pin.prefix(pin.client)
     exe, why = ceiling.build()
@@ -74,12 +82,16 @@ def main(argv: list[str] | None = None) -> int:
             r = ceiling.run_c(exe, server.host, server.port, args.workload, 0.5, f"abcpu{i}{os.getpid()}", client)
             rows["C loop"].append((r["cpu"] / r["ops"] * 1e6, r["ops"] / r["seconds"]))
     c_cpu = statistics.median(cpu for cpu, _ in rows["C loop"])
-    print(f"pinning: {pin.note}; {args.runs} rounds of {args.ops:,} {args.workload}s; load {os.getloadavg()[0]:.2f}")
-    print(f"{'':<40}{'CPU µs/op':>10}{'x C':>7}{'ops/s':>10}")
+    plural = "batches" if args.workload == "batch" else f"{args.workload}s"
+    print(f"pinning: {pin.note}; {args.runs} rounds of {args.ops:,} {plural}; load {os.getloadavg()[0]:.2f}")
+    # speed x C: each round's rate over the C loop's in the same round, the median of those
+    # (a paired ratio moves less with the machine's load than either rate does).
+    print(f"{'':<40}{'CPU µs/op':>10}{'x C':>7}{'ops/s':>10}{'speed x C':>11}")
     for name, values in rows.items():
         cpu = statistics.median(v[0] for v in values)
         rate = statistics.median(v[1] for v in values)
-        print(f"{name[-40:]:<40}{cpu:>10.2f}{cpu / c_cpu:>7.2f}{rate:>10,.0f}")
+        speed = statistics.median(v[1] / c[1] for v, c in zip(values, rows["C loop"], strict=True))
+        print(f"{name[-40:]:<40}{cpu:>10.2f}{cpu / c_cpu:>7.2f}{rate:>10,.0f}{speed:>11.2f}")
     return 0
 
 
