@@ -106,11 +106,12 @@ static inline int hotlock_leftover(redisContext *c) {
 }
 
 /* After a round trip's n replies: whether the reply stream is in doubt (an odd reply, or
- * bytes left over); if so the context's error says why. */
+ * bytes left over); if so the context's error says why. A NULL entry is a reply already
+ * taken and freed as it was read (_exchange_calls), which was of no odd kind. */
 static inline int hotlock_suspect_stream(redisContext *c, const redisReply **replies, Py_ssize_t n) {
     Py_ssize_t i;
     for (i = 0; i < n; i++)
-        if (hotlock_odd_reply(replies[i]))
+        if (replies[i] != NULL && hotlock_odd_reply(replies[i]))
             return hotlock_doubt(c, "the server sent a reply of a kind no command asked for");
     return hotlock_leftover(c);
 }
