@@ -106,6 +106,10 @@ def connect(
     ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them all on the scripts.
     ``cache.server_info`` tells which server was found and which path is in use.
 
+    ``fences=False`` gives every lock the fence 0 and takes a free key with ``SET NX PX``
+    alone (no ``MULTI``, ``TIME``, ``EXEC``): for locks whose work no store checks by fence,
+    at the server's lowest cost (docs/fencing.md).
+
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
     told of every acquisition, release, extension, loss and error, or a list of listeners
     (each told of every event, e.g. Prometheus and hotlock.otel); without one, nothing is paid.

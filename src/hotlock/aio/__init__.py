@@ -57,7 +57,8 @@ async def connect(
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
-    chooses between the Lua-free extend/release, where the server has them, and the scripts.
+    chooses between the Lua-free extend/release, where the server has them, and the scripts;
+    ``fences=False`` makes every lock's fence 0 and takes a free key with ``SET NX PX`` alone.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     ``credential_provider`` and ``reauth_interval`` as there; a provider with its own
     ``get_credentials_async()`` (redis-entraid's) is awaited instead.
