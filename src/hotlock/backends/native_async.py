@@ -20,7 +20,7 @@ from .._config import ServerConfig, command_name, keepalive, naming_commands, na
 from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._ident import TOKEN_BYTES
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value, resent
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, code, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
@@ -429,15 +429,12 @@ class NativeAsyncBackend:
         replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(batch), retry)
         missing = [i for i, reply in enumerate(replies[: len(keys)]) if _noscript(reply)]
         if missing:
-            # Only the calls that did not run are sent again: a release that ran must not
-            # be re-run and reported as "not ours". The trailer follows them again.
+            # Only the calls that did not run go again (resent), the trailer behind them.
             again = [(b"SCRIPT", b"LOAD", script.source), *commands(missing)]
             loaded, *redone = await self._roundtrip(what, None, lambda p: p.pipeline(again), retry)
             if isinstance(loaded, ReplyError):
                 raise self._refused(what, None, loaded)
-            for i, reply in zip(missing, redone, strict=False):
-                replies[i] = reply
-            replies[len(keys) :] = redone[len(missing) :]
+            resent(replies, missing, redone, len(keys))
         for reply in replies:
             if isinstance(reply, ReplyError):
                 raise self._refused(what, None, reply)
