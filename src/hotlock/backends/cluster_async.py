@@ -388,13 +388,7 @@ class AsyncClusterBackend(ClusterCore):
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)

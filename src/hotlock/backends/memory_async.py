@@ -22,14 +22,9 @@ class AsyncMemoryBackend:
     def __init__(self) -> None:
         self._data = MemoryBackend()
 
+    # ``script``: the script a Redis backend would send; nothing to send here.
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: object = None,  # the script a Redis backend would send: nothing to send here
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: object
     ) -> int:
         return self._data.acquire(key, token, ttl_ms)
 

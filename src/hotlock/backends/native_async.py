@@ -459,13 +459,7 @@ class NativeAsyncBackend:
     # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         if self._config.wait_replicas:
             return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms, script))[0]
@@ -710,13 +704,12 @@ class NativeAsyncBackend:
 
     async def link_one(self, command: tuple[bytes, ...]) -> Any:
         """One command on this node's protocol, its reply (an error in place): the cluster's
-        fast path, which needs no pipeline list. As link_call, LinkLost or CacheError."""
+        fast path, which needs no pipeline list. As link_call, LinkLost or CacheError; a
+        connection to make, or an AUTH that may be due, goes by link_call."""
         proto = self._proto
-        if proto is None or not proto.usable():
-            proto = await self._connection()
+        if proto is None or self._reauth or not proto.usable():
+            return (await self.link_call([command], None))[0]
         try:
-            if self._reauth:
-                await self._reauth_if_due(proto)
             return await proto.execute(*command)
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc

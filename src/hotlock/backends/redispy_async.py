@@ -601,13 +601,7 @@ class RedisAsyncBackend:
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         if self._config.wait_replicas:
             confirmed = self._acquire_confirmed("acquire", [key], [token], ttl_ms, script)
