@@ -330,6 +330,8 @@ RELEASE = Script(_RELEASE.replace("@PUBLISH@", "PUBLISH"))
 RELEASE_SHARDED = Script(_RELEASE.replace("@PUBLISH@", "SPUBLISH"))
 
 SCRIPTS = (ACQUIRE, EXTEND, RELEASE, ACQUIRE_WAIT, ACQUIRE_CHAIN, RELEASE_SHARDED)
+# ACQUIRE and its waiting forms, and EXTEND: what a WAIT rides behind under wait_replicas.
+CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 def resent(replies: list[Any], missing: list[int], again: list[Any], n: int) -> None:

@@ -54,6 +54,7 @@ from .._scripts import (
     ACQUIRE_CHAIN,
     ACQUIRE_POLL,
     ACQUIRE_WAIT,
+    CONFIRMED,
     EXTEND,
     RELEASE,
     RELEASE_SHARDED,
@@ -787,7 +788,7 @@ class RedisPyBackend:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
         # same write as the acquires or extends it confirms: no extra round trip, no other
         # connection.
-        if self._wait_replicas and script in _CONFIRMED:
+        if self._wait_replicas and script in CONFIRMED:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
 
@@ -988,10 +989,6 @@ class RedisPyBackend:
         if self._wakeups is not None:
             self._wakeups.close()
         self._drop_all()
-
-
-# ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
-_CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:
