@@ -40,7 +40,7 @@ from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, re
 from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
-    UNDETECTED,
+    Detected,
     Dialect,
     by_script,
     extend_command,
@@ -557,15 +557,12 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-class RedisPyBackend:
+class RedisPyBackend(Detected):
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
         self._config = config
-        # What extend and release send: the scripts until connect() detects the server.
-        self.dialect: Dialect = UNDETECTED
-        self.fenced = True
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
@@ -986,10 +983,6 @@ class RedisPyBackend:
         except CacheError as exc:
             return probe_refused(exc)
         return reply if isinstance(reply, list) else None
-
-    def use_dialect(self, dialect: Dialect) -> None:
-        self.dialect = dialect
-        self.fenced = dialect.fenced
 
     def close(self) -> None:
         if self._wakeups is not None:

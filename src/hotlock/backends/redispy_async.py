@@ -31,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import KEEPALIVE_OPTIONS, ServerConfig
 from .._credentials import reauth_command_async
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
+from .._dialect import COMMAND_PROBE, Detected, by_script, extend_command, release_command
 from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value, resent
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, tried
@@ -352,14 +352,11 @@ class RedisAsyncLink:
         await self._pool.disconnect()
 
 
-class RedisAsyncBackend:
+class RedisAsyncBackend(Detected):
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
-        # What extend and release send: the scripts until connect() detects the server.
-        self.dialect: Dialect = UNDETECTED
-        self.fenced = True
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
@@ -811,10 +808,6 @@ class RedisAsyncBackend:
         except CacheError as exc:
             return probe_refused(exc)
         return reply if isinstance(reply, list) else None
-
-    def use_dialect(self, dialect: Dialect) -> None:
-        self.dialect = dialect
-        self.fenced = dialect.fenced
 
     async def close(self) -> None:
         if self.wake_slot is not None:
