@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
-from ._connect import connect_config, open_detected, with_credentials, with_wakeups
-from ._dialect import check_scripts
+from ._connect import connect_arguments, open_detected
+from ._core import lock_wait
 from ._fastpath import MeteredNativeCache, NativeCache
 from ._lazy import LazyBackend
 from ._lock import Lock
-from ._metered import MeteredCache, check_listener
-from ._validate import DEFAULT_TTL, Seconds
+from ._metered import MeteredCache
+from ._validate import Seconds
 from .backends.memory import MemoryBackend
 from .backends.native import backend_info
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
@@ -129,13 +129,8 @@ def connect(
     again and retries once; the provider's own failure is a CacheError naming it. See
     docs/managed.md.
     """
-    check_scripts(scripts)
-    listener = check_listener(metrics)
-    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
-    config = with_wakeups(config, wakeups)
-    config = with_credentials(config, credential_provider, reauth_interval)
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    # Its arguments by name, before any other local exists: checked in one place for both APIs.
+    raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
         return _cache(MemoryBackend(), raw_prefix, listener, timeout)
     if lazy:
@@ -160,17 +155,3 @@ def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: 
 def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """``cache.with_lock(key, ttl, fn, *args, **kwargs)``."""
     return cache.with_lock(key, ttl, fn, *args, **kwargs)
-
-
-def lock_wait(
-    cache: Cache,
-    key: str | bytes,
-    ttl: Seconds = DEFAULT_TTL,
-    wait: Seconds = 10.0,
-    *,
-    auto_extend: bool = False,
-    max_hold: Seconds | None = None,
-    limit: int = 1,
-) -> Lock:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)

@@ -14,8 +14,10 @@ import os
 from typing import TYPE_CHECKING
 
 from ._config import ServerConfig, parse_url
+from ._dialect import check_scripts
 from ._keys import check_prefix
 from .backends.native import native_aio, native_module, tls_refused
+from .metrics import LISTENER_METHODS, Listener, Listeners
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_NAMES",
+    "check_listener",
     "choose",
+    "connect_arguments",
     "connect_config",
     "log_server",
     "open_async_backend",
@@ -164,6 +168,57 @@ async def open_async_detected(config: ServerConfig, requested: str | None, scrip
         await opened.close()
         raise
     return opened
+
+
+def connect_arguments(
+    *,
+    url: str | None,
+    prefix: object,
+    connect_timeout: float,
+    timeout: float,
+    backend: str | None,
+    wait_replicas: int,
+    wait_timeout: float | None,
+    scripts: str,
+    metrics: object,
+    wakeups: object,
+    lazy: object,
+    credential_provider: object,
+    reauth_interval: object,
+) -> tuple[bytes, ServerConfig | None, Listener | None]:
+    """Every argument of hotlock.connect() and hotlock.aio.connect() checked, before any
+    I/O: the prefix as bytes, the server (None for the in-process fallback) and the listener."""
+    check_scripts(scripts)
+    listener = check_listener(metrics)
+    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
+    config = with_wakeups(config, wakeups)
+    config = with_credentials(config, credential_provider, reauth_interval)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    return raw_prefix, config, listener
+
+
+def check_listener(metrics: object) -> Listener | None:
+    """connect()'s check of ``metrics``, before any I/O: None, an object with every
+    Listener method (a missing one would otherwise surface as an AttributeError, logged
+    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, (list, tuple)):
+        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
+        if not listeners:
+            return None
+        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
+    return _one_listener(metrics, "metrics")
+
+
+def _one_listener(metrics: object, name: str) -> Listener:
+    missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
+        )
+    return metrics  # type: ignore[return-value]
 
 
 def connect_config(
