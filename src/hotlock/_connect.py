@@ -32,7 +32,6 @@ __all__ = [
     "check_listener",
     "choose",
     "connect_arguments",
-    "connect_config",
     "log_server",
     "open_async_backend",
     "open_async_detected",
@@ -186,52 +185,11 @@ def connect_arguments(
     credential_provider: object,
     reauth_interval: object,
 ) -> tuple[bytes, ServerConfig | None, Listener | None]:
-    """Every argument of hotlock.connect() and hotlock.aio.connect() checked, before any
-    I/O: the prefix as bytes, the server (None for the in-process fallback) and the listener."""
+    """Every argument of hotlock.connect() and hotlock.aio.connect() checked, in their
+    signature's order and before any I/O: the prefix as bytes, the server (None, after its
+    WARNING, for the in-process fallback) and the listener."""
     check_scripts(scripts)
     listener = check_listener(metrics)
-    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
-    config = with_wakeups(config, wakeups)
-    config = with_credentials(config, credential_provider, reauth_interval)
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
-    return raw_prefix, config, listener
-
-
-def check_listener(metrics: object) -> Listener | None:
-    """connect()'s check of ``metrics``, before any I/O: None, an object with every
-    Listener method (a missing one would otherwise surface as an AttributeError, logged
-    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
-    if metrics is None:
-        return None
-    if isinstance(metrics, (list, tuple)):
-        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
-        if not listeners:
-            return None
-        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
-    return _one_listener(metrics, "metrics")
-
-
-def _one_listener(metrics: object, name: str) -> Listener:
-    missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
-    if missing:
-        raise TypeError(
-            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
-        )
-    return metrics  # type: ignore[return-value]
-
-
-def connect_config(
-    url: str | None,
-    prefix: object,
-    connect_timeout: float,
-    timeout: float,
-    backend: str | None,
-    wait_replicas: int,
-    wait_timeout: float | None,
-) -> tuple[bytes, ServerConfig | None]:
-    """connect()'s argument checks and URL: the prefix as bytes and the server, or None
-    (after its WARNING) for the in-process fallback."""
     raw_prefix = prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -268,14 +226,43 @@ def connect_config(
             # There are no replicas to wait for in-process: saying nothing would be a lie.
             raise ValueError(f"wait_replicas={wait_replicas!r} needs a url or CACHE_URL")
         log.warning("no cache configured: locks exclude nothing outside this process")
-        return raw_prefix, None
-    return raw_prefix, parse_url(
-        url,
-        connect_timeout=float(connect_timeout),
-        timeout=float(timeout),
-        wait_replicas=wait_replicas,
-        wait_timeout=float(wait_timeout),
-    )
+        config = None
+    else:
+        config = parse_url(
+            url,
+            connect_timeout=float(connect_timeout),
+            timeout=float(timeout),
+            wait_replicas=wait_replicas,
+            wait_timeout=float(wait_timeout),
+        )
+    config = with_wakeups(config, wakeups)
+    config = with_credentials(config, credential_provider, reauth_interval)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    return raw_prefix, config, listener
+
+
+def check_listener(metrics: object) -> Listener | None:
+    """connect()'s check of ``metrics``, before any I/O: None, an object with every
+    Listener method (a missing one would otherwise surface as an AttributeError, logged
+    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, (list, tuple)):
+        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
+        if not listeners:
+            return None
+        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
+    return _one_listener(metrics, "metrics")
+
+
+def _one_listener(metrics: object, name: str) -> Listener:
+    missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
+        )
+    return metrics  # type: ignore[return-value]
 
 
 def prefix_bytes(prefix: object) -> bytes:
