@@ -6,7 +6,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from ._core import CacheBase, Extending, Releasing, Request
 from ._decorate import Locking
@@ -21,13 +21,19 @@ from .errors import LockNotAcquired, Unreplicated
 if TYPE_CHECKING:
     from .backends import Backend
 
-__all__ = ["Cache"]
+__all__ = ["Cache", "Decorate"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Cache(CacheBase[Lock, Lock]):
+class Decorate(Protocol):
+    """What Cache.locked() returns: a decorator of plain functions."""
+
+    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+class Cache(CacheBase[Lock, Lock, Decorate]):
     """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
 
     __slots__ = ("_renewer", "_take")
@@ -121,42 +127,8 @@ class Cache(CacheBase[Lock, Lock]):
         with self.lock(key, ttl):
             return fn(*args, **kwargs)
 
-    def locked(
-        self,
-        template: str,
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        wait: Seconds | None = None,
-        limit: int = 1,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """A decorator: each call of the function holds the lock on
-        ``template.format(**arguments)``, released however the call ends.
-
-        ```python
-        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
-        def export(tenant, full=False): ...
-        ```
-
-        The arguments are the call's, bound to the function's signature with the defaults
-        applied, so ``{tenant.id}`` and ``{ids[0]}`` work as in ``str.format``; on an
-        instance method ``self`` is one (``"{self.id}"``). With ``wait=None`` the call tries
-        once (lock()) and raises LockNotAcquired when the key is held elsewhere; with
-        ``wait=S`` it waits up to S seconds (lock_wait()). ``limit``, ``auto_extend`` and
-        ``max_hold`` are lock()'s; with ``auto_extend=True`` a lease lost during the call
-        raises LockLost as the call returns, as a ``with`` block does (an exception of the
-        function's own propagates instead).
-
-        Everything but the key is checked here, before any call: a template field that
-        names no parameter, a positional field (``{}``, ``{0}``), a generator function, a
-        coroutine function (use hotlock.aio.AsyncCache.locked), a bad ttl, wait, limit,
-        auto_extend or max_hold raise TypeError/ValueError. Put ``@staticmethod`` or
-        ``@classmethod`` above it (``cls`` is then an argument). The wrapper keeps the
-        function's name, docstring and signature (functools.wraps).
-        """
-        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
-        options = locking.options
+    def _decorator(self, locking: Locking) -> Decorate:
+        ttl, wait, options = locking.ttl, locking.wait, locking.options
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
             key_of = locking.keys(fn, coroutine=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
+from ._decorate import Locking
 from ._ident import new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import TAKEN, Lease, shown
@@ -39,6 +40,8 @@ __all__ = ["ONCE", "CacheBase", "Extending", "Releasing", "Request", "Taking", "
 L = TypeVar("L", bound=Lease)
 # What lock_wait() returns: a Lock (sync), or an awaitable hotlock.aio.Acquiring.
 Waited = TypeVar("Waited")
+# What locked() returns: the decorator of plain functions (sync), or of coroutine functions.
+Decorator = TypeVar("Decorator")
 
 # lock()'s "wait": one attempt, so there is no wait to check.
 ONCE: Final[Any] = object()
@@ -145,7 +148,7 @@ class Releasing(Generic[L]):
         return self.out
 
 
-class CacheBase(Generic[L, Waited]):
+class CacheBase(Generic[L, Waited, Decorator]):
     """What the sync Cache and hotlock.aio.AsyncCache share: key layout, reporting, checks."""
 
     __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "_reply_timeout", "prefix")
@@ -210,6 +213,53 @@ class CacheBase(Generic[L, Waited]):
         """lock_wait()'s driver: the sync Cache's waits, the async one's returns an awaitable."""
         raise NotImplementedError
 
+    def locked(
+        self,
+        template: str,
+        ttl: Seconds = DEFAULT_TTL,
+        *,
+        wait: Seconds | None = None,
+        limit: int = 1,
+        auto_extend: bool = False,
+        max_hold: Seconds | None = None,
+    ) -> Decorator:
+        """A decorator: each call of the function holds the lock on
+        ``template.format(**arguments)``, released however the call ends.
+
+        ```python
+        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
+        def export(tenant, full=False): ...
+        ```
+
+        The arguments are the call's, bound to the function's signature with the defaults
+        applied, so ``{tenant.id}`` and ``{ids[0]}`` work as in ``str.format``; on an
+        instance method ``self`` is one (``"{self.id}"``). With ``wait=None`` the call tries
+        once (lock()) and raises LockNotAcquired when the key is held elsewhere; with
+        ``wait=S`` it waits up to S seconds (lock_wait()). ``limit``, ``auto_extend`` and
+        ``max_hold`` are lock()'s; with ``auto_extend=True`` a lease lost during the call
+        raises LockLost as the call returns, as a ``with`` block does (an exception of the
+        function's own propagates instead).
+
+        A hotlock.aio.AsyncCache decorates coroutine functions (``async def export``): each
+        call holds the lock while it is awaited; a cancelled call releases the lock and
+        re-raises CancelledError; with ``auto_extend=True`` a loss cancels the call and
+        raises LockLost.
+
+        Everything but the key is checked here, before any call: a template field that
+        names no parameter, a positional field (``{}``, ``{0}``), a generator or async
+        generator function, a function of the other kind (a coroutine function on a Cache:
+        use hotlock.aio.AsyncCache.locked; a plain one on an AsyncCache: use
+        hotlock.Cache.locked), a bad ttl, wait, limit, auto_extend or max_hold raise
+        TypeError/ValueError. Put ``@staticmethod`` or ``@classmethod`` above it (``cls`` is
+        then an argument). The wrapper keeps the function's name, docstring and signature
+        (functools.wraps).
+        """
+        return self._decorator(Locking(template, ttl, wait, limit, auto_extend, max_hold))
+
+    def _decorator(self, locking: Locking) -> Decorator:
+        """locked()'s driver: the decorator that takes the lock around each call."""
+        raise NotImplementedError
+
     def _taking(self, keys: Iterable[str | bytes], ttl: Seconds, auto_extend: bool, max_hold: Seconds | None) -> Taking:
         return Taking(self._lock_prefix, keys, ttl, auto_extend, max_hold)
 
@@ -267,7 +317,7 @@ class CacheBase(Generic[L, Waited]):
 
 
 def lock_wait(
-    cache: CacheBase[Any, Waited],
+    cache: CacheBase[Any, Waited, Any],
     key: str | bytes,
     ttl: Seconds = DEFAULT_TTL,
     wait: Seconds = 10.0,

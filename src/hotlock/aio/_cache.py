@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from .._core import ONCE, CacheBase, Extending, Releasing, Request
 from .._decorate import Locking
@@ -34,7 +34,13 @@ R = TypeVar("R")
 log = logging.getLogger("hotlock")
 
 
-class AsyncCache(CacheBase[AsyncLock, "Acquiring"]):
+class AsyncDecorate(Protocol):
+    """What AsyncCache.locked() returns: a decorator of coroutine functions."""
+
+    def __call__(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+
+class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
     """Locks, idempotency keys and counters on one async backend. Make one with
     ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
 
@@ -174,33 +180,8 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring"]):
         async with self.lock(key, ttl):
             return await fn(*args, **kwargs)
 
-    def locked(
-        self,
-        template: str,
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        wait: Seconds | None = None,
-        limit: int = 1,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
-        """A decorator for coroutine functions: each call holds the lock on
-        ``template.format(**arguments)`` while it is awaited, released however it ends.
-
-        ```python
-        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
-        async def export(tenant, full=False): ...
-        ```
-
-        As hotlock.Cache.locked(), awaited: ``wait=None`` tries once (lock()),
-        ``wait=S`` waits up to S seconds (lock_wait()); a cancelled call releases the lock
-        and re-raises CancelledError; with ``auto_extend=True`` a loss cancels the call
-        and raises LockLost. Everything but the key is checked here, before any call; a
-        plain function (use hotlock.Cache.locked) or an async generator function is a
-        TypeError.
-        """
-        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
-        options = locking.options
+    def _decorator(self, locking: Locking) -> AsyncDecorate:
+        ttl, wait, options = locking.ttl, locking.wait, locking.options
 
         def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
             key_of = locking.keys(fn, coroutine=True)
