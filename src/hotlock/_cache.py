@@ -1,4 +1,4 @@
-"""The sync Cache: validation, key layout and errors around one backend."""
+"""The sync Cache: the calls hotlock._core checks and builds, sent to one backend."""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """What the sync Cache and hotlock.aio.AsyncCache share, without I/O: each call checked and built.
 
-``CacheBase`` holds the cache's key layout and reporting, and ``lock_wait`` itself (a
-plain method on both sides: the sync one waits, the async one returns an awaitable). The
-classes below are one call each, checked before anything is sent: ``Request`` (lock,
-lock_wait), ``Taking`` (lock_many), ``Extending`` (extend_many), ``Releasing``
-(unlock_many). The drivers in hotlock._cache and hotlock.aio._cache only send what these
-hold and hand them the replies.
+``CacheBase`` holds the cache's key layout and reporting, and the plain methods both
+APIs spell alike, written once: ``lock_wait`` (the sync one waits, the async one returns
+an awaitable) and ``locked`` (each API's driver wraps the call). The classes below are
+one call each, checked before anything is sent: ``Request`` (lock, lock_wait),
+``Taking`` (lock_many), ``Extending`` (extend_many), ``Releasing`` (unlock_many). The
+drivers in hotlock._cache and hotlock.aio._cache only send what these hold and hand them
+the replies; what must stay two (a def and an async def, the sync lock()'s hot path)
+keeps one signature, which tests/unit/test_twins.py holds them to.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The async Cache: the sync Cache's validation, key layout and errors, awaited."""
+"""The async Cache: the calls hotlock._core checks and builds, awaited on one async backend."""
 
 from __future__ import annotations
 
@@ -205,10 +205,9 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
     ) -> list[AsyncLock | None]:
-        """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere.
-
-        ``auto_extend`` and ``max_hold`` as for lock(), for every lock taken.
-        """
+        """As hotlock.Cache.lock_many(), awaited: an AsyncLock per key, or None where held
+        elsewhere; interrupted (cancelled, or failed), it releases in the background
+        whatever it may have taken."""
         taking = self._taking(keys, ttl, auto_extend, max_hold)
         if not taking.names:
             return []
