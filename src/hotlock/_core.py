@@ -206,8 +206,10 @@ class CacheBase(Generic[L, Waited, Decorator]):
 
         Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
         exactly one attempt. ``auto_extend``, ``max_hold`` and ``limit`` as for lock(); a
-        release of a permit wakes a waiter as a plain lock's release does. On a
-        hotlock.aio.AsyncCache it is awaitable, and usable with ``async with``, like lock().
+        release of a permit wakes a waiter as a plain lock's release does.
+
+        A hotlock.Cache returns the Lock; a hotlock.aio.AsyncCache returns an Acquiring at
+        once, as its lock() does: await it for the AsyncLock, or use it with ``async with``.
         """
         return self._waiting(Request(self._lock_prefix, key, ttl, wait, auto_extend, max_hold, limit))
 
@@ -328,6 +330,7 @@ def lock_wait(
     max_hold: Seconds | None = None,
     limit: int = 1,
 ) -> Waited:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``; on a
-    hotlock.aio.AsyncCache, await it or use it with ``async with``."""
+    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``, for a
+    hotlock.Cache (the Lock) or a hotlock.aio.AsyncCache (an Acquiring: await it, or use it
+    with ``async with``)."""
     return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)
