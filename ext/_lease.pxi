@@ -117,6 +117,7 @@ cdef class _Taker:
     cdef object _pop  # hotlock._ident's token pool, popleft
     cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
     cdef long long _ms_value
+    cdef bint _fenced  # the backend's connect(fences=...): False makes every lease's fence 0
 
     def __cinit__(self, backend not None, bytes prefix not None, template not None, ClusterRouter router=None):
         cls_object = type(template)  # kept alive by the template
@@ -126,6 +127,7 @@ cdef class _Taker:
             self._backend = <NativeBackend?>backend
         self._router = router
         self._owner = backend
+        self._fenced = backend.fenced  # set with the dialect, before any cache has a taker
         self._prefix = prefix
         self._template = template
         self._cls = cls
@@ -216,7 +218,7 @@ cdef class _Taker:
         _put(obj, self._own[1], key)
         _put(obj, self._own[2], name)
         _put(obj, self._own[3], held)
-        _put(obj, self._own[4], fence)
+        _put(obj, self._own[4], fence if self._fenced else 0)
         if self._ms is None or self._ms_value != ms:
             self._ms = ms
             self._ms_value = ms

@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ._config import ServerConfig, parse_url
-from ._dialect import check_scripts
+from ._dialect import check_fences, check_scripts
 from ._keys import check_prefix
 from .backends.native import native_aio, native_module, tls_refused
 from .metrics import LISTENER_METHODS, Listener, Listeners
@@ -134,7 +134,7 @@ async def open_async_backend(config: ServerConfig, requested: str | None) -> tup
     return backend, why
 
 
-def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> Backend:
+def open_detected(config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> Backend:
     """The sync backend opened, its server's dialect detected (INFO and COMMAND, once), and
     the connect log lines written: what connect() does once the arguments are checked."""
     from ._dialect import commands_from, detect, probe_needed
@@ -144,7 +144,7 @@ def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> 
         info = opened.info()
         # The server's dialect, once: what extend and release send from now on (_dialect).
         commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
-        opened.use_dialect(detect(info, commands, scripts))
+        opened.use_dialect(detect(info, commands, scripts, fences))
         # What the backend made of it (a cluster: each primary's own).
         log_server(info, opened.dialect, opened.name, opened.server, why)
     except BaseException:
@@ -153,7 +153,7 @@ def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> 
     return opened
 
 
-async def open_async_detected(config: ServerConfig, requested: str | None, scripts: str) -> AsyncBackend:
+async def open_async_detected(config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> AsyncBackend:
     """open_detected()'s async twin."""
     from ._dialect import commands_from, detect, probe_needed
 
@@ -161,7 +161,7 @@ async def open_async_detected(config: ServerConfig, requested: str | None, scrip
     try:
         info = await opened.info()
         commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
-        opened.use_dialect(detect(info, commands, scripts))
+        opened.use_dialect(detect(info, commands, scripts, fences))
         log_server(info, opened.dialect, opened.name, opened.server, why)
     except BaseException:
         await opened.close()
@@ -179,6 +179,7 @@ def connect_arguments(
     wait_replicas: int,
     wait_timeout: float | None,
     scripts: str,
+    fences: object,
     metrics: object,
     wakeups: object,
     lazy: object,
@@ -189,6 +190,7 @@ def connect_arguments(
     signature's order and before any I/O: the prefix as bytes, the server (None, after its
     WARNING, for the in-process fallback) and the listener."""
     check_scripts(scripts)
+    check_fences(fences)
     listener = check_listener(metrics)
     raw_prefix = prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):

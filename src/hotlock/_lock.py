@@ -94,8 +94,9 @@ class Lease:
         self._backend = backend
         self.key = key
         """The key as the caller gave it (str or bytes), without the prefix."""
-        self.fence = fence
-        """The fencing token: an int larger than the fence of every earlier acquisition of this key."""
+        self.fence = fence if backend.fenced else 0
+        """The fencing token: an int larger than the fence of every earlier acquisition of
+        this key; 0 under connect(fences=False)."""
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .._connect import connect_arguments, open_async_detected
 from .._core import lock_wait
+from .._dialect import detect
 from .._lazy import AsyncLazyBackend
 from .._validate import Seconds
 from ..backends.memory_async import AsyncMemoryBackend
@@ -45,6 +46,7 @@ async def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
+    fences: bool = True,
     metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
     lazy: bool = False,
@@ -55,7 +57,8 @@ async def connect(
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
-    chooses between the Lua-free extend/release, where the server has them, and the scripts.
+    chooses between the Lua-free extend/release, where the server has them, and the scripts;
+    ``fences=False`` makes every lock's fence 0 and takes a free key with ``SET NX PX`` alone.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     ``credential_provider`` and ``reauth_interval`` as there; a provider with its own
     ``get_credentials_async()`` (redis-entraid's) is awaited instead.
@@ -68,10 +71,12 @@ async def connect(
     # Its arguments by name, before any other local exists: checked in one place for both APIs.
     raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
-        return _cache(AsyncMemoryBackend(), raw_prefix, listener, timeout)
+        memory = AsyncMemoryBackend()
+        memory.use_dialect(detect(None, None, scripts, fences))
+        return _cache(memory, raw_prefix, listener, timeout)
     if lazy:
-        return _cache(AsyncLazyBackend(config, backend, scripts), raw_prefix, listener, config.timeout)
-    return _cache(await open_async_detected(config, backend, scripts), raw_prefix, listener, config.timeout)
+        return _cache(AsyncLazyBackend(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
+    return _cache(await open_async_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
 
 
 def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None, timeout: float) -> AsyncCache:

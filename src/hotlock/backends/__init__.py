@@ -34,6 +34,10 @@ class Named(Protocol):
     @property
     def dialect(self) -> Dialect: ...
 
+    # connect(fences=...), set with the dialect: False makes every lock's fence 0 (Lease).
+    @property
+    def fenced(self) -> bool: ...
+
 
 class Backend(Named, Protocol):
     # acquire/acquire_many return the fence (> 0) when acquired, and otherwise (<= 0)
@@ -70,9 +74,12 @@ class AsyncBackend(Protocol):
     name: str  # "native", "redis-py" or "memory", as in sync
     server: str  # the server as shown in logs and errors, without credentials
 
-    # As in sync: the server's dialect, set once by connect() through use_dialect.
+    # As in sync: the server's dialect, set once by connect() through use_dialect, and
+    # connect(fences=...) with it.
     @property
     def dialect(self) -> Dialect: ...
+    @property
+    def fenced(self) -> bool: ...
 
     # The ordering promise that makes cancellation safe: a release of a token takes
     # effect after every acquire of that token already called on this backend, even one

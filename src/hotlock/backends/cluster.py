@@ -718,6 +718,7 @@ class ClusterCore:
         self.wait_command = (b"WAIT", b"%d" % self.wait_replicas, b"%d" % self.wait_ms)
         self.map = SlotMap()
         self._connected = UNDETECTED  # what connect() detected from the first primary's INFO
+        self.fenced = True
         # "auto" or "always" once connect() has told use_dialect; until then every node
         # keeps the scripts, which every server runs.
         self._policy: str | None = None
@@ -740,6 +741,7 @@ class ClusterCore:
         """connect()'s decision says only whether scripts="always" (every node keeps the
         scripts); with "auto" each primary gets the dialect its own probe shows."""
         self._connected = dialect
+        self.fenced = dialect.fenced
         self._policy = "always" if dialect.forced else "auto"
         probes, self._probes = self._probes, {}
         for address, (info, commands) in probes.items():

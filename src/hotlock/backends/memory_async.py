@@ -8,6 +8,8 @@ ordering promise of AsyncBackend holds trivially.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .._dialect import MEMORY, Dialect
 from .memory import MemoryBackend
 
@@ -17,6 +19,7 @@ __all__ = ["AsyncMemoryBackend"]
 class AsyncMemoryBackend:
     name = "memory"
     dialect = MEMORY
+    fenced = True
     server = "in-process"
 
     def __init__(self) -> None:
@@ -61,7 +64,10 @@ class AsyncMemoryBackend:
         return None
 
     def use_dialect(self, dialect: Dialect) -> None:
-        pass  # in-process: there is no server to speak to
+        # In-process: no server to speak to; only connect(fences=False) is kept (every
+        # lock's fence 0, as on a server).
+        self.dialect = MEMORY if dialect.fenced else replace(MEMORY, fenced=False)
+        self.fenced = dialect.fenced
 
     async def close(self) -> None:
         self._data.close()

@@ -57,11 +57,17 @@ class AioConnection(Protocol):
     def usable(self) -> bool: ...
     def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
-    # The transaction acquire (hotlock._acquire), decided in C: the fence, 0 (the script is
-    # to decide), -1 (that too, MULTI refused alone: multi_refusal), or the error reply.
-    def acquire(self, key: bytes, token: bytes, ms: int) -> asyncio.Future[int | ReplyError]: ...
+    # The transaction acquire (hotlock._acquire; SET NX PX alone when not fenced), decided in
+    # C: the fence (1 without one), 0 (the script is to decide), -1 (that too, MULTI refused
+    # alone: multi_refusal), or the error reply.
+    def acquire(self, key: bytes, token: bytes, ms: int, fenced: bool = True) -> asyncio.Future[int | ReplyError]: ...
     def acquire_many(
-        self, keys: list[bytes], tokens: list[bytes], ms: int, trailer: tuple[bytes | int, ...] | None = None
+        self,
+        keys: list[bytes],
+        tokens: list[bytes],
+        ms: int,
+        trailer: tuple[bytes | int, ...] | None = None,
+        fenced: bool = True,
     ) -> asyncio.Future[list[Any]]: ...
     @property
     def multi_refusal(self) -> str | None: ...
@@ -83,6 +89,7 @@ class NativeAsyncBackend:
         self.server = config.display
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
+        self.fenced = True
         self._config = config
         # The wake-up subscriber (hotlock.backends.wakeup_async), made on the first long lock_wait.
         self.wake_slot = async_slot(config)
@@ -475,7 +482,9 @@ class NativeAsyncBackend:
         until = retry_until(since, wait_ms, self._config.timeout)
         if script is ACQUIRE and self._txn and len(token) == TOKEN_BYTES:
             # The transaction (hotlock._acquire), resent whole after a lost reply (same token).
-            answer = await self._roundtrip("acquire", key, lambda p: p.acquire(key, token, ttl_ms), True, until)
+            answer = await self._roundtrip(
+                "acquire", key, lambda p: p.acquire(key, token, ttl_ms, self.fenced), True, until
+            )
             if type(answer) is not int:
                 raise self._refused("acquire", key, answer)
             if answer > 0:
@@ -510,7 +519,9 @@ class NativeAsyncBackend:
         counts: list[int] = []
         if plain:
             ks, ts = [keys[i] for i in plain], [tokens[i] for i in plain]
-            answers = await self._roundtrip(what, None, lambda p: p.acquire_many(ks, ts, ttl_ms, wait), True)
+            answers = await self._roundtrip(
+                what, None, lambda p: p.acquire_many(ks, ts, ttl_ms, wait, self.fenced), True
+            )
             taken = False
             for i, answer in zip(plain, answers, strict=False):
                 if type(answer) is not int:
@@ -693,6 +704,7 @@ class NativeAsyncBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self.fenced = dialect.fenced
         self._txn = dialect.transaction and not self._multi_refused
 
     # -- a cluster node's link (hotlock.backends.cluster_async.AsyncLink) -------------------------

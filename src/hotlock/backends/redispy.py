@@ -169,6 +169,8 @@ def is_exec(reply: object) -> bool:
 
 
 TRANSACTION_REPLY: list[Shape] = [is_ok, is_queued_set, is_queued_time, is_exec]
+# connect(fences=False): SET NX PX alone.
+SET_REPLY: list[Shape] = [is_ok_or_nil]
 
 
 def by_transaction(dialect: Dialect, script: Script, tokens: Sequence[bytes]) -> bool:
@@ -188,22 +190,23 @@ class Transaction:
     the replies (error replies in place) to ``read``, which names the keys the ACQUIRE
     script is to decide. Those go next as ACQUIRE (with their own WAIT), and ``scripted``
     takes their results. ``outcome`` is then what one acquire by script gives: each key's
-    result, and the WAIT reply ([] without wait_replicas)."""
+    result, and the WAIT reply ([] without wait_replicas). Under connect(fences=False)
+    each key's transaction is SET NX PX alone (one reply)."""
 
-    __slots__ = ("_n", "_waits", "commands", "refused", "results", "shapes")
-
-    # Whether the write needs FRAME behind it: no, EXEC's reply frames it.
-    framed = False
+    __slots__ = ("_n", "_per", "_waits", "commands", "framed", "refused", "results", "shapes")
 
     def __init__(
-        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]]
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]], fenced: bool
     ) -> None:
         self._n = len(keys)
+        self._per = 4 if fenced else 1  # replies per key
         self.commands: list[tuple[Any, ...]] = [
-            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms)
+            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms, fenced)
         ]
         self.commands += wait
-        self.shapes = TRANSACTION_REPLY * self._n + [is_count] * len(wait)
+        self.shapes = (TRANSACTION_REPLY if fenced else SET_REPLY) * self._n + [is_count] * len(wait)
+        # Whether the write needs FRAME behind it: not when EXEC's reply frames it.
+        self.framed = not fenced
         self.results: list[int] = []
         # MULTI's error reply when it was refused alone: this server takes no transaction
         # from us, and the backend sends every later acquire by script.
@@ -213,7 +216,8 @@ class Transaction:
     def read(self, replies: list[Any]) -> list[int]:
         """The transactions' replies: the indices of the keys that go by script next. The
         first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
-        fours = [replies[4 * i : 4 * i + 4] for i in range(self._n)]
+        per = self._per
+        fours = [replies[per * i : per * i + per] for i in range(self._n)]
         # Noted before any error is raised: the backend's next acquire goes by script.
         self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, RedisError)), None)
         rest: list[int] = []
@@ -224,7 +228,7 @@ class Transaction:
             self.results.append(result)
             if result == _acquire.SCRIPT:
                 rest.append(i)
-        waits = replies[4 * self._n :]
+        waits = replies[per * self._n :]
         for reply in waits:
             if isinstance(reply, Exception):
                 raise reply
@@ -540,6 +544,7 @@ class RedisPyBackend:
         self._config = config
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
+        self.fenced = True
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
@@ -831,7 +836,7 @@ class RedisPyBackend:
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return self._by_script(script, keys, tokens, ttl_ms, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE))
+        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE), self.fenced)
         try:
             rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
         finally:
@@ -967,6 +972,7 @@ class RedisPyBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self.fenced = dialect.fenced
 
     def close(self) -> None:
         if self._wakeups is not None:

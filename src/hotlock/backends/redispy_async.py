@@ -386,6 +386,7 @@ class RedisAsyncBackend:
         self.server = config.display
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
+        self.fenced = True
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
@@ -667,7 +668,7 @@ class RedisAsyncBackend:
         keys, tokens = list(keys), list(tokens)
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return await self._by_script(script, keys, tokens, ttl_ms, trailer)
-        taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [])
+        taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [], self.fenced)
         try:
             rest = taking.read(await self._execute_many(taking.commands, taking.shapes, taking.framed))
         finally:
@@ -853,6 +854,7 @@ class RedisAsyncBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self.fenced = dialect.fenced
 
     async def close(self) -> None:
         if self.wake_slot is not None:
