@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
-from ._connect import connect_arguments, open_detected
+from ._connect import connect_arguments, in_process, open_detected
 from ._core import lock_wait
-from ._dialect import detect
 from ._fastpath import MeteredNativeCache, NativeCache
 from ._lazy import LazyBackend
 from ._lock import Lock
@@ -138,9 +137,7 @@ def connect(
     # Its arguments by name, before any other local exists: checked in one place for both APIs.
     raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
-        memory = MemoryBackend()
-        memory.use_dialect(detect(None, None, scripts, fences))
-        return _cache(memory, raw_prefix, listener, timeout)
+        return _cache(in_process(MemoryBackend(), scripts, fences), raw_prefix, listener, timeout)
     if lazy:
         # No I/O now: the first call opens the backend (LazyBackend). The plain classes, not
         # the native one-call fast paths, which need the opened backend at construction.

@@ -11,10 +11,10 @@ import dataclasses
 import logging
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ._config import ServerConfig, parse_url
-from ._dialect import check_fences, check_scripts
+from ._dialect import check_fences, check_scripts, detect
 from ._keys import check_prefix
 from .backends.native import native_aio, native_module, tls_refused
 from .metrics import LISTENER_METHODS, Listener, Listeners
@@ -32,6 +32,7 @@ __all__ = [
     "check_listener",
     "choose",
     "connect_arguments",
+    "in_process",
     "log_server",
     "open_async_backend",
     "open_async_detected",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("hotlock")
+
+InProcess = TypeVar("InProcess", bound="Backend | AsyncBackend")
 
 BACKEND_NAMES = ("native", "redis-py")
 # The shortest timeout a connection takes, in seconds (see connect_config).
@@ -242,6 +245,12 @@ def connect_arguments(
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     return raw_prefix, config, listener
+
+
+def in_process(backend: InProcess, scripts: str, fences: bool) -> InProcess:
+    """The in-process fallback (no URL), given the dialect connect()'s arguments ask for."""
+    backend.use_dialect(detect(None, None, scripts, fences))
+    return backend
 
 
 def check_listener(metrics: object) -> Listener | None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .._connect import connect_arguments, open_async_detected
+from .._connect import connect_arguments, in_process, open_async_detected
 from .._core import lock_wait
-from .._dialect import detect
 from .._lazy import AsyncLazyBackend
 from .._validate import Seconds
 from ..backends.memory_async import AsyncMemoryBackend
@@ -71,9 +70,7 @@ async def connect(
     # Its arguments by name, before any other local exists: checked in one place for both APIs.
     raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
-        memory = AsyncMemoryBackend()
-        memory.use_dialect(detect(None, None, scripts, fences))
-        return _cache(memory, raw_prefix, listener, timeout)
+        return _cache(in_process(AsyncMemoryBackend(), scripts, fences), raw_prefix, listener, timeout)
     if lazy:
         return _cache(AsyncLazyBackend(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
     return _cache(await open_async_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
