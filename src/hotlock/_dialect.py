@@ -197,6 +197,19 @@ MEMORY = Dialect("memory", None, "script", "in-process: no server")
 UNDETECTED = Dialect("unknown", None, "script", "not detected")
 
 
+class Detected:
+    """What a backend speaks, as connect() detected it and told it once (use_dialect): its
+    ``dialect``, the scripts until then (UNDETECTED), and connect(fences=...). The base of
+    the redis-py backends, sync and async."""
+
+    dialect: Dialect = UNDETECTED
+    fenced = True
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        self.fenced = dialect.fenced
+
+
 def check_fences(fences: object) -> bool:
     """connect()'s ``fences`` argument, checked before any I/O."""
     if not isinstance(fences, bool):

@@ -8,9 +8,7 @@ ordering promise of AsyncBackend holds trivially.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from .._dialect import MEMORY, Dialect
+from .._dialect import Dialect
 from .memory import MemoryBackend
 
 __all__ = ["AsyncMemoryBackend"]
@@ -18,21 +16,15 @@ __all__ = ["AsyncMemoryBackend"]
 
 class AsyncMemoryBackend:
     name = "memory"
-    dialect = MEMORY
-    fenced = True
     server = "in-process"
 
     def __init__(self) -> None:
         self._data = MemoryBackend()
+        self.dialect, self.fenced = self._data.dialect, self._data.fenced
 
+    # ``script``: the script a Redis backend would send; nothing to send here.
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: object = None,  # the script a Redis backend would send: nothing to send here
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: object
     ) -> int:
         return self._data.acquire(key, token, ttl_ms)
 
@@ -64,10 +56,9 @@ class AsyncMemoryBackend:
         return None
 
     def use_dialect(self, dialect: Dialect) -> None:
-        # In-process: no server to speak to; only connect(fences=False) is kept (every
-        # lock's fence 0, as on a server).
-        self.dialect = MEMORY if dialect.fenced else replace(MEMORY, fenced=False)
-        self.fenced = dialect.fenced
+        # What the data speaks, as MemoryBackend.use_dialect keeps it (connect(fences=...)).
+        self._data.use_dialect(dialect)
+        self.dialect, self.fenced = self._data.dialect, self._data.fenced
 
     async def close(self) -> None:
         self._data.close()
