@@ -33,6 +33,50 @@ cdef inline object _new_list(Py_ssize_t n, object fill):
     return out
 
 
+cdef bint _distinct(list names, Py_ssize_t n, Py_ssize_t p) except -1:
+    """len(set(names)) == n for n stored names (bytes) that all begin with the same p
+    bytes (the prefix and the brace), without building the set: an open-addressed table of
+    indices by FNV-1a of what follows the prefix, the names compared byte for byte on a
+    collision. A set hashed every whole name with SipHash and grew its table four times:
+    about 4% of a lock_many(100)'s instructions."""
+    cdef Py_ssize_t stack[512]
+    cdef Py_ssize_t *table = stack
+    cdef Py_ssize_t size = 16, i, at, kn
+    cdef unsigned long long h
+    cdef const unsigned char *s
+    cdef const unsigned char *end
+    cdef object other
+    while size < 2 * n:
+        size *= 2
+    if size > 512:
+        table = <Py_ssize_t *>malloc(size * sizeof(Py_ssize_t))
+        if table is NULL:
+            raise MemoryError()
+    try:
+        memset(table, 0xFF, size * sizeof(Py_ssize_t))  # -1: free
+        for i in range(n):
+            name = names[i]
+            kn = PyBytes_GET_SIZE(name)
+            s = <const unsigned char *>PyBytes_AS_STRING(name) + p
+            end = <const unsigned char *>PyBytes_AS_STRING(name) + kn
+            h = 14695981039346656037ULL
+            while s < end:
+                h = (h ^ s[0]) * 1099511628211ULL
+                s += 1
+            at = <Py_ssize_t>(h & <unsigned long long>(size - 1))
+            while table[at] >= 0:
+                other = names[table[at]]
+                if PyBytes_GET_SIZE(other) == kn and memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(name),
+                                                            <size_t>kn) == 0:
+                    return False
+                at = (at + 1) & (size - 1)
+            table[at] = i
+        return True
+    finally:
+        if table is not stack:
+            free(table)
+
+
 cdef object _take_many(_Taker taker, object keys, object ttl):
     """Cache.lock_many(keys, ttl): a Lock or None per key, or None when the call is not the
     common case (nothing has been sent then)."""
@@ -91,7 +135,7 @@ cdef object _take_many(_Taker taker, object keys, object ttl):
         Py_INCREF(name)
         PyList_SET_ITEM(names, i, name)
     # One stored name per raw key: the same key twice is a duplicate name too.
-    if n > 1 and len(set(names)) != n:
+    if n > 1 and not _distinct(names, n, p):
         return None
     # The tokens: one os.urandom block cut in 16-byte pieces, as new_tokens(n).
     raw = _urandom(_TOKEN_BYTES * n)

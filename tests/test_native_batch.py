@@ -237,6 +237,35 @@ def test_lock_many_refuses_as_the_python_method_does(
     assert redis_server.client().dbsize() == 0
 
 
+@pytest.mark.parametrize("n", [2, 100, 300])
+def test_lock_many_hands_a_duplicate_to_the_python_method_and_takes_distinct_keys_itself(
+    fast: hotlock.Cache, n: int
+) -> None:
+    # Keys that are prefixes of each other, the same text as str and as bytes a key apart,
+    # and (at 300) more than the duplicate check's table keeps on the stack.
+    keys: list[str | bytes] = [("k" * (i % 7 + 1) + str(i // 7)) if i % 2 else f"k{i}".encode() for i in range(n)]
+    handed: list[tuple[Any, ...]] = []
+
+    def spy(cache: hotlock.Cache, *args: Any, **kwargs: Any) -> Any:
+        handed.append(args)
+        return PY_LOCK_MANY(cache, *args, **kwargs)
+
+    lock_many, _ = native.cache_batch(NativeCache, spy, PY_UNLOCK_MANY)
+    try:
+        locks = lock_many(fast, keys, 30)
+        assert handed == [] and [lock.key for lock in locks] == keys
+        fast.unlock_many(locks)
+        for twice in (keys[0], keys[-1], keys[n // 2]):
+            with pytest.raises(ValueError):
+                lock_many(fast, [*keys, twice], 30)
+            assert len(handed) == 1 and handed.pop()[0] == [*keys, twice]
+        with pytest.raises(ValueError):
+            lock_many(fast, [*keys, keys[-1].decode() if isinstance(keys[-1], bytes) else keys[-1].encode()], 30)
+        assert len(handed) == 1
+    finally:
+        native.cache_batch(NativeCache, PY_LOCK_MANY, PY_UNLOCK_MANY)
+
+
 def test_unlock_many_refuses_as_the_python_method_does(fast: hotlock.Cache, redis_server: RedisServer) -> None:
     other = hotlock.connect(redis_server.url, backend="native")
     redispy = hotlock.connect(redis_server.url, backend="redis-py")
