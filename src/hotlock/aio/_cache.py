@@ -17,8 +17,8 @@ from .._ident import new_token
 from .._renewer import warn_unreleased
 from .._scripts import permit_ask
 from .._validate import DEFAULT_TTL, Seconds
-from .._waiting import FIRST, Step, Waiting
-from ..backends.wakeup_async import AsyncSlot, AsyncWaiter, AsyncWakeups
+from .._waiting import FIRST, Joining, Step, Waiting
+from ..backends.wakeup_async import AsyncSlot, AsyncWaiter
 from ..errors import Unreplicated
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
@@ -103,8 +103,7 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
         slot: AsyncSlot | None = None if wait_for is None else getattr(self._backend, "wake_slot", None)
         machine: Waiting | None = None
         script = FIRST
-        hub: AsyncWakeups | None = None
-        waiter: AsyncWaiter | None = None
+        joining: Joining[AsyncWaiter] = Joining(slot)
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
@@ -120,40 +119,25 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
                         self._renew([lock], request.hold_ms)
                     if tries is not None:
                         tries.append(1 if machine is None else machine.failures + 1)
-                    if waiter is not None:
-                        assert hub is not None
-                        hub.leave(waiter, True)
-                        waiter = None
+                    joining.leave(True)
                     return lock
                 maybe_held = False
                 if wait_for is None:
                     raise self._not_acquired(key, result, wait_for, limit)
                 if machine is None:
                     machine = Waiting(name, wait_for, start, time.monotonic, random.random, slot is not None)
-                step = machine.failed(result)
+                step = joining.through(machine, machine.failed(result))
                 while step is not Step.ATTEMPT:
                     if step is Step.SLEEP:
                         await asyncio.sleep(machine.sleep_s)
-                        step = machine.slept()
                     elif step is Step.WAKEABLE:
-                        assert waiter is not None
-                        await waiter.sleep(machine.sleep_s)
-                        step = machine.slept()
-                    elif step is Step.START:
-                        assert slot is not None
-                        hub = slot.get()
-                        step = machine.started(hub is not None)
-                    elif step is Step.LOOK:
-                        assert hub is not None
-                        step = machine.looked(hub.subscribed(machine.channel))
-                    elif step is Step.JOIN:
-                        assert hub is not None
-                        waiter = hub.join(machine.channel)
-                        step = machine.joined(None if waiter is None else waiter.entry)
+                        assert joining.waiter is not None
+                        await joining.waiter.sleep(machine.sleep_s)
                     else:
                         if tries is not None:
                             tries.append(machine.failures)
                         raise self._not_acquired(key, result, wait_for, limit)
+                    step = joining.through(machine, machine.slept())
                 script = machine.script
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
@@ -164,9 +148,7 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
                 self._release_in_background([name], [token])
             raise
         finally:
-            if waiter is not None:
-                assert hub is not None
-                hub.leave(waiter, False)
+            joining.leave(False)
 
     async def with_lock(
         self, key: str | bytes, ttl: Seconds, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs
