@@ -1,6 +1,7 @@
 # Cache.lock_many's and Cache.unlock_many's common case in one extension call each, as
 # ext/_lease.pxi does for lock() and unlock(): per key, what the Python methods would
-# check is checked here, the names, tokens and leases are made here, and the batch is sent
+# check is checked here, the names and tokens are made here (the leases by _Taker._lease,
+# so by Lease._fill), and the batch is sent
 # through the same backend calls (NativeBackend._scripts / _release_many, or on a native
 # cluster ClusterRouter.many) with the same what/err_key/retry rule.
 #
@@ -18,6 +19,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 cdef object _batch_cls = None  # the class the methods were made for (hotlock._fastpath.NativeCache)
 cdef object _py_lock_many = None  # its Python lock_many and unlock_many: every other case
 cdef object _py_unlock_many = None
+cdef object _a_batch_take, _a_cache_backend  # Cache._take, Cache._backend (see _attribute)
 cdef object _urandom = os.urandom  # as hotlock._ident.new_tokens draws a batch's tokens
 cdef PyMethodDef _lock_many_def, _unlock_many_def
 
@@ -146,7 +148,7 @@ cdef object _lock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObjec
             elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
                 return _as_given(_py_lock_many, self, args, nargs, kwnames)
     if (type(keys) is list or type(keys) is tuple) and isinstance(self, _batch_cls):
-        taker = self._take
+        taker = _get(_a_batch_take, self)
         if type(taker) is _Taker:
             locks = _take_many(<_Taker>taker, keys, ttl)
             if locks is not None:
@@ -168,7 +170,7 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
     is_list = type(locks) is list
     if not is_list and type(locks) is not tuple:
         return _as_given(_py_unlock_many, self, args, nargs, kwnames)
-    owner = self._backend
+    owner = _get(_a_cache_backend, self)
     if type(owner) is not NativeBackend:
         router = _router_of(owner)
         if router is None:
@@ -190,14 +192,14 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
                 continue
             # A lease of this cache's backend, of this process, not auto-extended (the
             # Python method's forget() is then nothing): else it is the Python method's.
-            if type(lock) is not _lease_cls or lock._backend is not owner:
+            if type(lock) is not _lease_cls or _get(_a_backend, lock) is not owner:
                 return _as_given(_py_unlock_many, self, args, nargs, kwnames)
-            pid = lock._pid
-            name = lock._name
-            token = lock._token
+            pid = _get(_a_pid, lock)
+            name = _get(_a_name, lock)
+            token = _get(_a_token, lock)
             if (type(pid) is not int
                     or PyLong_AsLongAndOverflow(pid, &overflow) != _my_pid or overflow != 0
-                    or lock._auto is not None
+                    or _get(_a_auto, lock) is not None
                     or type(name) is not bytes or type(token) is not bytes):
                 return _as_given(_py_unlock_many, self, args, nargs, kwnames)
             if PyBytes_GET_SIZE(token) == 0:
@@ -223,7 +225,7 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
             router._many("release_many", _SHA_RELEASE_SHARDED, names, tokens, -1, router._until(), released)
         for i in range(m):
             lock = (<list>locks)[live[i]] if is_list else (<tuple>locks)[live[i]]
-            lock._token = b""
+            _set(_a_token, lock, b"")
             ok = True if (values[i] if released is NULL else released[i]) else False
             Py_INCREF(ok)
             Py_DECREF((<list>out)[live[i]])
@@ -238,9 +240,11 @@ def cache_batch(cls not None, lock_many not None, unlock_many not None):
     """(lock_many, unlock_many) of cls (hotlock._fastpath.NativeCache) with the common case in
     one call; every other case goes to the given Python methods. Call after lease_methods
     (the lease class comes from there)."""
-    global _batch_cls, _py_lock_many, _py_unlock_many
+    global _batch_cls, _py_lock_many, _py_unlock_many, _a_batch_take, _a_cache_backend
     if _lease_cls is None:
         raise RuntimeError("lease_methods first")
+    _a_batch_take = _attribute(cls, "_take")
+    _a_cache_backend = _attribute(cls, "_backend")
     _batch_cls, _py_lock_many, _py_unlock_many = cls, lock_many, unlock_many
     return (_method(cls, &_lock_many_def, <void *>_lock_many_c, lock_many),
             _method(cls, &_unlock_many_def, <void *>_unlock_many_c, unlock_many))

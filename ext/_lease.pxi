@@ -1,6 +1,6 @@
 # The native cycle's Python-facing calls in one extension call each: Cache.lock's
 # common case (the key and TTL checks for the common types, the token, the acquire and the
-# Lock itself, with no Python frame between), and Lock.unlock's and Lock.extend's (below).
+# Lock, whose fields Lease._fill sets), and Lock.unlock's and Lock.extend's (below).
 #
 # Python still owns the API. Only what hotlock._validate accepts unchanged is handled
 # here: a str or bytes key of 1..MAX_KEY_BYTES UTF-8 bytes, an int TTL of whole seconds in
@@ -12,7 +12,7 @@
 from cpython.exc cimport PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_AsLongLongAndOverflow
-from cpython.object cimport PyTypeObject
+from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport PyObject
 from libc.math cimport isfinite, rint
 
@@ -191,6 +191,36 @@ cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found anoth
 cdef object _cache_cls = None  # hotlock._fastpath.NativeCache
 cdef object _py_lock = None  # its Python lock: every other case
 
+# The leases and caches are plain Python objects (hotlock._lock.Lease, hotlock._cache.Cache):
+# the one-call paths read and write their attributes through the descriptor each class has
+# for each name (a slot's member descriptor, or whatever the class puts there), as
+# `obj.<name>` does, less looking the name up in the class on every call. They are found
+# once, by name, in lease_methods and cache_lock; nothing here knows an object's layout.
+cdef object _a_backend, _a_name, _a_token, _a_pid, _a_auto, _a_meter, _a_loss, _a_ttl, _a_deadline
+cdef object _a_take  # Cache._take: the cache's _Taker, or None
+
+
+cdef inline object _get(object descr, object obj):
+    """obj.<descr's name>."""
+    return Py_TYPE(descr).tp_descr_get(descr, obj, type(obj))
+
+
+cdef inline int _set(object descr, object obj, object value) except -1:
+    """obj.<descr's name> = value."""
+    return Py_TYPE(descr).tp_descr_set(descr, obj, value)
+
+
+cdef object _attribute(object cls, str name):
+    """What cls's attribute lookup finds for name: a data descriptor (a slot's), which
+    _get and _set call."""
+    for klass in cls.__mro__:
+        descr = klass.__dict__.get(name)
+        if descr is not None:
+            if <void *>Py_TYPE(descr).tp_descr_get is NULL or <void *>Py_TYPE(descr).tp_descr_set is NULL:
+                raise TypeError(f"{cls.__name__}.{name} is not a slot")
+            return descr
+    raise TypeError(f"{cls.__name__} has no {name}")
+
 cdef PyMethodDef _lock_def, _unlock_def, _extend_def
 cdef list _docs = []  # keeps the ml_doc strings alive
 
@@ -235,7 +265,7 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
             elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
                 return _as_given(_py_lock, self, args, nargs, kwnames)
     if isinstance(self, _cache_cls):
-        taker = self._take
+        taker = _get(_a_take, self)
         if type(taker) is _Taker:
             lock = (<_Taker>taker)._take(key, ttl, limit)
             if type(lock) is int:
@@ -243,9 +273,6 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
             return lock
     return _as_given(_py_lock, self, args, nargs, kwnames)
 
-
-# The lease is a plain Python object (hotlock._lock.Lease): unlock and extend read and
-# write it through its attributes, as the Python methods do, never through its layout.
 
 cdef inline bint _plain_held(object lease, object owner, object name, object token) except -1:
     """The common case unlock and extend share: a lease of _lease_cls itself (the caller
@@ -258,9 +285,9 @@ cdef inline bint _plain_held(object lease, object owner, object name, object tok
     if not ((type(owner) is NativeBackend or _router_of(owner) is not None)
             and type(name) is bytes and type(token) is bytes and PyBytes_GET_SIZE(token) > 0):
         return False
-    pid = lease._pid
+    pid = _get(_a_pid, lease)
     return (type(pid) is int and PyLong_AsLongAndOverflow(pid, &overflow) == _my_pid and overflow == 0
-            and lease._auto is None)
+            and _get(_a_auto, lease) is None)
 
 
 cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
@@ -270,12 +297,12 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         return _as_given(_py_unlock, self, args, nargs, kwnames)
     # Read once, and held here: the round trip releases the GIL, and another thread may
     # unlock this lock (emptying its token) meanwhile.
-    owner = self._backend
-    name = self._name
-    token = self._token
+    owner = _get(_a_backend, self)
+    name = _get(_a_name, self)
+    token = _get(_a_token, self)
     if not _plain_held(self, owner, name, token):
         return _as_given(_py_unlock, self, args, nargs, kwnames)
-    meter = self._meter
+    meter = _get(_a_meter, self)
     try:
         # A CacheError keeps the token, as unlock() does.
         if type(owner) is NativeBackend:
@@ -286,7 +313,7 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         if meter is not None:  # metrics hook
             meter.failed(self, "release", error)
         raise
-    self._token = b""
+    _set(_a_token, self, b"")
     if meter is not None:  # metrics hook: Meter.released, its common case written out
         if released:
             try:
@@ -315,15 +342,15 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         return _as_given(_py_extend, self, args, nargs, kwnames)
     if type(self) is not _lease_cls:
         return _as_given(_py_extend, self, args, nargs, kwnames)
-    owner = self._backend
-    name = self._name
-    token = self._token
-    if not _plain_held(self, owner, name, token) or self._loss is not None:
+    owner = _get(_a_backend, self)
+    name = _get(_a_name, self)
+    token = _get(_a_token, self)
+    if not _plain_held(self, owner, name, token) or _get(_a_loss, self) is not None:
         return _as_given(_py_extend, self, args, nargs, kwnames)
     # The TTL as Lease._extend_ms takes it: the one it holds, or ttl_ms's common cases.
     kept = ttl is None
     if kept:
-        held_ms = self._ttl_ms
+        held_ms = _get(_a_ttl, self)
         if type(held_ms) is not int:
             return _as_given(_py_extend, self, args, nargs, kwnames)
         ms = PyLong_AsLongLongAndOverflow(held_ms, &overflow)
@@ -343,7 +370,7 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         return _as_given(_py_extend, self, args, nargs, kwnames)
     # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
     # lease past its deadline may still be extended).
-    meter = self._meter
+    meter = _get(_a_meter, self)
     sent = _monotonic()
     try:
         if type(owner) is NativeBackend:
@@ -362,8 +389,8 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         # Lease._extended(True, ms, sent) written out: a Python frame costs more than the
         # rest of this call's Python-facing work.
         if not kept:  # the same TTL (the common extend) is the same int
-            self._ttl_ms = ms
-        self._deadline = sent + <double>ms / 1000.0
+            _set(_a_ttl, self, ms)
+        _set(_a_deadline, self, sent + <double>ms / 1000.0)
         return None
     self._extended(False, ms, sent)
     raise self._lost(_taken)
@@ -392,7 +419,8 @@ cdef object _method(object cls, PyMethodDef *method, void *function, object pyth
 def cache_lock(cls not None, lock not None):
     """The lock() of cls (hotlock._fastpath.NativeCache) with the common case in one call; every
     other case goes to the given Python method."""
-    global _cache_cls, _py_lock
+    global _cache_cls, _py_lock, _a_take
+    _a_take = _attribute(cls, "_take")
     _cache_cls, _py_lock = cls, lock
     return _method(cls, &_lock_def, <void *>_lock_c, lock)
 
@@ -401,6 +429,16 @@ def lease_methods(cls not None, unlock not None, extend not None, str taken not 
     """(unlock, extend) for cls (hotlock._fastpath.NativeLock) with the common case in C; every other
     case goes to the given Python methods."""
     global _lease_cls, _py_unlock, _py_extend, _taken
+    global _a_backend, _a_name, _a_token, _a_pid, _a_auto, _a_meter, _a_loss, _a_ttl, _a_deadline
+    _a_backend = _attribute(cls, "_backend")
+    _a_name = _attribute(cls, "_name")
+    _a_token = _attribute(cls, "_token")
+    _a_pid = _attribute(cls, "_pid")
+    _a_auto = _attribute(cls, "_auto")
+    _a_meter = _attribute(cls, "_meter")
+    _a_loss = _attribute(cls, "_loss")
+    _a_ttl = _attribute(cls, "_ttl_ms")
+    _a_deadline = _attribute(cls, "_deadline")
     _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
     return (_method(cls, &_unlock_def, <void *>_unlock_c, unlock),
             _method(cls, &_extend_def, <void *>_extend_c, extend))
