@@ -150,7 +150,8 @@ def hotlock_contestant(url: str, name: str, **options: Any) -> Contestant:
     # and TIME are counted in EXEC's usec, so not added again); the Lua-free extend and
     # release where the server has them (SET IFEQ is then a top-level SET).
     released = {"delifeq", "delex"} if info["lua_free"] else set()
-    top = {"multi", "exec"} | released
+    # fences=False: the acquire is a top-level SET NX PX, no transaction.
+    top = ({"multi", "exec"} if info["fences"] else {"set"}) | released
     extended = {"set"} if info["lua_free"] else set()
     notes = [f"acquire {info['acquire']}, extend {info['extend']}, release {info['release']}"]
     return Contestant(name, top, cycle, extend, batch, close=cache.close, notes=notes, phase_top={"extend": extended})
@@ -164,6 +165,7 @@ def contestants(url: str) -> list[Callable[[], Contestant | None]]:
         lambda: hotlock_contestant(url, "hotlock native (default)", backend="native"),
         lambda: hotlock_contestant(url, "hotlock native wakeups=False", backend="native", wakeups=False),
         lambda: hotlock_contestant(url, "hotlock native scripts='always'", backend="native", scripts="always"),
+        lambda: hotlock_contestant(url, "hotlock native fences=False", backend="native", fences=False),
         lambda: hotlock_contestant(url, "hotlock redis-py backend", backend="redis-py"),
     ]
 

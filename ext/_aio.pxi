@@ -143,10 +143,11 @@ cdef class _AioWaiter:
     cdef object fut
     cdef Py_ssize_t want
     cdef list got  # None for a single command
-    # Transaction acquires (AioCore.acquire): the first `txns` answers are each four replies
-    # kept here as hiredis gave them until the fourth, then decided in C (_txn_read) into
+    # Acquires (AioCore.acquire): the first `txns` answers are each `per` replies
+    # kept here as hiredis gave them until the last, then decided in C (_acquire_read) into
     # one answer, with no Python object made for any of them on the way to the fence.
     cdef Py_ssize_t txns
+    cdef int per  # each acquire's replies: 4 (the transaction) or 1 (SET NX PX alone, fences off)
     cdef bint single  # the one answer is the future's result, not a list of them
     cdef int held
     cdef redisReply *four[4]
@@ -233,23 +234,26 @@ cdef class AioCore:
         self._queue(w)
         return w.fut
 
-    def acquire(self, bytes key not None, bytes token not None, long long ms):
-        """The transaction acquire of hotlock._acquire; a future for its answer: the fence
-        (> 0), 0 (the ACQUIRE script is to decide), -1 (that too, and MULTI was refused
-        alone: multi_refusal says how), or the error reply the call failed with."""
-        return self._txn([key], [token], ms, None, True)
+    def acquire(self, bytes key not None, bytes token not None, long long ms, bint fenced=True):
+        """The transaction acquire of hotlock._acquire (SET NX PX alone when not
+        ``fenced``); a future for its answer: the fence (> 0; 1 without a fence), 0 (the
+        ACQUIRE script is to decide), -1 (that too, and MULTI was refused alone:
+        multi_refusal says how), or the error reply the call failed with."""
+        return self._txn([key], [token], ms, None, True, fenced)
 
-    def acquire_many(self, list keys not None, list tokens not None, long long ms, tuple trailer=None):
+    def acquire_many(self, list keys not None, list tokens not None, long long ms, tuple trailer=None,
+                     bint fenced=True):
         """acquire() for each key, in one write, ``trailer`` (a WAIT) last; a future for the
         list of the answers, then the trailer's reply."""
-        return self._txn(keys, tokens, ms, trailer, False)
+        return self._txn(keys, tokens, ms, trailer, False, fenced)
 
-    cdef object _txn(self, list keys, list tokens, long long ms, tuple trailer, bint single):
+    cdef object _txn(self, list keys, list tokens, long long ms, tuple trailer, bint single, bint fenced):
         cdef _AioWaiter w = _AioWaiter.__new__(_AioWaiter)
         cdef Py_ssize_t n = len(keys), i, old, size = 0
         cdef char *at
         w.fut = self._loop.create_future()
         w.txns = n
+        w.per = _acquire_replies(fenced)
         w.want = n + (trailer is not None)
         w.single = single
         w.got = []
@@ -272,7 +276,7 @@ cdef class AioCore:
         PyByteArray_Resize(self._wbuf, old + size)
         at = PyByteArray_AS_STRING(self._wbuf) + old
         for i in range(n):
-            at += _txn_resp(at, <bytes>keys[i], <bytes>tokens[i], ms)
+            at += _acquire_resp(at, <bytes>keys[i], <bytes>tokens[i], ms, fenced)
         PyByteArray_Resize(self._wbuf, <Py_ssize_t>(at - PyByteArray_AS_STRING(self._wbuf)))
         self._wbuf += formatted
         self._queue(w)
@@ -349,7 +353,7 @@ cdef class AioCore:
                     self._transport.close()  # retired, and every written command answered
                 return
             if len(self._waiters) > self._unflushed and _in_txn(<_AioWaiter>self._waiters[0]):
-                # A transaction's reply: kept, and decided in C with its fourth.
+                # A transaction's reply: kept, and decided in C with its last.
                 if _aio_odd(<redisReply *>reply):
                     freeReplyObject(reply)
                     self._broken("a reply of a type this connection never asked for (RESP3)")
@@ -376,17 +380,17 @@ cdef class AioCore:
                 return
 
     cdef bint _txn_reply(self, _AioWaiter w, redisReply *reply) noexcept:
-        """Keep one of a transaction's replies; True once it has all four."""
+        """Keep one of an acquire's replies; True once it has them all (w.per)."""
         w.four[w.held] = reply
         w.held += 1
-        return w.held == 4
+        return w.held == w.per
 
     cdef object _answer(self, _AioWaiter w):
-        """The four replies w holds, decided (see acquire) and let go of."""
+        """The replies w holds, decided (see acquire) and let go of."""
         cdef int err = 0, i
         cdef long long answer
         cdef redisReply *r
-        answer = _txn_read(w.four, &err)
+        answer = _acquire_read(w.four, w.per == 4, &err)
         try:
             if answer == _TXN_ERROR:
                 r = w.four[err]

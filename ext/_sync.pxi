@@ -316,6 +316,7 @@ cdef const char *_S_NX = b"NX"
 cdef const char *_S_TIME = b"TIME"
 cdef const char *_S_EXEC = b"EXEC"
 cdef enum:
+    _TXN_TAKEN = 1  # SET NX PX alone took the key: no fence (hotlock._acquire.TAKEN)
     _TXN_SCRIPT = 0  # the ACQUIRE script decides (hotlock._acquire.SCRIPT)
     _TXN_NO_MULTI = -1  # SCRIPT too, and MULTI was refused alone (hotlock._acquire.refused_multi)
     _TXN_ERROR = -2  # an error reply, handled as the script's would be
@@ -351,6 +352,18 @@ cdef size_t _txn_resp(char *buf, bytes key, bytes token, long long ms) noexcept:
     return n + 28
 
 
+cdef size_t _acquire_resp(char *buf, bytes key, bytes token, long long ms, bint fenced) noexcept:
+    """= hotlock._acquire.commands(key, token, ms, fenced) on the wire, at buf (room for
+    _txn_size, which bounds both forms)."""
+    cdef const char *argv[6]
+    cdef size_t lens[6]
+    cdef char num[24]
+    if fenced:
+        return _txn_resp(buf, key, token, ms)
+    _txn_set_argv(argv, lens, num, key, token, ms)
+    return _resp(buf, 6, argv, lens)
+
+
 cdef int _append_txn(redisContext *ctx, bytes key, bytes token, long long ms) noexcept:
     """Append the transaction (four commands, four replies) in one piece."""
     cdef char buf[_RESP_STACK]
@@ -368,11 +381,27 @@ cdef int _append_txn(redisContext *ctx, bytes key, bytes token, long long ms) no
     return redisAppendFormattedCommand(ctx, _W_EXEC, 14)
 
 
-def _acquire_wire(bytes key not None, bytes token not None, long long ms):
-    """Test hook: the transaction's wire form as _append_txn writes it (compared with
+cdef inline int _append_acquire(redisContext *ctx, bytes key, bytes token, long long ms, bint fenced) noexcept:
+    """The acquire of a free key: the transaction, or SET NX PX alone when not ``fenced``
+    (connect(fences=False)); _acquire_replies(fenced) replies."""
+    cdef const char *argv[6]
+    cdef size_t lens[6]
+    cdef char num[24]
+    if fenced:
+        return _append_txn(ctx, key, token, ms)
+    _txn_set_argv(argv, lens, num, key, token, ms)
+    return _append_resp(ctx, 6, argv, lens)
+
+
+cdef inline int _acquire_replies(bint fenced) noexcept nogil:
+    return 4 if fenced else 1
+
+
+def _acquire_wire(bytes key not None, bytes token not None, long long ms, bint fenced=True):
+    """Test hook: the acquire's wire form as _acquire_resp writes it (compared with
     hiredis's form of hotlock._acquire.commands)."""
     cdef bytes ours = PyBytes_FromStringAndSize(NULL, _txn_size(key, token))
-    return ours[:_txn_resp(PyBytes_AS_STRING(ours), key, token, ms)]
+    return ours[:_acquire_resp(PyBytes_AS_STRING(ours), key, token, ms, fenced)]
 
 
 cdef inline long long _clock_part(const redisReply *r) noexcept nogil:
@@ -433,29 +462,46 @@ cdef long long _txn_read(redisReply **r, int *err) noexcept nogil:
     return _TXN_SCRIPT
 
 
-def _read_acquire(bytes resp not None):
-    """Test hook: the transaction's four replies given as RESP, read by a hiredis reader
-    and decided by _txn_read: the fence, 0 (SCRIPT), -1 (SCRIPT, MULTI refused alone) or
-    the text of the error reply the call failed with."""
+cdef long long _acquire_read(redisReply **r, bint fenced, int *err) noexcept nogil:
+    """= hotlock._acquire.read: the transaction's four replies (_txn_read), or SET NX PX's
+    one when not ``fenced``: _TXN_TAKEN (OK), _TXN_SCRIPT (nil: the key exists; or a reply
+    no server sends, which the script asks again), or _TXN_ERROR (*err 0)."""
+    cdef redisReply *taken = r[0]
+    if fenced:
+        return _txn_read(r, err)
+    if taken.type == REDIS_REPLY_ERROR:
+        err[0] = 0
+        return _TXN_ERROR
+    if (taken.type == REDIS_REPLY_STATUS or taken.type == REDIS_REPLY_STRING) and taken.len == 2 \
+            and taken.str[0] == 79 and taken.str[1] == 75:  # OK
+        return _TXN_TAKEN
+    return _TXN_SCRIPT
+
+
+def _read_acquire(bytes resp not None, bint fenced=True):
+    """Test hook: the acquire's replies given as RESP (four, or one when not ``fenced``),
+    read by a hiredis reader and decided by _acquire_read: the fence (or 1, TAKEN), 0
+    (SCRIPT), -1 (SCRIPT, MULTI refused alone) or the text of the error reply the call
+    failed with."""
     cdef redisReader *reader = redisReaderCreate()
     cdef redisReply *r[4]
     cdef void *reply
-    cdef int i, got = 0, err = 0
+    cdef int i, got = 0, err = 0, want = _acquire_replies(fenced)
     cdef long long answer
     if reader is NULL:
         raise MemoryError()
     try:
         if redisReaderFeed(reader, PyBytes_AS_STRING(resp), <size_t>PyBytes_GET_SIZE(resp)) != REDIS_OK:
             raise MemoryError()
-        while got < 4:
+        while got < want:
             reply = NULL
             if redisReaderGetReply(reader, &reply) != REDIS_OK:
                 raise ValueError((<bytes>reader.errstr).decode("utf-8", "replace"))
             if reply is NULL:
-                raise ValueError(f"{got} replies, not 4")
+                raise ValueError(f"{got} replies, not {want}")
             r[got] = <redisReply *>reply
             got += 1
-        answer = _txn_read(r, &err)
+        answer = _acquire_read(r, fenced, &err)
         if answer == _TXN_ERROR:
             return r[err].str[:r[err].len].decode("utf-8", "replace")
         return answer
@@ -570,6 +616,7 @@ cdef class NativeBackend:
     # transaction, until the server refuses MULTI alone (then False for good: _refuse_multi).
     cdef bint _txn
     cdef bint _multi_refused
+    cdef readonly bint fenced  # connect(fences=...): the transaction, or SET NX PX alone
     # What an extend passes _scripts as its plain: -1 (the dialect's), or _PLAIN_NONE under
     # wait_replicas, where the script takes a waiter's mark and permits as they are, so one
     # write carries every extend of a call and the one WAIT behind them.
@@ -623,6 +670,7 @@ cdef class NativeBackend:
         self._plain = _PLAIN_NONE
         self._txn = False
         self._multi_refused = False
+        self.fenced = True
         self._extend_as = _PLAIN_NONE if self._wait_replicas else -1
         self._wakeups = _wakeup_slot(config)
         # Connect now: a configured but unreachable server is a CacheError at connect().
@@ -1064,11 +1112,12 @@ cdef class NativeBackend:
                 calls = 0
                 for i in range(n):
                     if todo[i] == 2:
-                        if _append_txn(conn.ctx, <bytes>keys if single else <bytes>(<list>keys)[i],
-                                       <bytes>tokens if single else <bytes>(<list>tokens)[i], ms) != REDIS_OK:
+                        if _append_acquire(conn.ctx, <bytes>keys if single else <bytes>(<list>keys)[i],
+                                           <bytes>tokens if single else <bytes>(<list>tokens)[i], ms,
+                                           self.fenced) != REDIS_OK:
                             _drop(conn)
                             raise MemoryError()
-                        sent += 4
+                        sent += _acquire_replies(self.fenced)
                         calls += 1
                     elif todo[i]:
                         if plain:
@@ -1111,8 +1160,8 @@ cdef class NativeBackend:
                     if not todo[i]:
                         continue
                     if todo[i] == 2:
-                        k = 4
-                        answer = _txn_read(replies + j, &err)
+                        k = _acquire_replies(self.fenced)
+                        answer = _acquire_read(replies + j, self.fenced, &err)
                         r = NULL
                         if answer > 0:
                             values[i] = answer
@@ -1523,6 +1572,7 @@ cdef class NativeBackend:
         self.dialect = dialect
         self._plain = {"DELIFEQ": _PLAIN_DELIFEQ, "DELEX": _PLAIN_DELEX}.get(dialect.release, _PLAIN_NONE)
         self._txn = dialect.transaction and not self._multi_refused
+        self.fenced = dialect.fenced
 
     cdef int _refuse_multi(self, str text) except -1:
         """MULTI was refused alone (an ACL without it, a proxy): every later acquire goes

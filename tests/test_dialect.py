@@ -89,6 +89,7 @@ def test_server_info_names_the_server_and_the_path(
             "version": None,
             "lua_free": False,
             "acquire": "script",
+            "fences": True,
             "extend": "script",
             "release": "script",
             "limits": "script",

@@ -183,8 +183,12 @@ def check(logs: list[Path]) -> Soak:
 
 
 def soak(url: str, backend: str, seconds: float, tmp: Path, broken: bool = False, aio: bool = False) -> Soak:
-    ctx = mp.get_context("fork")
-    start = time.monotonic() + 1.0  # every worker connected and waiting before the clock starts
+    # Not a fork of this process: it runs threads (the fault proxy's, the resetter), and a
+    # child forked while one of them held a lock (logging's, say) can hang before its first
+    # line. The forkserver forks each worker from a process that runs none.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # each worker forked with this module loaded: no import of its own
+    start = time.monotonic() + 2.0  # every worker connected and waiting before the clock starts
     logs = [tmp / f"worker-{n}.log" for n in range(PROCESSES)]
     procs = [
         ctx.Process(target=_aio_worker, args=(url, backend, start, seconds, str(logs[n]), n))

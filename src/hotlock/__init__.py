@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
 from ._connect import connect_config, open_detected, with_credentials, with_wakeups
-from ._dialect import check_scripts
+from ._dialect import check_fences, check_scripts, detect
 from ._fastpath import MeteredNativeCache, NativeCache
 from ._lazy import LazyBackend
 from ._lock import Lock
@@ -77,6 +77,7 @@ def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
+    fences: bool = True,
     metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
     lazy: bool = False,
@@ -105,6 +106,10 @@ def connect(
     ``DELEX … IFEQ``), detected once here; ``scripts="always"`` keeps them all on the scripts.
     ``cache.server_info`` tells which server was found and which path is in use.
 
+    ``fences=False`` gives every lock the fence 0 and takes a free key with ``SET NX PX``
+    alone (no ``MULTI``, ``TIME``, ``EXEC``): for locks whose work no store checks by fence,
+    at the server's lowest cost (docs/fencing.md).
+
     ``metrics`` takes a listener (see hotlock.metrics, e.g. hotlock.metrics.PrometheusMetrics())
     told of every acquisition, release, extension, loss and error, or a list of listeners
     (each told of every event, e.g. Prometheus and hotlock.otel); without one, nothing is paid.
@@ -130,6 +135,7 @@ def connect(
     docs/managed.md.
     """
     check_scripts(scripts)
+    check_fences(fences)
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
@@ -137,15 +143,17 @@ def connect(
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:
-        return _cache(MemoryBackend(), raw_prefix, listener, timeout)
+        memory = MemoryBackend()
+        memory.use_dialect(detect(None, None, scripts, fences))
+        return _cache(memory, raw_prefix, listener, timeout)
     if lazy:
         # No I/O now: the first call opens the backend (LazyBackend). The plain classes, not
         # the native one-call fast paths, which need the opened backend at construction.
-        lazy_backend = LazyBackend(config, backend, scripts)
+        lazy_backend = LazyBackend(config, backend, scripts, fences)
         if listener is None:
             return Cache(lazy_backend, raw_prefix, config.timeout)
         return MeteredCache(lazy_backend, raw_prefix, listener, config.timeout)
-    return _cache(open_detected(config, backend, scripts), raw_prefix, listener, config.timeout)
+    return _cache(open_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
 
 
 def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: float) -> Cache:

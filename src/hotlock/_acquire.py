@@ -19,6 +19,10 @@ permits, or a hash of permits none of which is live. So a conflict costs a secon
 trip, and the uncontended acquire one without Lua. The waiting forms (ACQUIRE_WAIT,
 ACQUIRE_CHAIN) and permits (a limit) always go by script: they are the contended path.
 
+Under connect(fences=False) the acquire of a free key is ``SET <key> <token> NX PX <ms>``
+alone: no clock is read, the lock's fence is 0, and its one reply, OK or nil, says the same
+(``TAKEN``, or SCRIPT: the key exists). No MULTI is sent, so none can be refused.
+
 A transport sends ``commands`` in one write and hands the four replies to ``read``: the
 fence, or ``SCRIPT`` (send the ACQUIRE script instead), or the one reply that is an error,
 which the transport treats as it treats a script's error reply (NOAUTH, a transient reply,
@@ -37,17 +41,21 @@ from typing import Final
 
 from ._credentials import is_auth_refusal
 
-__all__ = ["SCRIPT", "commands", "fence_of", "read", "refused_multi", "warn_refused"]
+__all__ = ["SCRIPT", "TAKEN", "commands", "fence_of", "read", "refused_multi", "warn_refused"]
 
 log = logging.getLogger("hotlock")
 
 # read()'s answer when the ACQUIRE script is to decide this call.
 SCRIPT: Final = 0
+# read()'s answer when SET NX PX alone took the key (fences off): > 0 as a fence is, so a
+# caller tells "taken" as it does from a fence; the lock's fence is 0 (Lease).
+TAKEN: Final = 1
 
 
-def commands(key: bytes, token: bytes, ttl_ms: int) -> tuple[tuple[bytes, ...], ...]:
-    """The transaction, as four commands written together."""
-    return ((b"MULTI",), (b"SET", key, token, b"NX", b"PX", b"%d" % ttl_ms), (b"TIME",), (b"EXEC",))
+def commands(key: bytes, token: bytes, ttl_ms: int, fenced: bool = True) -> tuple[tuple[bytes, ...], ...]:
+    """The transaction, as four commands written together; SET NX PX alone when not ``fenced``."""
+    take = (b"SET", key, token, b"NX", b"PX", b"%d" % ttl_ms)
+    return ((b"MULTI",), take, (b"TIME",), (b"EXEC",)) if fenced else (take,)
 
 
 def _clock_part(part: object) -> int | None:
@@ -74,13 +82,19 @@ def fence_of(time_reply: object) -> int | None:
 
 
 def read(replies: list[object], error: type[BaseException]) -> int | BaseException:
-    """The four replies to ``commands`` (error replies as instances of ``error``): the
-    fence (> 0) when the key was taken, SCRIPT when the ACQUIRE script is to decide, or
+    """The replies to ``commands`` (error replies as instances of ``error``): the fence
+    (> 0) when the key was taken (TAKEN for SET alone), SCRIPT when the ACQUIRE script is
+    to decide, or
     the error reply the call failed with, to be treated as a script's (the first one of
     SET, TIME, EXEC: a queued command refused makes EXEC refuse the whole, EXECABORT, so
     SET's own error names why). A MULTI refused NOAUTH or WRONGPASS is that error, whatever
     came after it: this connection is not authenticated, never a server without
     transactions."""
+    if len(replies) == 1:  # SET NX PX alone
+        (taken,) = replies
+        if isinstance(taken, error):
+            return taken
+        return TAKEN if taken in (b"OK", "OK", True) else SCRIPT
     if isinstance(replies[0], error) and is_auth_refusal(str(replies[0])):
         return replies[0]
     if refused_multi(replies, error):
@@ -111,4 +125,9 @@ def refused_multi(replies: list[object], error: type[BaseException]) -> bool:
     this server, or what stands before it, has no transactions for us (an ACL without
     MULTI, a proxy), and the acquire goes by script from now on. A MULTI refused with
     the SET (a server loading), or refused NOAUTH/WRONGPASS, is that error, not this."""
-    return isinstance(replies[0], error) and not isinstance(replies[1], error) and not is_auth_refusal(str(replies[0]))
+    return (
+        len(replies) == 4
+        and isinstance(replies[0], error)
+        and not isinstance(replies[1], error)
+        and not is_auth_refusal(str(replies[0]))
+    )

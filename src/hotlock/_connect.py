@@ -131,7 +131,7 @@ async def open_async_backend(config: ServerConfig, requested: str | None) -> tup
     return backend, why
 
 
-def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> Backend:
+def open_detected(config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> Backend:
     """The sync backend opened, its server's dialect detected (INFO and COMMAND, once), and
     the connect log lines written: what connect() does once the arguments are checked."""
     from ._dialect import commands_from, detect, probe_needed
@@ -141,7 +141,7 @@ def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> 
         info = opened.info()
         # The server's dialect, once: what extend and release send from now on (_dialect).
         commands = commands_from(opened.command_info()) if probe_needed(info, scripts) else None
-        opened.use_dialect(detect(info, commands, scripts))
+        opened.use_dialect(detect(info, commands, scripts, fences))
         # What the backend made of it (a cluster: each primary's own).
         log_server(info, opened.dialect, opened.name, opened.server, why)
     except BaseException:
@@ -150,7 +150,7 @@ def open_detected(config: ServerConfig, requested: str | None, scripts: str) -> 
     return opened
 
 
-async def open_async_detected(config: ServerConfig, requested: str | None, scripts: str) -> AsyncBackend:
+async def open_async_detected(config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> AsyncBackend:
     """open_detected()'s async twin."""
     from ._dialect import commands_from, detect, probe_needed
 
@@ -158,7 +158,7 @@ async def open_async_detected(config: ServerConfig, requested: str | None, scrip
     try:
         info = await opened.info()
         commands = commands_from(await opened.command_info()) if probe_needed(info, scripts) else None
-        opened.use_dialect(detect(info, commands, scripts))
+        opened.use_dialect(detect(info, commands, scripts, fences))
         log_server(info, opened.dialect, opened.name, opened.server, why)
     except BaseException:
         await opened.close()

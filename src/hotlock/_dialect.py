@@ -31,7 +31,7 @@ with a limit) is refused WRONGTYPE, and goes again by script too, which says "no
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from ._ident import TOKEN_BYTES
@@ -46,6 +46,7 @@ __all__ = [
     "ClusterDialect",
     "Dialect",
     "by_script",
+    "check_fences",
     "check_scripts",
     "commands_from",
     "detect",
@@ -84,6 +85,9 @@ class Dialect:
     version: str | None
     release: str  # "script", "DELIFEQ" or "DELEX"
     reason: str  # why this path: shown in the connect log line and in server_info
+    # connect(fences=False): every lock's fence is 0, and a free key is taken by SET NX PX
+    # alone (the clock that makes the fence is not read). The client's choice, as scripts= is.
+    fenced: bool = True
 
     def __post_init__(self) -> None:
         assert self.release in _RELEASES, self.release
@@ -100,6 +104,14 @@ class Dialect:
         return not self.forced and self.kind != "memory"
 
     @property
+    def acquire(self) -> str:
+        """What the acquire of a free key sends (hotlock._acquire): every other case, and
+        every acquire under connect(scripts='always') or in-process, is the script."""
+        if not self.transaction:
+            return "script"
+        return "SET NX in MULTI" if self.fenced else "SET NX"
+
+    @property
     def forced(self) -> bool:
         """Whether connect(scripts='always') chose the scripts (a cluster then keeps every
         node on them, whatever each node has)."""
@@ -113,7 +125,8 @@ class Dialect:
                 "version": self.version,
                 "lua_free": self.lua_free,
                 # The acquire of a free key (hotlock._acquire); every other case by script.
-                "acquire": "SET NX in MULTI" if self.transaction else "script",
+                "acquire": self.acquire,
+                "fences": self.fenced,
                 "extend": "SET IFEQ" if self.lua_free else "script",
                 "release": "DELEX IFEQ" if self.release == "DELEX" else self.release,
                 # Keys held with a limit are hashes of permits: every call on them is a
@@ -127,10 +140,11 @@ class Dialect:
         """For the connect log line: 'Valkey 9.1.2, Lua-free extend/release (SET IFEQ, DELIFEQ)'."""
         name = {"redis": "Redis", "valkey": "Valkey"}.get(self.kind, "server")
         server = f"{name} {self.version}" if self.version else name
+        fences = "" if self.fenced else ", no fences (fences=False)"
         if self.lua_free:
             release = "DELEX IFEQ" if self.release == "DELEX" else self.release
-            return f"{server}, Lua-free extend/release (SET IFEQ, {release})"
-        return f"{server}, extend/release by script ({self.reason})"
+            return f"{server}, Lua-free extend/release (SET IFEQ, {release}){fences}"
+        return f"{server}, extend/release by script ({self.reason}){fences}"
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,12 @@ class ClusterDialect(Dialect):
         fields["nodes"] = MappingProxyType({where: d.describe() for where, d in self.nodes.items()})
         return MappingProxyType(fields)
 
+    @property
+    def acquire(self) -> str:
+        # A cluster's router sends one form: the transaction, fences on or off (a lock's
+        # fence is 0 all the same).
+        return "SET NX in MULTI" if self.transaction else "script"
+
     def describe(self) -> str:
         if not self.mixed:
             return super().describe()
@@ -164,17 +184,37 @@ class ClusterDialect(Dialect):
         if len(releases) == 1:
             (release,) = releases
             reason = next(iter(nodes.values())).reason
-            return cls(kind, version, release, reason, MappingProxyType(dict(nodes)))
+            return cls(kind, version, release, reason, connected.fenced, MappingProxyType(dict(nodes)))
         if not nodes:
-            return cls(kind, version, "script", connected.reason)
+            return cls(kind, version, "script", connected.reason, connected.fenced)
         free = sum(d.lua_free for d in nodes.values())
         reason = f"{free} of {len(nodes)} primaries Lua-free"
-        return cls(kind, version, "script", reason, MappingProxyType(dict(nodes)), mixed=True)
+        return cls(kind, version, "script", reason, connected.fenced, MappingProxyType(dict(nodes)), mixed=True)
 
 
 MEMORY = Dialect("memory", None, "script", "in-process: no server")
 # A backend's dialect before connect() has detected the server: the scripts work anywhere.
 UNDETECTED = Dialect("unknown", None, "script", "not detected")
+
+
+class Detected:
+    """What a backend speaks, as connect() detected it and told it once (use_dialect): its
+    ``dialect``, the scripts until then (UNDETECTED), and connect(fences=...). The base of
+    the redis-py backends, sync and async."""
+
+    dialect: Dialect = UNDETECTED
+    fenced = True
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        self.fenced = dialect.fenced
+
+
+def check_fences(fences: object) -> bool:
+    """connect()'s ``fences`` argument, checked before any I/O."""
+    if not isinstance(fences, bool):
+        raise TypeError(f"fences must be a bool, not {type(fences).__name__}")
+    return fences
 
 
 def check_scripts(scripts: object) -> str:
@@ -210,9 +250,18 @@ def kind_and_version(info: Mapping[str, str] | None) -> tuple[str, str | None]:
     return "unknown", None
 
 
-def detect(info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, scripts: str) -> Dialect:
+def detect(
+    info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, scripts: str, fences: bool = True
+) -> Dialect:
     """The dialect of a server from its INFO (None: refused by the ACL) and which of
-    DELIFEQ and DELEX ``COMMAND INFO`` says it has (None: COMMAND refused, or not asked).
+    DELIFEQ and DELEX ``COMMAND INFO`` says it has (None: COMMAND refused, or not asked),
+    with connect()'s ``scripts`` and ``fences``."""
+    dialect = _server_dialect(info, commands, scripts)
+    return dialect if fences else replace(dialect, fenced=False)
+
+
+def _server_dialect(info: Mapping[str, str] | None, commands: Mapping[str, bool] | None, scripts: str) -> Dialect:
+    """detect()'s server part.
 
     Lua-free only for a server known by INFO, so an unknown server that happens to have a
     DELEX of its own is never sent SET IFEQ on a guess. With COMMAND refused, the version

@@ -48,10 +48,11 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 class LazyBackend:
     """A Backend that is opened by its first call (see the module's docstring)."""
 
-    def __init__(self, config: ServerConfig, requested: str | None, scripts: str) -> None:
+    def __init__(self, config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> None:
         self._config = config
         self._requested = requested
         self._scripts = scripts
+        self._fences = fences
         # What the opened backend will be: choose() reads no network, only what was built.
         self.name, _ = choose(config, requested)
         self.server = config.display
@@ -63,10 +64,14 @@ class LazyBackend:
     def dialect(self) -> Dialect:
         return UNDETECTED if self._opened is None else self._opened.dialect
 
+    @property
+    def fenced(self) -> bool:
+        return self._fences
+
     def _open(self) -> Backend:
         with self._opening:  # one connect for the threads that arrive together
             if self._opened is None:
-                opened = open_detected(self._config, self._requested, self._scripts)
+                opened = open_detected(self._config, self._requested, self._scripts, self._fences)
                 for op in _SYNC_OPS:
                     setattr(self, op, getattr(opened, op))
                 self._opened = opened
@@ -127,10 +132,11 @@ class AsyncLazyBackend:
     """LazyBackend's async twin: the first awaited call opens the backend, in the event loop
     it runs in (an async cache belongs to one loop, as a connected one does)."""
 
-    def __init__(self, config: ServerConfig, requested: str | None, scripts: str) -> None:
+    def __init__(self, config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> None:
         self._config = config
         self._requested = requested
         self._scripts = scripts
+        self._fences = fences
         self.name, _ = choose(config, requested, aio=True)
         self.server = config.display
         self._opened: AsyncBackend | None = None
@@ -142,6 +148,10 @@ class AsyncLazyBackend:
         return UNDETECTED if self._opened is None else self._opened.dialect
 
     @property
+    def fenced(self) -> bool:
+        return self._fences
+
+    @property
     def wake_slot(self) -> Any:
         # The wake-up subscriber is the opened backend's; before the first call a lock_wait
         # polls with backoff alone, as with wakeups=False.
@@ -151,7 +161,9 @@ class AsyncLazyBackend:
         if self._opened is not None:
             return self._opened
         if self._opening is None:
-            self._opening = asyncio.ensure_future(open_async_detected(self._config, self._requested, self._scripts))
+            self._opening = asyncio.ensure_future(
+                open_async_detected(self._config, self._requested, self._scripts, self._fences)
+            )
             # Its failure is read by whoever awaits it; if all of them were cancelled, here,
             # so asyncio never logs it as "never retrieved".
             self._opening.add_done_callback(_retrieved)

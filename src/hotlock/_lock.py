@@ -88,7 +88,8 @@ class Lease:
     key: str | bytes
     """The key as the caller gave it (str or bytes), without the prefix."""
     fence: int
-    """The fencing token: an int larger than the fence of every earlier acquisition of this key."""
+    """The fencing token: an int larger than the fence of every earlier acquisition of
+    this key; 0 under connect(fences=False)."""
 
     def __init__(
         self, backend: Named, key: str | bytes, name: bytes, token: bytes, fence: int, ttl: int, sent_at: float
@@ -104,7 +105,7 @@ class Lease:
         held_value(token, fence)."""
         self._backend = backend
         self.key = key
-        self.fence = fence
+        self.fence = fence if backend.fenced else 0
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.

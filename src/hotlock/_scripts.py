@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from typing import Any
 
 from ._ident import TOKEN_BYTES
 
@@ -329,3 +330,15 @@ RELEASE = Script(_RELEASE.replace("@PUBLISH@", "PUBLISH"))
 RELEASE_SHARDED = Script(_RELEASE.replace("@PUBLISH@", "SPUBLISH"))
 
 SCRIPTS = (ACQUIRE, EXTEND, RELEASE, ACQUIRE_WAIT, ACQUIRE_CHAIN, RELEASE_SHARDED)
+# ACQUIRE and its waiting forms, and EXTEND: what a WAIT rides behind under wait_replicas.
+CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
+
+
+def resent(replies: list[Any], missing: list[int], again: list[Any], n: int) -> None:
+    """After NOSCRIPT, a batch's replies made whole: ``again`` holds the replies to its
+    ``missing`` calls (of the first ``n``), sent once more after the scripts were loaded,
+    then to the commands behind them (a WAIT), which rode behind them again. Only what did
+    not run is sent again: a release that ran must not run twice. Every backend's."""
+    for i, reply in zip(missing, again, strict=False):
+        replies[i] = reply
+    replies[n:] = again[len(missing) :]

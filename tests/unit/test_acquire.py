@@ -1,7 +1,8 @@
 """The transaction acquire's reply, decided twice: by hotlock._acquire.read (the Python
 backends) and by the extension's C (_native._read_acquire runs the decision the native
 backends run on a hiredis reader's replies). The same scripted replies must give the same
-answer: the fence, SCRIPT, or the error reply the call fails with."""
+answer: the fence, SCRIPT, or the error reply the call fails with. Under
+connect(fences=False) the acquire is SET NX PX alone, and its one reply is decided alike."""
 
 from __future__ import annotations
 
@@ -143,12 +144,39 @@ def test_every_combination_is_decided_alike() -> None:
         assert native._read_acquire(resp) == python_answer(resp), resp
 
 
-def test_the_c_wire_form_is_the_commands_as_hiredis_formats_them() -> None:
+@pytest.mark.parametrize("fenced", [True, False])
+def test_the_c_wire_form_is_the_commands_as_hiredis_formats_them(fenced: bool) -> None:
     native = _native()
     for key, token, ms in [
         (b"k", b"t" * 16, 1),
         (b"hotlock:lock:{a}", bytes(range(16)), 30_000),
         (b"k" * 5000, b"\r\n" * 8, 10**12),
     ]:
-        theirs = b"".join(native._resp_pair(list(command))[1] for command in _acquire.commands(key, token, ms))
-        assert native._acquire_wire(key, token, ms) == theirs
+        commands = _acquire.commands(key, token, ms, fenced)
+        assert len(commands) == (4 if fenced else 1)
+        theirs = b"".join(native._resp_pair(list(command))[1] for command in commands)
+        assert native._acquire_wire(key, token, ms, fenced) == theirs
+
+
+# SET NX PX alone (fences off): OK took the key, nil found it there, an error is the call's.
+SET_REPLIES: dict[bytes, int | str] = {
+    OK: _acquire.TAKEN,
+    bulk(b"OK"): _acquire.TAKEN,
+    b"$-1\r\n": _acquire.SCRIPT,
+    b"*-1\r\n": _acquire.SCRIPT,
+    NOAUTH: "NOAUTH Authentication required.",
+    b"-OOM command not allowed\r\n": "OOM command not allowed",
+    b"-LOADING loading\r\n": "LOADING loading",
+    QUEUED: _acquire.SCRIPT,
+    b":5\r\n": _acquire.SCRIPT,
+    bulk(b"NO"): _acquire.SCRIPT,
+}
+
+
+@pytest.mark.parametrize("resp", SET_REPLIES)
+def test_the_fenceless_set_reply_is_decided_alike(resp: bytes) -> None:
+    reader = hiredis.Reader(replyError=ReplyError)
+    reader.feed(resp)
+    answer = _acquire.read([reader.gets()], ReplyError)
+    assert (str(answer) if isinstance(answer, BaseException) else answer) == SET_REPLIES[resp]
+    assert _native()._read_acquire(resp, False) == SET_REPLIES[resp]

@@ -13,6 +13,7 @@ from hotlock._renewer import EARLY, RENEW_AFTER, RETRY_AFTER, Held, Schedule
 
 class Backend:
     server = "unit:0"
+    fenced = True
 
 
 class Renewer:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .._connect import connect_config, open_async_detected, with_credentials, with_wakeups
-from .._dialect import check_scripts
+from .._dialect import check_fences, check_scripts, detect
 from .._lazy import AsyncLazyBackend
 from .._metered import check_listener
 from .._validate import DEFAULT_TTL, Seconds
@@ -46,6 +46,7 @@ async def connect(
     wait_replicas: int = 0,
     wait_timeout: float | None = None,
     scripts: str = "auto",
+    fences: bool = True,
     metrics: Listener | Sequence[Listener] | None = None,
     wakeups: bool = True,
     lazy: bool = False,
@@ -56,7 +57,8 @@ async def connect(
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
     forces "native" (the Cython asyncio protocol) or "redis-py" (redis.asyncio); ``scripts``
-    chooses between the Lua-free extend/release, where the server has them, and the scripts.
+    chooses between the Lua-free extend/release, where the server has them, and the scripts;
+    ``fences=False`` makes every lock's fence 0 and takes a free key with ``SET NX PX`` alone.
     ``metrics`` takes the same listener as hotlock.connect() (see hotlock.metrics).
     ``credential_provider`` and ``reauth_interval`` as there; a provider with its own
     ``get_credentials_async()`` (redis-entraid's) is awaited instead.
@@ -67,6 +69,7 @@ async def connect(
     is that call's CacheError; the next call tries again.
     """
     check_scripts(scripts)
+    check_fences(fences)
     listener = check_listener(metrics)
     raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
     config = with_wakeups(config, wakeups)
@@ -74,10 +77,12 @@ async def connect(
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
     if config is None:
-        return _cache(AsyncMemoryBackend(), raw_prefix, listener, timeout)
+        memory = AsyncMemoryBackend()
+        memory.use_dialect(detect(None, None, scripts, fences))
+        return _cache(memory, raw_prefix, listener, timeout)
     if lazy:
-        return _cache(AsyncLazyBackend(config, backend, scripts), raw_prefix, listener, config.timeout)
-    return _cache(await open_async_detected(config, backend, scripts), raw_prefix, listener, config.timeout)
+        return _cache(AsyncLazyBackend(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
+    return _cache(await open_async_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
 
 
 def _cache(backend: AsyncBackend, prefix: bytes, listener: Listener | None, timeout: float) -> AsyncCache:

@@ -34,6 +34,10 @@ class Named(Protocol):
     @property
     def dialect(self) -> Dialect: ...
 
+    # connect(fences=...), set with the dialect: False makes every lock's fence 0 (Lease).
+    @property
+    def fenced(self) -> bool: ...
+
 
 class Backend(Named, Protocol):
     # acquire/acquire_many return the fence (> 0) when acquired, and otherwise (<= 0)
@@ -70,9 +74,12 @@ class AsyncBackend(Protocol):
     name: str  # "native", "redis-py" or "memory", as in sync
     server: str  # the server as shown in logs and errors, without credentials
 
-    # As in sync: the server's dialect, set once by connect() through use_dialect.
+    # As in sync: the server's dialect, set once by connect() through use_dialect, and
+    # connect(fences=...) with it.
     @property
     def dialect(self) -> Dialect: ...
+    @property
+    def fenced(self) -> bool: ...
 
     # The ordering promise that makes cancellation safe: a release of a token takes
     # effect after every acquire of that token already called on this backend, even one
@@ -83,12 +90,12 @@ class AsyncBackend(Protocol):
     # unknown: _scripts.ACQUIRE, as Backend.
     # ``since`` (loop time) and ``wait_ms`` are those of the lock_wait this attempt belongs
     # to: as in sync, a lost-reply retry ends by since + max(wait, timeout) + timeout, so
-    # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout.
-    # ``script`` is ACQUIRE or one of its waiting forms (ACQUIRE_WAIT, ACQUIRE_CHAIN: the
+    # a lock_wait ends within max(wait, one reply timeout) plus one reply timeout (None and
+    # 0 for an attempt of its own). ``script`` is ACQUIRE or one of its waiting forms (ACQUIRE_WAIT, ACQUIRE_CHAIN: the
     # same contract), chosen by AsyncCache's lock_wait loop; a backend with a ``wake_slot``
     # (wakeup_async.AsyncSlot, or None) takes part in wake-ups.
     async def acquire(
-        self, key: bytes, token: bytes, ttl_ms: int, since: float | None = None, wait_ms: int = 0, script: Any = ...
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Any
     ) -> int: ...
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]: ...
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool: ...

@@ -83,17 +83,7 @@ from .._dialect import (
     script_serves,
 )
 from .._ident import TOKEN_BYTES
-from .._scripts import (
-    ACQUIRE,
-    ACQUIRE_CHAIN,
-    ACQUIRE_POLL,
-    ACQUIRE_WAIT,
-    EXTEND,
-    RELEASE_SHARDED,
-    SCRIPTS,
-    Script,
-    held_value,
-)
+from .._scripts import ACQUIRE, ACQUIRE_POLL, CONFIRMED, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from .._transient import TRANSIENT, Retrying
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
@@ -315,8 +305,6 @@ def acquired(result: int) -> bool:
 
 # The scripts whose call a node with compare-and-set takes as one plain command.
 _LUA_FREE_SHAS = (EXTEND.sha, RELEASE_SHARDED.sha)
-# What WAIT rides behind under wait_replicas: every form of the acquire, and the extend.
-_CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 PROBE_RETRY_S = 5.0  # how often a refresh may ask again a primary whose dialect probe failed
 
 
@@ -718,6 +706,7 @@ class ClusterCore:
         self.wait_command = (b"WAIT", b"%d" % self.wait_replicas, b"%d" % self.wait_ms)
         self.map = SlotMap()
         self._connected = UNDETECTED  # what connect() detected from the first primary's INFO
+        self.fenced = True
         # "auto" or "always" once connect() has told use_dialect; until then every node
         # keeps the scripts, which every server runs.
         self._policy: str | None = None
@@ -740,6 +729,7 @@ class ClusterCore:
         """connect()'s decision says only whether scripts="always" (every node keeps the
         scripts); with "auto" each primary gets the dialect its own probe shows."""
         self._connected = dialect
+        self.fenced = dialect.fenced
         self._policy = "always" if dialect.forced else "auto"
         probes, self._probes = self._probes, {}
         for address, (info, commands) in probes.items():
@@ -845,6 +835,29 @@ class ClusterCore:
     def no_map(self, errors: list[str]) -> CacheError:
         return cache_error(f"no cluster node gave the slot map ({'; '.join(errors)})", self.server)
 
+    def took_map(
+        self, address: Address, found: list[tuple[int, int, Address]] | BaseException, errors: list[str]
+    ) -> list[Address] | None:
+        """refresh()'s step at one node: its answer (``found``: map_ranges's, or the failure,
+        one of MAP_ERRORS) made the slot map, and the primaries to probe returned (to_probe);
+        or None, why not noted in ``errors``, and the next node is asked."""
+        if isinstance(found, BaseException):
+            errors.append(f"{address[0]}:{address[1]}: {found or type(found).__name__}")
+            return None
+        if not found:
+            errors.append(f"{address[0]}:{address[1]}: no slots assigned")
+            return None
+        before = self.map.primaries
+        with self.map.mutex:
+            self.map.replace(found)
+        return self.to_probe(before)
+
+    def look_again(self, route: Route) -> bool:
+        """Before a round: whether to ask for the map again because a slot had no primary
+        when last looked (its primary failed, its replica not yet promoted); not on every
+        call of the gap, at most every UNSERVED_REFRESH_S."""
+        return route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S
+
     def retry_until(self, wait_ms: int = 0) -> float:
         """As in every backend: a call that may wait ``wait_ms`` returns within
         max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
@@ -866,7 +879,7 @@ class ClusterCore:
     def confirms(self, script: Script) -> bool:
         """Whether WAIT rides behind ``script``'s calls: under wait_replicas, the acquires
         (every form) and the extends."""
-        return self.wait_replicas > 0 and script in _CONFIRMED
+        return self.wait_replicas > 0 and script in CONFIRMED
 
     def info_summary(self, replies: list[tuple[Address, Any]]) -> dict[str, str] | None:
         """The first primary's INFO, plus ``cluster_primaries`` and, per primary with an
@@ -943,28 +956,24 @@ class ClusterBackend(ClusterCore):
 
     def refresh(self, avoid: Address | None = None) -> None:
         """Ask one node after another for the slot map; CacheError when none answers."""
-        errors = []
+        errors: list[str] = []
         for address in self.map_candidates(avoid):
+            found: list[tuple[int, int, Address]] | BaseException
             try:
                 link = self._link(address)
-                ranges = map_ranges(
+                found = map_ranges(
                     self._call(link, [(b"CLUSTER", b"SHARDS")])[0],
                     lambda link=link: self._call(link, [(b"CLUSTER", b"SLOTS")])[0],  # type: ignore[misc]
                     self.config.tls,
                     address[0],
                 )
             except MAP_ERRORS as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
-                continue
-            if not ranges:
-                errors.append(f"{address[0]}:{address[1]}: no slots assigned")
-                continue
-            before = self.map.primaries
-            with self.map.mutex:
-                self.map.replace(ranges)
-            for new in self.to_probe(before):
-                self._probe(new)
-            return
+                found = exc
+            probe = self.took_map(address, found, errors)
+            if probe is not None:
+                for new in probe:
+                    self._probe(new)
+                return
         raise self.no_map(errors)
 
     def _probe(self, address: Address) -> None:
@@ -1052,19 +1061,9 @@ class ClusterBackend(ClusterCore):
                 if first is not None:
                     route.handed(first)
                     first = None
+                elif not self._served(route):
+                    continue
                 else:
-                    if self.map.stale:
-                        # Keep the slots learnt from MOVED if no node answers for the whole map.
-                        with contextlib.suppress(CacheError):
-                            self.refresh()
-                    if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
-                        # No primary for a slot when we last looked (its primary failed, its
-                        # replica not yet promoted): look again, not on every call of the gap.
-                        with contextlib.suppress(CacheError):
-                            self.refresh()
-                    if route.unserved() is not None:
-                        time.sleep(route.wait_for_primary())
-                        continue
                     sent = []
                     for address, batch in route.batches():
                         try:
@@ -1087,8 +1086,7 @@ class ClusterBackend(ClusterCore):
                     self._link(address).link_drop()
                 route.reconnect.clear()
                 if route.refresh_avoiding is not None:
-                    with contextlib.suppress(CacheError):
-                        self.refresh(avoid=route.refresh_avoiding)
+                    self._look(route.refresh_avoiding)
                     route.refresh_avoiding = None
                 if pause:
                     time.sleep(pause)
@@ -1106,6 +1104,24 @@ class ClusterBackend(ClusterCore):
                 self.release_many(keys, values)
             raise
 
+    def _served(self, route: Route) -> bool:
+        """Before a round: the map asked again where due; False, after a pause, while a slot
+        of the round still has no primary (the caller looks again)."""
+        if self.map.stale:
+            self._look()
+        if self.look_again(route):
+            self._look()
+        if route.unserved() is not None:
+            time.sleep(route.wait_for_primary())
+            return False
+        return True
+
+    def _look(self, avoid: Address | None = None) -> None:
+        """refresh(), its failure ignored: the slots learnt from MOVED are kept if no node
+        answers for the whole map."""
+        with contextlib.suppress(CacheError):
+            self.refresh(avoid)
+
     def _load_scripts(self, address: Address, what: str) -> None:
         try:
             replies = self._call(self._link(address), [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS])
@@ -1115,16 +1131,6 @@ class ClusterBackend(ClusterCore):
             if isinstance(reply, ReplyError):
                 raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
-    def _scripts(
-        self,
-        what: str,
-        script: Script,
-        keys: Sequence[bytes],
-        args: Sequence[tuple[bytes, ...]],
-        retry_until: float | None,
-    ) -> list[Any]:
-        return self._run(self.route(what, script, keys, args, retry_until))
-
     def _many(
         self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], ms: int, until: float | None
     ) -> list[Any]:
@@ -1132,14 +1138,14 @@ class ClusterBackend(ClusterCore):
         node and sent from C, what it cannot finish handed back through routed()."""
         if self._router is not None:
             return self._router.many(what, script.sha, keys, tokens, ms, until)  # type: ignore[no-any-return]
-        return self._scripts(what, script, keys, [(t,) if ms < 0 else (t, b"%d" % ms) for t in tokens], until)
+        return self._run(self.route(what, script, keys, [(t,) if ms < 0 else (t, b"%d" % ms) for t in tokens], until))
 
     def _one(self, what: str, script: Script, key: bytes, token: bytes, ms: int, until: float | None) -> Any:
         """One key's script (ms -1: no TTL argument), on the extension's fast path when it
         routes here."""
         if self._router is not None:
             return self._router.script(what, script.sha, key, token, ms, until, script is not ACQUIRE_POLL)
-        return self._scripts(what, script, [key], [(token,) if ms < 0 else (token, b"%d" % ms)], until)[0]
+        return self._run(self.route(what, script, [key], [(token,) if ms < 0 else (token, b"%d" % ms)], until))[0]
 
     # -- the Backend interface --------------------------------------------------------
 

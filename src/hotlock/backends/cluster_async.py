@@ -25,7 +25,6 @@ from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, SCRIPTS, 
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
     MAP_ERRORS,
-    UNSERVED_REFRESH_S,
     Address,
     ClusterCore,
     Route,
@@ -53,18 +52,16 @@ class AsyncLink(Protocol):
 
 # The first round of a call sent outside Route (see Route.handed).
 First = tuple[dict[Address, list[int]], list[tuple[Address, Any]]]
+# How the transport opens a node's link; and the native one's router of the healthy calls,
+# made on the backend and its map (hotlock._native.ClusterRouter).
+Opener = Callable[[ServerConfig], Awaitable[AsyncLink]]
+Router = Callable[["AsyncClusterBackend", SlotMap], Any]
 
 
 class AsyncClusterBackend(ClusterCore):
     """The AsyncBackend protocol on a Redis Cluster, over any transport's async links."""
 
-    def __init__(
-        self,
-        config: ServerConfig,
-        name: str,
-        open_link: Callable[[ServerConfig], Awaitable[AsyncLink]],
-        router: Callable[[AsyncClusterBackend, SlotMap], Any] | None = None,
-    ) -> None:
+    def __init__(self, config: ServerConfig, name: str, open_link: Opener, router: Router | None = None) -> None:
         super().__init__(config, name)
         self._open_link = open_link
         self._links: dict[Address, asyncio.Task[AsyncLink]] = {}
@@ -82,11 +79,7 @@ class AsyncClusterBackend(ClusterCore):
 
     @classmethod
     async def open(
-        cls,
-        config: ServerConfig,
-        name: str,
-        open_link: Callable[[ServerConfig], Awaitable[AsyncLink]],
-        router: Callable[[AsyncClusterBackend, SlotMap], Any] | None = None,
+        cls, config: ServerConfig, name: str, open_link: Opener, router: Router | None = None
     ) -> AsyncClusterBackend:
         backend = cls(config, name, open_link, router)
         try:
@@ -101,26 +94,23 @@ class AsyncClusterBackend(ClusterCore):
     # -- topology ---------------------------------------------------------------------
 
     async def refresh(self, avoid: Address | None = None) -> None:
-        errors = []
+        errors: list[str] = []
         for address in self.map_candidates(avoid):
+            found: list[tuple[int, int, Address]] | BaseException
             try:
                 link = await self._link(address)
                 shards = (await link.link_call([(b"CLUSTER", b"SHARDS")], None))[0]
                 slots = None
                 if needs_slots(shards):
                     slots = (await link.link_call([(b"CLUSTER", b"SLOTS")], None))[0]
-                ranges = map_ranges(shards, lambda slots=slots: slots, self.config.tls, address[0])  # type: ignore[misc]
+                found = map_ranges(shards, lambda slots=slots: slots, self.config.tls, address[0])  # type: ignore[misc]
             except MAP_ERRORS as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc or type(exc).__name__}")
-                continue
-            if not ranges:
-                errors.append(f"{address[0]}:{address[1]}: no slots assigned")
-                continue
-            before = self.map.primaries
-            self.map.replace(ranges)
-            for new in self.to_probe(before):
-                await self._probe(new)
-            return
+                found = exc
+            probe = self.took_map(address, found, errors)
+            if probe is not None:
+                for new in probe:
+                    await self._probe(new)
+                return
         raise self.no_map(errors)
 
     async def _probe(self, address: Address) -> None:
@@ -171,16 +161,9 @@ class AsyncClusterBackend(ClusterCore):
                 if first is not None:
                     route.handed(first)
                     first = None
+                elif not await self._served(route):
+                    continue
                 else:
-                    if self.map.stale:
-                        with contextlib.suppress(CacheError):
-                            await self.refresh()
-                    if route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S:
-                        with contextlib.suppress(CacheError):
-                            await self.refresh()
-                    if route.unserved() is not None:
-                        await asyncio.sleep(route.wait_for_primary())
-                        continue
                     batches = route.batches()
                     outcomes = await asyncio.gather(
                         *(self._node(address, batch, route.override) for address, batch in batches),
@@ -203,8 +186,7 @@ class AsyncClusterBackend(ClusterCore):
                     await (await self._link(address)).link_drop()
                 route.reconnect.clear()
                 if route.refresh_avoiding is not None:
-                    with contextlib.suppress(CacheError):
-                        await self.refresh(avoid=route.refresh_avoiding)
+                    await self._look(route.refresh_avoiding)
                     route.refresh_avoiding = None
                 if pause:
                     await asyncio.sleep(pause)
@@ -219,6 +201,22 @@ class AsyncClusterBackend(ClusterCore):
             with contextlib.suppress(CacheError):
                 await self.release_many(keys, values)
             raise
+
+    async def _served(self, route: Route) -> bool:
+        """As the sync ClusterBackend._served."""
+        if self.map.stale:
+            await self._look()
+        if self.look_again(route):
+            await self._look()
+        if route.unserved() is not None:
+            await asyncio.sleep(route.wait_for_primary())
+            return False
+        return True
+
+    async def _look(self, avoid: Address | None = None) -> None:
+        """As the sync ClusterBackend._look."""
+        with contextlib.suppress(CacheError):
+            await self.refresh(avoid)
 
     async def _load_scripts(self, address: Address, what: str) -> None:
         try:
@@ -388,13 +386,7 @@ class AsyncClusterBackend(ClusterCore):
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         until = self._until(since, wait_ms, self.timeout)
         command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from .._dialect import MEMORY, Dialect
 from .._ident import TOKEN_BYTES
@@ -43,6 +44,7 @@ Permits = dict[bytes, tuple[int, float]]
 class MemoryBackend:
     name = "memory"
     dialect = MEMORY
+    fenced = True
     server = "in-process"
 
     def __init__(self) -> None:
@@ -208,7 +210,10 @@ class MemoryBackend:
         return None
 
     def use_dialect(self, dialect: Dialect) -> None:
-        pass  # in-process: there is no server to speak to
+        # In-process: no server to speak to; only connect(fences=False) is kept (every
+        # lock's fence 0, as on a server).
+        self.dialect = MEMORY if dialect.fenced else replace(MEMORY, fenced=False)
+        self.fenced = dialect.fenced
 
     def close(self) -> None:
         with self._mutex:

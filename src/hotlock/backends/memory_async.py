@@ -8,7 +8,7 @@ ordering promise of AsyncBackend holds trivially.
 
 from __future__ import annotations
 
-from .._dialect import MEMORY, Dialect
+from .._dialect import Dialect
 from .memory import MemoryBackend
 
 __all__ = ["AsyncMemoryBackend"]
@@ -16,20 +16,15 @@ __all__ = ["AsyncMemoryBackend"]
 
 class AsyncMemoryBackend:
     name = "memory"
-    dialect = MEMORY
     server = "in-process"
 
     def __init__(self) -> None:
         self._data = MemoryBackend()
+        self.dialect, self.fenced = self._data.dialect, self._data.fenced
 
+    # ``script``: the script a Redis backend would send; nothing to send here.
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: object = None,  # the script a Redis backend would send: nothing to send here
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: object
     ) -> int:
         return self._data.acquire(key, token, ttl_ms)
 
@@ -61,7 +56,9 @@ class AsyncMemoryBackend:
         return None
 
     def use_dialect(self, dialect: Dialect) -> None:
-        pass  # in-process: there is no server to speak to
+        # What the data speaks, as MemoryBackend.use_dialect keeps it (connect(fences=...)).
+        self._data.use_dialect(dialect)
+        self.dialect, self.fenced = self._data.dialect, self._data.fenced
 
     async def close(self) -> None:
         self._data.close()

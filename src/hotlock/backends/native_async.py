@@ -20,7 +20,7 @@ from .._config import ServerConfig, command_name, keepalive, naming_commands, na
 from .._credentials import auth_command_async, is_auth_refusal, reauth_command_async
 from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command, script_serves
 from .._ident import TOKEN_BYTES
-from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value
+from .._scripts import ACQUIRE, EXTEND, RELEASE, SCRIPTS, Script, held_value, resent
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, code, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
@@ -57,11 +57,17 @@ class AioConnection(Protocol):
     def usable(self) -> bool: ...
     def execute(self, *args: bytes | int) -> asyncio.Future[Any]: ...
     def pipeline(self, commands: list[tuple[bytes | int, ...]]) -> asyncio.Future[list[Any]]: ...
-    # The transaction acquire (hotlock._acquire), decided in C: the fence, 0 (the script is
-    # to decide), -1 (that too, MULTI refused alone: multi_refusal), or the error reply.
-    def acquire(self, key: bytes, token: bytes, ms: int) -> asyncio.Future[int | ReplyError]: ...
+    # The transaction acquire (hotlock._acquire; SET NX PX alone when not fenced), decided in
+    # C: the fence (1 without one), 0 (the script is to decide), -1 (that too, MULTI refused
+    # alone: multi_refusal), or the error reply.
+    def acquire(self, key: bytes, token: bytes, ms: int, fenced: bool = True) -> asyncio.Future[int | ReplyError]: ...
     def acquire_many(
-        self, keys: list[bytes], tokens: list[bytes], ms: int, trailer: tuple[bytes | int, ...] | None = None
+        self,
+        keys: list[bytes],
+        tokens: list[bytes],
+        ms: int,
+        trailer: tuple[bytes | int, ...] | None = None,
+        fenced: bool = True,
     ) -> asyncio.Future[list[Any]]: ...
     @property
     def multi_refusal(self) -> str | None: ...
@@ -83,6 +89,7 @@ class NativeAsyncBackend:
         self.server = config.display
         # What extend and release send: the scripts until connect() detects the server.
         self.dialect: Dialect = UNDETECTED
+        self.fenced = True
         self._config = config
         # The wake-up subscriber (hotlock.backends.wakeup_async), made on the first long lock_wait.
         self.wake_slot = async_slot(config)
@@ -429,15 +436,12 @@ class NativeAsyncBackend:
         replies: list[Any] = await self._roundtrip(what, None, lambda p: p.pipeline(batch), retry)
         missing = [i for i, reply in enumerate(replies[: len(keys)]) if _noscript(reply)]
         if missing:
-            # Only the calls that did not run are sent again: a release that ran must not
-            # be re-run and reported as "not ours". The trailer follows them again.
+            # Only the calls that did not run go again (resent), the trailer behind them.
             again = [(b"SCRIPT", b"LOAD", script.source), *commands(missing)]
             loaded, *redone = await self._roundtrip(what, None, lambda p: p.pipeline(again), retry)
             if isinstance(loaded, ReplyError):
                 raise self._refused(what, None, loaded)
-            for i, reply in zip(missing, redone, strict=False):
-                replies[i] = reply
-            replies[len(keys) :] = redone[len(missing) :]
+            resent(replies, missing, redone, len(keys))
         for reply in replies:
             if isinstance(reply, ReplyError):
                 raise self._refused(what, None, reply)
@@ -462,20 +466,16 @@ class NativeAsyncBackend:
     # FIFO order, so a release queued after an (even cancelled) acquire runs after it.
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         if self._config.wait_replicas:
             return (await self._acquire_confirmed("acquire", [key], [token], ttl_ms, script))[0]
         until = retry_until(since, wait_ms, self._config.timeout)
         if script is ACQUIRE and self._txn and len(token) == TOKEN_BYTES:
             # The transaction (hotlock._acquire), resent whole after a lost reply (same token).
-            answer = await self._roundtrip("acquire", key, lambda p: p.acquire(key, token, ttl_ms), True, until)
+            answer = await self._roundtrip(
+                "acquire", key, lambda p: p.acquire(key, token, ttl_ms, self.fenced), True, until
+            )
             if type(answer) is not int:
                 raise self._refused("acquire", key, answer)
             if answer > 0:
@@ -510,7 +510,9 @@ class NativeAsyncBackend:
         counts: list[int] = []
         if plain:
             ks, ts = [keys[i] for i in plain], [tokens[i] for i in plain]
-            answers = await self._roundtrip(what, None, lambda p: p.acquire_many(ks, ts, ttl_ms, wait), True)
+            answers = await self._roundtrip(
+                what, None, lambda p: p.acquire_many(ks, ts, ttl_ms, wait, self.fenced), True
+            )
             taken = False
             for i, answer in zip(plain, answers, strict=False):
                 if type(answer) is not int:
@@ -693,6 +695,7 @@ class NativeAsyncBackend:
 
     def use_dialect(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self.fenced = dialect.fenced
         self._txn = dialect.transaction and not self._multi_refused
 
     # -- a cluster node's link (hotlock.backends.cluster_async.AsyncLink) -------------------------
@@ -713,13 +716,12 @@ class NativeAsyncBackend:
 
     async def link_one(self, command: tuple[bytes, ...]) -> Any:
         """One command on this node's protocol, its reply (an error in place): the cluster's
-        fast path, which needs no pipeline list. As link_call, LinkLost or CacheError."""
+        fast path, which needs no pipeline list. As link_call, LinkLost or CacheError; a
+        connection to make, or an AUTH that may be due, goes by link_call."""
         proto = self._proto
-        if proto is None or not proto.usable():
-            proto = await self._connection()
+        if proto is None or self._reauth or not proto.usable():
+            return (await self.link_call([command], None))[0]
         try:
-            if self._reauth:
-                await self._reauth_if_due(proto)
             return await proto.execute(*command)
         except _LOST as exc:  # NotSent included: one resend is safe either way
             raise LinkLost(_describe(exc)) from exc

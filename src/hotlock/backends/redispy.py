@@ -16,7 +16,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import redis
 from redis._parsers import BaseParser
@@ -40,7 +40,7 @@ from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, re
 from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
-    UNDETECTED,
+    Detected,
     Dialect,
     by_script,
     extend_command,
@@ -54,12 +54,14 @@ from .._scripts import (
     ACQUIRE_CHAIN,
     ACQUIRE_POLL,
     ACQUIRE_WAIT,
+    CONFIRMED,
     EXTEND,
     RELEASE,
     RELEASE_SHARDED,
     SCRIPTS,
     Script,
     held_value,
+    resent,
 )
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, code, tried
@@ -72,8 +74,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("hotlock")
 
-# The errors after which a request may or may not have reached the server.
-_AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
+# The errors after which a request may or may not have reached the server. Shared with redispy_async.
+AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 # -- reply shapes -------------------------------------------------------------------------
 # What each command may answer (error replies aside), checked as each reply is read, on the
@@ -169,6 +171,8 @@ def is_exec(reply: object) -> bool:
 
 
 TRANSACTION_REPLY: list[Shape] = [is_ok, is_queued_set, is_queued_time, is_exec]
+# connect(fences=False): SET NX PX alone.
+SET_REPLY: list[Shape] = [is_ok_or_nil]
 
 
 def by_transaction(dialect: Dialect, script: Script, tokens: Sequence[bytes]) -> bool:
@@ -188,22 +192,23 @@ class Transaction:
     the replies (error replies in place) to ``read``, which names the keys the ACQUIRE
     script is to decide. Those go next as ACQUIRE (with their own WAIT), and ``scripted``
     takes their results. ``outcome`` is then what one acquire by script gives: each key's
-    result, and the WAIT reply ([] without wait_replicas)."""
+    result, and the WAIT reply ([] without wait_replicas). Under connect(fences=False)
+    each key's transaction is SET NX PX alone (one reply)."""
 
-    __slots__ = ("_n", "_waits", "commands", "refused", "results", "shapes")
-
-    # Whether the write needs FRAME behind it: no, EXEC's reply frames it.
-    framed = False
+    __slots__ = ("_n", "_per", "_waits", "commands", "framed", "refused", "results", "shapes")
 
     def __init__(
-        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]]
+        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]], fenced: bool
     ) -> None:
         self._n = len(keys)
+        self._per = 4 if fenced else 1  # replies per key
         self.commands: list[tuple[Any, ...]] = [
-            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms)
+            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms, fenced)
         ]
         self.commands += wait
-        self.shapes = TRANSACTION_REPLY * self._n + [is_count] * len(wait)
+        self.shapes = (TRANSACTION_REPLY if fenced else SET_REPLY) * self._n + [is_count] * len(wait)
+        # Whether the write needs FRAME behind it: not when EXEC's reply frames it.
+        self.framed = not fenced
         self.results: list[int] = []
         # MULTI's error reply when it was refused alone: this server takes no transaction
         # from us, and the backend sends every later acquire by script.
@@ -213,7 +218,8 @@ class Transaction:
     def read(self, replies: list[Any]) -> list[int]:
         """The transactions' replies: the indices of the keys that go by script next. The
         first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
-        fours = [replies[4 * i : 4 * i + 4] for i in range(self._n)]
+        per = self._per
+        fours = [replies[per * i : per * i + per] for i in range(self._n)]
         # Noted before any error is raised: the backend's next acquire goes by script.
         self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, RedisError)), None)
         rest: list[int] = []
@@ -224,7 +230,7 @@ class Transaction:
             self.results.append(result)
             if result == _acquire.SCRIPT:
                 rest.append(i)
-        waits = replies[4 * self._n :]
+        waits = replies[per * self._n :]
         for reply in waits:
             if isinstance(reply, Exception):
                 raise reply
@@ -363,12 +369,8 @@ def _handshake(conn: Any) -> None:
         sock.settimeout(max(until - time.monotonic(), 0.001))
     try:
         conn.on_connect()
-    except BusyLoadingError:
-        raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
-    except REFUSALS:
-        raise  # an answer: AUTH refused, say
-    except _AMBIGUOUS as exc:
-        raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    except AMBIGUOUS as exc:
+        lost_handshake(exc)
     except CacheError:
         # The credential provider failed (hotlock._credentials): redis-py disconnects only
         # on its own errors, and a socket left open unauthenticated would be pooled.
@@ -379,6 +381,15 @@ def _handshake(conn: Any) -> None:
             with contextlib.suppress(OSError):
                 sock.settimeout(conn.socket_timeout)
     conn.hotlock_authed = time.monotonic()
+
+
+def lost_handshake(exc: BaseException) -> NoReturn:
+    """Raise what a new connection's handshake failed with (one of AMBIGUOUS): HandshakeLost
+    for a lost reply, or ``exc`` as it is when it is an answer: a LOADING reply (a
+    ConnectionError to redis-py), a refusal (AUTH refused, say). Shared with redispy_async."""
+    if isinstance(exc, (BusyLoadingError, *REFUSALS)):
+        raise exc
+    raise HandshakeLost(f"handshake: {describe(exc)}") from exc
 
 
 class AskedProvider(CredentialProvider):
@@ -504,42 +515,54 @@ def naming_kwargs(config: ServerConfig, client: Callable[..., object]) -> dict[s
     return kwargs
 
 
-def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
-    """redis-py connection settings for ``config``: our timeouts, its retries off, RESP2."""
+def connection_kwargs(
+    config: ServerConfig, client: Callable[..., object], handshake: object, retry: object
+) -> dict[str, Any]:
+    """redis-py connection settings for ``config``, sync and async alike: our timeouts, its
+    retries off (``retry``: its own Retry class's, with no retry), RESP2; ``client`` as in
+    naming_kwargs, ``handshake`` the redis_connect_func of its connections. Shared with
+    redispy_async."""
     kwargs: dict[str, Any] = {
         "username": config.username,
         "password": config.password,
         "db": config.db,
         "socket_timeout": config.timeout,
         "socket_connect_timeout": config.connect_timeout,
-        "socket_keepalive": True,
-        "socket_keepalive_options": KEEPALIVE_OPTIONS,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 0,
+        "retry": retry,
         # RESP2: redis-py 8 otherwise opens every connection with HELLO 3, a round trip
         # (and an ACL permission) that would also eat into a lost-reply retry's budget.
         "protocol": 2,
         # The handshake's lost reply told apart from the call's (HandshakeLost): any call may retry it.
-        "redis_connect_func": _handshake,
-        **naming_kwargs(config, redis.Redis.__init__),
+        "redis_connect_func": handshake,
+        # CLIENT SETNAME and CLIENT SETINFO lib-name hotlock, lib-ver.
+        **naming_kwargs(config, client),
     }
     if config.tls:
         # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
         kwargs.update(redispy_tls_kwargs(config.ssl))
     if config.credential_provider is not None:
-        # Asked by redis-py at each new connection (redis-py refuses it beside a password).
+        # Asked by redis-py at each new connection (redis-py refuses it beside a password;
+        # redis.asyncio asks get_credentials_async).
         kwargs["credential_provider"] = AskedProvider(config)
     return kwargs
 
 
-class RedisPyBackend:
+def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """The sync connections' settings: connection_kwargs, with TCP keepalive and no health check."""
+    return {
+        **connection_kwargs(config, redis.Redis.__init__, _handshake, Retry(NoBackoff(), 0)),
+        "socket_keepalive": True,
+        "socket_keepalive_options": KEEPALIVE_OPTIONS,
+        "health_check_interval": 0,
+    }
+
+
+class RedisPyBackend(Detected):
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
         self._config = config
-        # What extend and release send: the scripts until connect() detects the server.
-        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
         self._wait_replicas = config.wait_replicas
         self._wait_ms = round(config.wait_timeout * 1000)
@@ -685,9 +708,7 @@ class RedisPyBackend:
                 [shapes[i] for i in missing] + shapes[len(calls) :],
                 timeout,
             )
-            for i, reply in zip(missing, again, strict=False):
-                replies[i] = reply
-            replies[len(calls) :] = again[len(missing) :]
+            resent(replies, missing, again, len(calls))
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -742,7 +763,7 @@ class RedisPyBackend:
                         raise self._error(tried(what, lost, transient), key, failure) from failure
                     time.sleep(pause)
                     limit = min(self._timeout, until - time.monotonic())
-                elif isinstance(failure, _AMBIGUOUS):
+                elif isinstance(failure, AMBIGUOUS):
                     until = self._retry_until() if until is None else until
                     left = min(self._timeout, until - time.monotonic())
                     # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
@@ -769,7 +790,7 @@ class RedisPyBackend:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
         # same write as the acquires or extends it confirms: no extra round trip, no other
         # connection.
-        if self._wait_replicas and script in _CONFIRMED:
+        if self._wait_replicas and script in CONFIRMED:
             return [("WAIT", self._wait_replicas, self._wait_ms)]
         return []
 
@@ -831,7 +852,7 @@ class RedisPyBackend:
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return self._by_script(script, keys, tokens, ttl_ms, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE))
+        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE), self.fenced)
         try:
             rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
         finally:
@@ -960,22 +981,13 @@ class RedisPyBackend:
         try:
             reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], is_anything, t))[0]
         except CacheError as exc:
-            if isinstance(exc.__cause__, ResponseError):
-                return None  # NOPERM, or a proxy without COMMAND: the version decides
-            raise
+            return probe_refused(exc)
         return reply if isinstance(reply, list) else None
-
-    def use_dialect(self, dialect: Dialect) -> None:
-        self.dialect = dialect
 
     def close(self) -> None:
         if self._wakeups is not None:
             self._wakeups.close()
         self._drop_all()
-
-
-# ACQUIRE and its waiting forms, and EXTEND: what WAIT rides behind under wait_replicas.
-_CONFIRMED = (ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, ACQUIRE_CHAIN, EXTEND)
 
 
 class RedisPyLink:
@@ -1023,7 +1035,7 @@ class RedisPyLink:
             conn.disconnect()
             self._pool.release(conn)
             return _Refused(refusal_text(exc), len(commands)), generation
-        except _AMBIGUOUS as exc:
+        except AMBIGUOUS as exc:
             conn.disconnect()
             self._pool.release(conn)
             raise LinkLost(describe(exc)) from exc
@@ -1046,8 +1058,7 @@ class RedisPyLink:
                 try:
                     replies.append(conn.read_response(**kw))
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
-                    code = ERROR_CODES.get(type(exc))
-                    replies.append(ReplyError(f"{code} {exc}" if code else str(exc)))
+                    replies.append(reply_error(exc))
                 except AuthenticationError as exc:
                     # NOAUTH: redis-py raises it mid-read and closes the connection. Every
                     # command behind it was refused too (the connection was not
@@ -1057,7 +1068,7 @@ class RedisPyLink:
                 raise StrayReply()
             complete = True
             return replies
-        except _AMBIGUOUS as exc:
+        except AMBIGUOUS as exc:
             raise LinkLost(describe(exc)) from exc
         finally:
             if not complete or generation != self._generation:
@@ -1093,6 +1104,22 @@ def refusal_text(exc: AuthenticationError) -> str:
 
 
 ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
+
+
+def probe_refused(exc: CacheError) -> list[Any] | None:
+    """COMMAND INFO's failure (_dialect.COMMAND_PROBE) raised, unless the server or its ACL
+    refused it (NOPERM, or a proxy without COMMAND): then the version decides, and the probe
+    gives None. Shared with redispy_async."""
+    if isinstance(exc.__cause__, ResponseError):
+        return None
+    raise exc
+
+
+def reply_error(exc: ResponseError | BusyLoadingError) -> ReplyError:
+    """A redis-py error reply as the server sent it, its code put back (redis-py keeps some
+    codes in the exception's type): what Route reads. Shared with redispy_async."""
+    code = ERROR_CODES.get(type(exc))
+    return ReplyError(f"{code} {exc}" if code else str(exc))
 
 
 def reply_serves_script(exc: CacheError) -> bool:

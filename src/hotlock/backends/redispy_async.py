@@ -29,22 +29,20 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._config import KEEPALIVE_OPTIONS, ServerConfig, redispy_tls_kwargs
+from .._config import KEEPALIVE_OPTIONS, ServerConfig
 from .._credentials import reauth_command_async
-from .._dialect import COMMAND_PROBE, UNDETECTED, Dialect, by_script, extend_command, release_command
-from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value
+from .._dialect import COMMAND_PROBE, Detected, by_script, extend_command, release_command
+from .._scripts import ACQUIRE, EXTEND, RELEASE, Script, held_value, resent
 from .._sentinel import PrimaryWatch
 from .._transient import Retrying, tried
 from ..errors import CacheError, LinkLost, cache_error
 from ..errors import ReplyError as ClusterReplyError
 from .redispy import (
-    ERROR_CODES,
+    AMBIGUOUS,
     FRAME,
-    REFUSALS,
     SCRIPT_LOADED,
     SCRIPT_LOADS,
     SCRIPT_REPLY,
-    AskedProvider,
     AuthLost,
     HandshakeLost,
     Shape,
@@ -52,6 +50,7 @@ from .redispy import (
     Transaction,
     UnexpectedReply,
     by_transaction,
+    connection_kwargs,
     describe,
     is_anything,
     is_count,
@@ -60,11 +59,13 @@ from .redispy import (
     is_int,
     is_ok_or_nil,
     is_text,
-    naming_kwargs,
+    lost_handshake,
+    probe_refused,
     reauth_due,
     refusal_text,
     refused,
     refused_warning,
+    reply_error,
     reply_serves_script,
     tls_hint,
     transient_code,
@@ -76,21 +77,14 @@ __all__ = ["RedisAsyncBackend", "RedisAsyncLink"]
 
 T = TypeVar("T")
 
-# The errors after which a request may or may not have reached the server.
-_AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
-
 
 async def _handshake(conn: Connection) -> None:
     """redis.asyncio's own handshake (redis_connect_func), its lost reply told apart from a
     lost reply to the call's command, as in the sync backend."""
     try:
         await conn.on_connect()
-    except BusyLoadingError:
-        raise  # a LOADING reply, not a lost one (redis-py makes it a ConnectionError)
-    except REFUSALS:
-        raise  # an answer: AUTH refused, say
-    except _AMBIGUOUS as exc:
-        raise HandshakeLost(f"handshake: {describe(exc)}") from exc
+    except AMBIGUOUS as exc:
+        lost_handshake(exc)
     except CacheError:
         # The credential provider failed: not left open unauthenticated in the pool.
         await conn.disconnect(nowait=True)
@@ -271,28 +265,8 @@ class _PrimarySSLConnection(_PrimaryConnection, _SSLConnection):
 
 
 def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
-    """redis.asyncio connection settings: our timeouts, its retries off, RESP2."""
-    kwargs: dict[str, Any] = {
-        "username": config.username,
-        "password": config.password,
-        "db": config.db,
-        "socket_timeout": config.timeout,
-        "socket_connect_timeout": config.connect_timeout,
-        "retry": Retry(NoBackoff(), 0),
-        # RESP2, as in sync: redis-py 8 otherwise opens every connection with HELLO 3.
-        "protocol": 2,
-        # As in sync: the handshake's lost reply told apart from the call's (HandshakeLost).
-        "redis_connect_func": _handshake,
-        # As in sync: CLIENT SETNAME and CLIENT SETINFO lib-name hotlock, lib-ver.
-        **naming_kwargs(config, aioredis.Redis.__init__),
-    }
-    if config.tls:
-        # The rediss:// settings (ssl_ca_certs, ...), as the native client takes them.
-        kwargs.update(redispy_tls_kwargs(config.ssl))
-    if config.credential_provider is not None:
-        # Asked at each new connection (get_credentials_async), as in the sync backend.
-        kwargs["credential_provider"] = AskedProvider(config)
-    return kwargs
+    """redis.asyncio connection settings, as the sync backend's (connection_kwargs)."""
+    return connection_kwargs(config, aioredis.Redis.__init__, _handshake, Retry(NoBackoff(), 0))
 
 
 class RedisAsyncLink:
@@ -332,7 +306,7 @@ class RedisAsyncLink:
     async def link_call(self, commands: list[tuple[bytes, ...]], timeout: float | None) -> list[Any]:
         try:
             conn = await self._pool.get_connection()
-        except _AMBIGUOUS as exc:
+        except AMBIGUOUS as exc:
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
         complete = False
         try:
@@ -351,8 +325,7 @@ class RedisAsyncLink:
                 try:
                     replies.append(await conn.read_response(**kw))
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
-                    code = ERROR_CODES.get(type(exc))
-                    replies.append(ClusterReplyError(f"{code} {exc}" if code else str(exc)))
+                    replies.append(reply_error(exc))
                 except AuthenticationError as exc:
                     # NOAUTH, raised mid-read (the connection closed): every command behind
                     # it was refused too, so each gets it as its reply, for Route.
@@ -360,8 +333,7 @@ class RedisAsyncLink:
             if stray(conn):
                 raise StrayReply()
             complete = True
-            return replies
-        except _AMBIGUOUS as exc:
+        except AMBIGUOUS as exc:
             raise LinkLost(describe(exc)) from exc
         except RedisError as exc:  # AUTH refused on connect, say: nothing ran
             raise cache_error(f"connect failed: {describe(exc)}", self.server) from exc
@@ -369,6 +341,7 @@ class RedisAsyncLink:
             if not complete:
                 await conn.disconnect()
             await self._pool.release(conn)
+        return replies
 
     async def link_close(self) -> None:
         await self._pool.disconnect()
@@ -379,13 +352,11 @@ class RedisAsyncLink:
         await self._pool.disconnect()
 
 
-class RedisAsyncBackend:
+class RedisAsyncBackend(Detected):
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
         self.server = config.display
-        # What extend and release send: the scripts until connect() detects the server.
-        self.dialect: Dialect = UNDETECTED
         self._timeout = config.timeout
         kwargs = _connection_kwargs(config)
         self._config = config
@@ -469,7 +440,7 @@ class RedisAsyncBackend:
                 continue
             if (
                 lost
-                or not isinstance(failure, _AMBIGUOUS)
+                or not isinstance(failure, AMBIGUOUS)
                 # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
                 # nothing ran, and the new connection asks the credential provider again.
                 or not (retry_lost_reply or isinstance(failure, HandshakeLost | AuthLost))
@@ -531,10 +502,7 @@ class RedisAsyncBackend:
         conn = await self._pool.get()
         try:
             await conn.send_packed_command(conn.pack_command(*args), False)
-            try:
-                reply = await conn.read_response()
-            except AuthenticationError as exc:
-                raise AuthLost(exc) from exc
+            reply = await conn.read_response()
             if not shape(reply):
                 raise UnexpectedReply(args, reply)
             if stray(conn):
@@ -546,8 +514,10 @@ class RedisAsyncBackend:
             if transient_code(exc) is not None:
                 self._retire(conn, exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             await conn.disconnect(nowait=True)
+            if isinstance(exc, AuthenticationError):  # NOAUTH: not authenticated any more
+                raise AuthLost(exc) from exc
             raise
         finally:
             self._pool.put(conn)
@@ -566,11 +536,11 @@ class RedisAsyncBackend:
             for command, shape in zip(commands, shapes, strict=True):
                 try:
                     reply = await conn.read_response()
+                except AuthenticationError as exc:  # NOAUTH, as in _execute
+                    raise AuthLost(exc) from exc
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     replies.append(exc)
                     continue
-                except AuthenticationError as exc:
-                    raise AuthLost(exc) from exc
                 if not shape(reply):
                     raise UnexpectedReply(command, reply)
                 replies.append(reply)
@@ -606,13 +576,9 @@ class RedisAsyncBackend:
         replies = await run(range(len(keys)))
         missing = [i for i, r in enumerate(replies[: len(keys)]) if isinstance(r, NoScriptError)]
         if missing:
-            # Only the calls that did not run are sent again: a release that ran must not
-            # be re-run and reported as "not ours". The trailer follows them again.
+            # Only the calls that did not run go again (resent), the trailer behind them.
             await self._load_scripts()
-            redone = await run(missing)
-            for i, reply in zip(missing, redone, strict=False):
-                replies[i] = reply
-            replies[len(keys) :] = redone[len(missing) :]
+            resent(replies, missing, await run(missing), len(keys))
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -633,13 +599,7 @@ class RedisAsyncBackend:
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(
-        self,
-        key: bytes,
-        token: bytes,
-        ttl_ms: int,
-        since: float | None = None,
-        wait_ms: int = 0,
-        script: Script = ACQUIRE,
+        self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
         if self._config.wait_replicas:
             confirmed = self._acquire_confirmed("acquire", [key], [token], ttl_ms, script)
@@ -667,7 +627,7 @@ class RedisAsyncBackend:
         keys, tokens = list(keys), list(tokens)
         if not (self._transactions and by_transaction(self.dialect, script, tokens)):
             return await self._by_script(script, keys, tokens, ttl_ms, trailer)
-        taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [])
+        taking = Transaction(keys, tokens, ttl_ms, [trailer] if trailer else [], self.fenced)
         try:
             rest = taking.read(await self._execute_many(taking.commands, taking.shapes, taking.framed))
         finally:
@@ -846,13 +806,8 @@ class RedisAsyncBackend:
         try:
             reply = await self._call("COMMAND INFO", None, lambda: self._execute(is_anything, *COMMAND_PROBE))
         except CacheError as exc:
-            if isinstance(exc.__cause__, ResponseError):
-                return None  # NOPERM, or a proxy without COMMAND: the version decides
-            raise
+            return probe_refused(exc)
         return reply if isinstance(reply, list) else None
-
-    def use_dialect(self, dialect: Dialect) -> None:
-        self.dialect = dialect
 
     async def close(self) -> None:
         if self.wake_slot is not None:

@@ -51,9 +51,9 @@ from collections.abc import Callable
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command
+from .._hubs import Hub, Made, PerNode, current_pid
 from .._scripts import Script
-from .._sentinel import PrimaryWatch
-from .._subscriber import ConnectTrouble, Entry, Refused, Subscriber
+from .._subscriber import ConnectTrouble, Entry, Refused
 from .._waiting import FIRST, Step, Waiting, poll
 
 __all__ = [
@@ -134,25 +134,16 @@ def handshake(config: ServerConfig, auth: tuple[bytes, ...] | None) -> tuple[lis
     return commands, [None if naming_optional(c) else command_name(c) for c in commands]
 
 
-class Wakeups:
+class Wakeups(Hub[Waiter]):
     """The subscriber of one cache (see the module docstring). Made by a backend on the
     first lock_wait that finds its key held; ``off`` tells why wake-ups stopped, if they did."""
 
     def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
-        self.pid = os.getpid()
-        self.off: str | None = None
-        self._config = config
-        self._server = config.display
-        # The protocol's state, shared by the waiting threads and the subscriber thread:
-        # every call to it is made under _lock.
-        self._core: Subscriber[Waiter] = Subscriber(self._server, sharded)
+        super().__init__(config, sharded)
+        # The protocol's state (_core) is shared by the waiting threads and the subscriber
+        # thread: every call to it is made under _lock.
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._closed = False
-        # Under Sentinel: the primary to connect to, and the epoch the connection is of (a
-        # failover makes the subscriber reconnect, to the new primary, as the lock connections do).
-        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
-        self._epoch = 0
         self._ctl_r, self._ctl_w = os.pipe()
         os.set_blocking(self._ctl_r, False)
         os.set_blocking(self._ctl_w, False)
@@ -160,10 +151,6 @@ class Wakeups:
         self._thread.start()
 
     # -- the waiting side (any thread) --------------------------------------------------
-
-    def subscribed(self, channel: bytes) -> Entry[Waiter] | None:
-        """The channel's entry when its subscription is confirmed (a waiter may mark at once)."""
-        return self._core.subscribed(channel)  # no lock: one dict lookup
 
     def join(self, channel: bytes) -> Waiter | None:
         """Register this thread as a waiter on ``channel``, asking for its subscription if
@@ -302,8 +289,7 @@ class Wakeups:
                     raise ConnectionError("the server closed the connection")
                 with self._lock:
                     core.feed(data)
-                if core.off is not None:
-                    self.off = core.off
+                if self._stopped():
                     return
             now = time.monotonic()
             if core.due(now):
@@ -316,49 +302,35 @@ class Wakeups:
 
 
 _slot_lock = threading.Lock()
-_pid = os.getpid()  # this process's, kept at fork: Slot.get runs on every contended wait
 
 
 def _reinit_after_fork() -> None:
     # A lock another thread held at the fork stays held in the child: make a new one.
-    global _slot_lock, _pid
+    global _slot_lock
     _slot_lock = threading.Lock()
-    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
-def current_pid() -> int:
-    """This process's pid, kept at fork (cheaper than os.getpid() on every contended wait)."""
-    return _pid
+class Slot(Made[Wakeups]):
+    """A sync backend's subscriber (hotlock._hubs.Made), made under a lock: two threads'
+    first waits make one."""
 
+    __slots__ = ()
 
-class Slot:
-    """A sync backend's subscriber: made on the first wait that needs it, and made anew in
-    a forked child (which never uses or closes its parent's)."""
-
-    __slots__ = ("_hub", "_make")
-
-    def __init__(self, make: Callable[[], Wakeups]) -> None:
-        self._make = make
-        self._hub: Wakeups | None = None
-
-    def get(self) -> Wakeups | None:
-        """The live subscriber, made now if need be; None when wake-ups are off."""
-        hub = self._hub
-        if hub is None or hub.pid != _pid:
-            with _slot_lock:
-                hub = self._hub
-                if hub is None or hub.pid != _pid:
-                    hub = self._hub = self._make()
-        return hub if hub.off is None else None
+    def _made(self) -> Wakeups:
+        with _slot_lock:
+            hub = self._hub
+            if hub is None or hub.pid != current_pid():
+                hub = super()._made()
+        return hub
 
     def close(self) -> None:
         # Under the lock: a get() racing this close must not store a hub nobody closes.
         with _slot_lock:
-            hub, self._hub = self._hub, None
-        if hub is not None and hub.pid == os.getpid():
+            hub = self._taken()
+        if hub is not None:
             hub.close()
 
     def __del__(self) -> None:
@@ -373,53 +345,19 @@ def slot(config: ServerConfig) -> Slot | None:
     return Slot(lambda: Wakeups(config)) if config.wakeups else None
 
 
-class ClusterWakeups(Wakeups):
-    """A Redis Cluster's subscribers: one sharded-pub/sub connection per primary, made when
-    a wait first needs it, each channel joined at its slot's owner (``owner(channel)``, the
-    cluster backend's slot map). A slot that moves unsubscribes its channel on the old
-    node; its waiters then poll, and the next wait on it joins the new owner."""
+class ClusterWakeups(PerNode[Wakeups, Waiter], Wakeups):
+    """A Redis Cluster's subscribers (hotlock._hubs.PerNode): one sharded-pub/sub connection
+    per primary, each with its own thread; none of its own."""
 
     def __init__(self, config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> None:
-        # No thread or connection of its own: only the per-node ones.
-        self.pid = os.getpid()
-        self.off = None
-        self._config = config
-        self._owner = owner
-        self._nodes: dict[tuple[str, int], Wakeups] = {}
-        self._nodes_lock = threading.Lock()
-        self._closed = False  # then no node's subscriber is made any more: a waiter polls
-
-    def subscribed(self, channel: bytes) -> Entry[Waiter] | None:
-        address = self._owner(channel)
-        hub = None if address is None else self._nodes.get(address)
-        return None if hub is None else hub.subscribed(channel)
-
-    def join(self, channel: bytes) -> Waiter | None:
-        address = self._owner(channel)
-        if address is None:
-            return None  # no primary for the slot right now: poll
-        hub = self._nodes.get(address)
-        if hub is None or hub._closed:
-            with self._nodes_lock:
-                if self._closed:
-                    return None  # a wait that raced close(): it polls
-                hub = self._nodes.get(address)
-                if hub is None or hub._closed:
-                    hub = self._nodes[address] = Wakeups(self._config.node(*address), sharded=True)
-        if hub.off is not None:
-            self.off = hub.off
-            return None
-        return hub.join(channel)
+        PerNode.__init__(self, owner, lambda address: Wakeups(config.node(*address), sharded=True))
 
     def leave(self, waiter: Waiter, acquired: bool) -> None:
         if waiter.owner is not None:
             waiter.owner.leave(waiter, acquired)
 
     def close(self) -> None:
-        with self._nodes_lock:
-            self._closed = True
-            hubs = list(self._nodes.values())
-        for hub in hubs:
+        for hub in self._closing():
             hub.close()
 
 

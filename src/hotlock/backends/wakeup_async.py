@@ -18,17 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 
 from .._config import ServerConfig, keepalive, tls_context
 from .._credentials import auth_command_async
-from .._sentinel import PrimaryWatch
-from .._subscriber import ConnectTrouble, Entry, Subscriber
+from .._hubs import Hub, Made, PerNode
+from .._subscriber import ConnectTrouble, Entry
 from ..errors import CacheError
 from .retry_async import within
-from .wakeup import current_pid, handshake
+from .wakeup import handshake
 
 __all__ = [
     "AsyncClusterWakeups",
@@ -78,26 +77,15 @@ class AsyncWaiter:
         event.clear()
 
 
-class AsyncWakeups:
+class AsyncWakeups(Hub[AsyncWaiter]):
     """The subscriber of one async cache, on the loop it was made in."""
 
     def __init__(self, config: ServerConfig, sharded: bool = False) -> None:
-        self.pid = os.getpid()
-        self.off: str | None = None
-        self._config = config
-        self._server = config.display
-        self._core: Subscriber[AsyncWaiter] = Subscriber(self._server, sharded)
+        super().__init__(config, sharded)
         self._writer: asyncio.StreamWriter | None = None
-        self._closed = False
-        # Under Sentinel, as in sync: reconnect to the new primary after a failover.
-        self._watch = PrimaryWatch(config.primary) if config.sentinels else None
-        self._epoch = 0
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- the waiting side -------------------------------------------------------------
-
-    def subscribed(self, channel: bytes) -> Entry[AsyncWaiter] | None:
-        return self._core.subscribed(channel)
 
     def join(self, channel: bytes) -> AsyncWaiter | None:
         """As hotlock.backends.wakeup.Wakeups.join: returns at once."""
@@ -196,8 +184,7 @@ class AsyncWakeups:
                 if not data:
                     raise ConnectionError("the server closed the connection")
                 core.feed(data)
-                if core.off is not None:
-                    self.off = core.off
+                if self._stopped():
                     return
             now = time.monotonic()
             if core.due(now):
@@ -210,68 +197,29 @@ class AsyncWakeups:
                     writer.write(out)
 
 
-class AsyncClusterWakeups(AsyncWakeups):
-    """A Redis Cluster's subscribers for one async cache: one sharded-pub/sub connection
-    per primary, made when a wait first needs it, each channel joined at its slot's owner
-    (``owner(channel)``, the cluster backend's slot map). As the sync ClusterWakeups: a
-    slot that moves unsubscribes its channel on the old node, its waiters poll, and the
-    next wait on it joins the new owner."""
+class AsyncClusterWakeups(PerNode[AsyncWakeups, AsyncWaiter], AsyncWakeups):
+    """A Redis Cluster's subscribers for one async cache (hotlock._hubs.PerNode): one
+    sharded-pub/sub connection per primary, each with its own task; none of its own."""
 
     def __init__(self, config: ServerConfig, owner: Callable[[bytes], tuple[str, int] | None]) -> None:
-        # No task or connection of its own: only the per-node ones.
-        self.pid = os.getpid()
-        self.off = None
-        self._config = config
-        self._owner = owner
-        self._nodes: dict[tuple[str, int], AsyncWakeups] = {}
-        self._closed = False  # then no node's subscriber is made any more: a waiter polls
-
-    def subscribed(self, channel: bytes) -> Entry[AsyncWaiter] | None:
-        address = self._owner(channel)
-        hub = None if address is None else self._nodes.get(address)
-        return None if hub is None else hub.subscribed(channel)
-
-    def join(self, channel: bytes) -> AsyncWaiter | None:
-        address = self._owner(channel)
-        if address is None or self._closed:
-            return None  # no primary for the slot right now, or a wait that raced close(): poll
-        hub = self._nodes.get(address)
-        if hub is None or hub._closed:
-            hub = self._nodes[address] = AsyncWakeups(self._config.node(*address), sharded=True)
-        if hub.off is not None:
-            self.off = hub.off
-            return None
-        return hub.join(channel)
+        PerNode.__init__(self, owner, lambda address: AsyncWakeups(config.node(*address), sharded=True))
 
     def leave(self, waiter: AsyncWaiter, acquired: bool) -> None:
         waiter.owner.leave(waiter, acquired)
 
     async def close(self) -> None:
-        self._closed = True
-        hubs, self._nodes = list(self._nodes.values()), {}
-        for hub in hubs:
+        for hub in self._closing():
             await hub.close()
 
 
-class AsyncSlot:
-    """An async backend's subscriber, made on the first wait that needs it."""
+class AsyncSlot(Made[AsyncWakeups]):
+    """An async backend's subscriber (hotlock._hubs.Made), made on the running loop."""
 
-    __slots__ = ("_hub", "_make")
-
-    def __init__(self, make: Callable[[], AsyncWakeups]) -> None:
-        self._make = make
-        self._hub: AsyncWakeups | None = None
-
-    def get(self) -> AsyncWakeups | None:
-        """The live subscriber, made now if need be (on the running loop); None when off."""
-        hub = self._hub
-        if hub is None or hub.pid != current_pid():  # this process's pid, kept at fork (as Slot.get)
-            hub = self._hub = self._make()
-        return hub if hub.off is None else None
+    __slots__ = ()
 
     async def close(self) -> None:
-        hub, self._hub = self._hub, None
-        if hub is not None and hub.pid == os.getpid():
+        hub = self._taken()
+        if hub is not None:
             await hub.close()
 
 
