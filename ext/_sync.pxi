@@ -556,6 +556,17 @@ cdef str _io_text(redisContext *ctx):
 #   script counts "already my token" as success) and a release (a second run finds
 #   nothing to do). Never INCRBY or SET NX: a resent INCRBY counts twice, a resent SET NX
 #   answers "not set" for the value this call set; their lost reply is a CacheError.
+cdef inline double _resend_until(double start, double wait_s, double timeout) noexcept nogil:
+    """= hotlock._transient.resend_until: a call that may wait wait_s ends within
+    max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
+    return start + (wait_s if wait_s > timeout else timeout) + timeout
+
+
+def _resend_deadline(double start, double wait_s, double timeout):
+    """Test hook: _resend_until, held to hotlock._transient.resend_until."""
+    return _resend_until(start, wait_s, timeout)
+
+
 cdef struct _Retry:
     double until  # a monotonic time: see NativeBackend._rule
     double limit  # > 0 once retrying: the timeout in effect for the retry's round trips
@@ -749,11 +760,9 @@ cdef class NativeBackend:
         return <_Conn>conn
 
     cdef inline _Retry _rule(self, double wait_s, bint resend):
-        """A call's lost-reply rule (see _Retry). It may retry until a time that keeps a
-        call that may wait wait_s within max(wait, one reply timeout) plus one reply
-        timeout, lost reply or not."""
+        """A call's lost-reply rule (see _Retry), resent until _resend_until from now."""
         cdef _Retry rule
-        rule.until = _monotonic() + (wait_s if wait_s > self._timeout else self._timeout) + self._timeout
+        rule.until = _resend_until(_monotonic(), wait_s, self._timeout)
         rule.limit = 0.0
         rule.resend = resend
         rule.spent = False

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ._cache import Cache
-from ._connect import connect_config, open_detected, with_credentials, with_wakeups
-from ._dialect import check_fences, check_scripts, detect
+from ._connect import connect_arguments, in_process, open_detected
+from ._core import lock_wait
 from ._fastpath import MeteredNativeCache, NativeCache
 from ._lazy import LazyBackend
 from ._lock import Lock
-from ._metered import MeteredCache, check_listener
-from ._validate import DEFAULT_TTL, Seconds
+from ._metered import MeteredCache
+from ._validate import Seconds
 from .backends.memory import MemoryBackend
 from .backends.native import backend_info
 from .errors import CacheError, HotlockError, LockLost, LockNotAcquired
@@ -134,18 +134,10 @@ def connect(
     again and retries once; the provider's own failure is a CacheError naming it. See
     docs/managed.md.
     """
-    check_scripts(scripts)
-    check_fences(fences)
-    listener = check_listener(metrics)
-    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
-    config = with_wakeups(config, wakeups)
-    config = with_credentials(config, credential_provider, reauth_interval)
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    # Its arguments by name, before any other local exists: checked in one place for both APIs.
+    raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
-        memory = MemoryBackend()
-        memory.use_dialect(detect(None, None, scripts, fences))
-        return _cache(memory, raw_prefix, listener, timeout)
+        return _cache(in_process(MemoryBackend(), scripts, fences), raw_prefix, listener, timeout)
     if lazy:
         # No I/O now: the first call opens the backend (LazyBackend). The plain classes, not
         # the native one-call fast paths, which need the opened backend at construction.
@@ -168,17 +160,3 @@ def _cache(backend: Backend, prefix: bytes, listener: Listener | None, timeout: 
 def with_lock(cache: Cache, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """``cache.with_lock(key, ttl, fn, *args, **kwargs)``."""
     return cache.with_lock(key, ttl, fn, *args, **kwargs)
-
-
-def lock_wait(
-    cache: Cache,
-    key: str | bytes,
-    ttl: Seconds = DEFAULT_TTL,
-    wait: Seconds = 10.0,
-    *,
-    auto_extend: bool = False,
-    max_hold: Seconds | None = None,
-    limit: int = 1,
-) -> Lock:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)

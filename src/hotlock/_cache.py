@@ -1,131 +1,39 @@
-"""The sync Cache: validation, key layout and errors around one backend."""
+"""The sync Cache: the calls hotlock._core checks and builds, sent to one backend."""
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
+from ._core import CacheBase, Extending, Releasing, Request
 from ._decorate import Locking
-from ._ident import new_token, new_tokens
-from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
-from ._lock import TAKEN, Lease, Lock, shown
+from ._ident import new_token
+from ._keys import stored
+from ._lock import Lock
 from ._renewer import Renewer
-from ._scripts import KIND_CONFLICT, permit_ask
-from ._validate import (
-    DEFAULT_TTL,
-    Seconds,
-    amount_int,
-    auto_extend_ms,
-    key_bytes,
-    key_list,
-    limit_int,
-    ttl_ms,
-    value_bytes,
-    wait_ms,
-)
+from ._scripts import permit_ask
+from ._validate import DEFAULT_TTL, Seconds, auto_extend_ms, key_bytes, limit_int, ttl_ms
 from .errors import LockNotAcquired, Unreplicated
 
 if TYPE_CHECKING:
-    from .backends import Backend, Named
+    from .backends import Backend
 
-__all__ = ["Cache", "CacheBase"]
+__all__ = ["Cache", "Decorate"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-L = TypeVar("L", bound=Lease)
 
 
-class CacheBase(Generic[L]):
-    """What the sync Cache and hotlock.aio.AsyncCache share: key layout, reporting, checks."""
+class Decorate(Protocol):
+    """What Cache.locked() returns: a decorator of plain functions."""
 
-    __slots__ = ("_backend", "_count_prefix", "_lock_prefix", "_once_prefix", "_reply_timeout", "prefix")
-    _lock_type: type[L]
-    _shown_as = "hotlock.CacheBase"
-
-    def __init__(self, backend: Named, prefix: bytes, reply_timeout: float = 2.0) -> None:
-        self._backend = backend
-        self.prefix = prefix
-        """The prefix every key of this cache is stored under (``connect(prefix=...)``), as bytes."""
-        # connect(timeout=...): how long close() waits for the releases sent in the background.
-        self._reply_timeout = reply_timeout
-        self._lock_prefix = prefix + LOCK_SPACE
-        self._once_prefix = prefix + ONCE_SPACE
-        self._count_prefix = prefix + COUNT_SPACE
-
-    @property
-    def enabled(self) -> bool:
-        """False for the in-process fallback, whose locks exclude nothing outside this process."""
-        return self._backend.name != "memory"
-
-    @property
-    def backend(self) -> str:
-        """The backend in use: "native", "redis-py" or "memory"."""
-        return self._backend.name
-
-    @property
-    def server(self) -> str:
-        """The server, without credentials."""
-        return self._backend.server
-
-    @property
-    def server_info(self) -> Mapping[str, object]:
-        """What connect() found, read-only: ``kind`` ("redis", "valkey", "unknown" when INFO
-        is refused, "memory"), ``version``, ``lua_free`` (extend/release sent without
-        scripts), ``extend`` and ``release`` (what each sends) and ``reason``."""
-        return self._backend.dialect.mapping()
-
-    def __repr__(self) -> str:
-        return f"<{self._shown_as} backend={self.backend} server={self.server} prefix={self.prefix!r}>"
-
-    def _not_acquired(self, key: str | bytes, result: int, waited_ms: int | None, limit: int = 1) -> LockNotAcquired:
-        """``result`` is the acquire's (<= 0): -(the holder's remaining TTL in ms), 0 if
-        unknown, or KIND_CONFLICT when the key is held as the other kind."""
-        if result == KIND_CONFLICT:
-            held = (
-                f"held as a plain lock, and a key is never also held with a limit (limit={limit})"
-                if limit > 1
-                else "held with a concurrency limit (as permits), and a key is never also held as a plain lock"
-            )
-        elif limit > 1:
-            held = f"held by {limit} holders already (limit={limit}); a place frees in up to {-result / 1000:.3f} s"
-        elif result == 0:
-            held = "held elsewhere"
-        else:
-            held = f"held elsewhere for up to {-result / 1000:.3f} s more"
-        after = "" if waited_ms is None else f" after waiting {waited_ms / 1000:.3f} s"
-        # The acquire's own reply carries the holder's PTTL: no extra round trip for it.
-        retry_after = -result / 1000 if result < 0 and result != KIND_CONFLICT else None
-        return LockNotAcquired(
-            f"lock {shown(key)!r} is {held}{after} (server {self.server})",
-            key=shown(key),
-            server=self.server,
-            retry_after=retry_after,
-        )
-
-    def _live(self, locks: Iterable[L | None]) -> tuple[list[L | None], list[tuple[int, L]]]:
-        """Check the locks given to a *_many call; return them and the (index, lock) pairs
-        worth sending (None, released and inherited locks are not)."""
-        kind = self._lock_type.__name__
-        if isinstance(locks, (str, bytes)) or not isinstance(locks, Iterable):
-            raise TypeError(f"locks must be an iterable of {kind} or None, not {type(locks).__name__}")
-        items = list(locks)
-        live = []
-        for i, lock in enumerate(items):
-            if lock is None:
-                continue
-            if not isinstance(lock, self._lock_type):
-                raise TypeError(f"locks[{i}] must be a {kind} or None, not {type(lock).__name__}")
-            if lock._backend is not self._backend:
-                raise ValueError(f"locks[{i}] was taken on another cache")
-            if lock._sendable():
-                live.append((i, lock))
-        return items, live
+    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]: ...
 
 
-class Cache(CacheBase[Lock]):
+class Cache(CacheBase[Lock, Lock, Decorate]):
     """Locks, idempotency keys and counters on one backend. Make one with hotlock.connect()."""
 
     __slots__ = ("_renewer", "_take")
@@ -192,51 +100,24 @@ class Cache(CacheBase[Lock]):
             self._renew().watch(lock, hold)
         return lock
 
-    def lock_wait(
-        self,
-        key: str | bytes,
-        ttl: Seconds = DEFAULT_TTL,
-        wait: Seconds = 10.0,
-        *,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-        limit: int = 1,
-    ) -> Lock:
-        """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
-
-        Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
-        exactly one attempt. ``auto_extend``, ``max_hold`` and ``limit`` as for lock(); a
-        release of a permit wakes a waiter as a plain lock's release does.
-        """
-        got = self._lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)[0]
+    def _waiting(self, request: Request) -> Lock:
+        got = self._wait(request)[0]
         if isinstance(got, LockNotAcquired):
             raise got
         return got
 
-    def _lock_wait(
-        self,
-        key: str | bytes,
-        ttl: Seconds = DEFAULT_TTL,
-        wait: Seconds = 10.0,
-        *,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-        limit: int = 1,
-    ) -> tuple[Lock | LockNotAcquired, int]:
+    def _wait(self, request: Request) -> tuple[Lock | LockNotAcquired, int]:
         """lock_wait()'s lock, or the LockNotAcquired it raises at the deadline; and the
         number of attempts it made (what a metrics listener is told, either way)."""
-        name = stored(self._lock_prefix, key_bytes(key))
-        ms = ttl_ms(ttl)
-        wait_for = wait_ms(wait)
-        hold = auto_extend_ms(auto_extend, max_hold, ms)
-        n = limit_int(limit)
-        token = permit_ask(new_token(), n)
-        result, sent, attempts = self._backend.acquire_wait(name, token, ms, wait_for)
+        wait_for = request.wait_ms
+        assert wait_for is not None  # lock_wait() checked it
+        token = permit_ask(new_token(), request.limit)
+        result, sent, attempts = self._backend.acquire_wait(request.name, token, request.ttl_ms, wait_for)
         if result <= 0:
-            return self._not_acquired(key, result, wait_for, n), attempts
-        lock = self._lease_class(self._backend, key, name, token, result, ms, sent)
-        if auto_extend:
-            self._renew().watch(lock, hold)
+            return self._not_acquired(request.key, result, wait_for, request.limit), attempts
+        lock = self._lease_class(self._backend, request.key, request.name, token, result, request.ttl_ms, sent)
+        if request.auto:
+            self._renew().watch(lock, request.hold_ms)
         return lock, attempts
 
     def with_lock(self, key: str | bytes, ttl: Seconds, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -246,42 +127,8 @@ class Cache(CacheBase[Lock]):
         with self.lock(key, ttl):
             return fn(*args, **kwargs)
 
-    def locked(
-        self,
-        template: str,
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        wait: Seconds | None = None,
-        limit: int = 1,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """A decorator: each call of the function holds the lock on
-        ``template.format(**arguments)``, released however the call ends.
-
-        ```python
-        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
-        def export(tenant, full=False): ...
-        ```
-
-        The arguments are the call's, bound to the function's signature with the defaults
-        applied, so ``{tenant.id}`` and ``{ids[0]}`` work as in ``str.format``; on an
-        instance method ``self`` is one (``"{self.id}"``). With ``wait=None`` the call tries
-        once (lock()) and raises LockNotAcquired when the key is held elsewhere; with
-        ``wait=S`` it waits up to S seconds (lock_wait()). ``limit``, ``auto_extend`` and
-        ``max_hold`` are lock()'s; with ``auto_extend=True`` a lease lost during the call
-        raises LockLost as the call returns, as a ``with`` block does (an exception of the
-        function's own propagates instead).
-
-        Everything but the key is checked here, before any call: a template field that
-        names no parameter, a positional field (``{}``, ``{0}``), a generator function, a
-        coroutine function (use hotlock.aio.AsyncCache.locked), a bad ttl, wait, limit,
-        auto_extend or max_hold raise TypeError/ValueError. Put ``@staticmethod`` or
-        ``@classmethod`` above it (``cls`` is then an argument). The wrapper keeps the
-        function's name, docstring and signature (functools.wraps).
-        """
-        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
-        options = locking.options
+    def _decorator(self, locking: Locking) -> Decorate:
+        ttl, wait, options = locking.ttl, locking.wait, locking.options
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
             key_of = locking.keys(fn, coroutine=False)
@@ -309,21 +156,14 @@ class Cache(CacheBase[Lock]):
 
         ``auto_extend`` and ``max_hold`` as for lock(), for every lock taken.
         """
-        given, raw = key_list(keys)
-        names = [stored(self._lock_prefix, k) for k in raw]
-        ms = ttl_ms(ttl)
-        hold = auto_extend_ms(auto_extend, max_hold, ms)
-        if not names:
+        taking = self._taking(keys, ttl, auto_extend, max_hold)
+        if not taking.names:
             return []
-        tokens = new_tokens(len(names))
         sent = time.monotonic()
-        results = self._backend.acquire_many(names, tokens, ms)
-        locks = [
-            self._lease_class(self._backend, key, name, token, result, ms, sent) if result > 0 else None
-            for key, name, token, result in zip(given, names, tokens, results, strict=True)
-        ]
+        results = self._backend.acquire_many(taking.names, taking.tokens, taking.ttl_ms)
+        locks = taking.leases(results, sent, functools.partial(self._lease_class, self._backend))
         if auto_extend:
-            self._renew().watch_many([lk for lk in locks if lk is not None], hold)
+            self._renew().watch_many([lk for lk in locks if lk is not None], taking.hold_ms)
         return locks
 
     def extend_many(self, locks: Iterable[Lock | None], ttl: Seconds) -> list[bool]:
@@ -333,48 +173,32 @@ class Cache(CacheBase[Lock]):
         without a byte sent for them. Under wait_replicas an extend too few replicas
         confirmed is False too: its lease is lost (and its key released).
         """
-        items, live = self._live(locks)
-        ms = ttl_ms(ttl)
-        out = [False] * len(items)
-        if live:
-            sent = time.monotonic()
-            why: dict[int, str] = {}
-            try:
-                results = self._backend.extend_many([lk._name for _, lk in live], [lk._token for _, lk in live], ms)
-            except Unreplicated as short:
-                results, why = short.results, short.why
-            for j, ((i, lock), ok) in enumerate(zip(live, results, strict=True)):
-                lock._extended(ok, ms, sent, why.get(j, TAKEN))
-                if lock._auto is not None:
-                    lock._auto.touch()
-                out[i] = ok
-        return out
+        extending = Extending(self._live(locks), ttl)
+        if not extending.live:
+            return extending.out
+        sent = time.monotonic()
+        try:
+            results = self._backend.extend_many(extending.names, extending.tokens, extending.ms)
+        except Unreplicated as short:
+            return extending.done(short.results, sent, short.why)
+        return extending.done(results, sent)
 
     def unlock_many(self, locks: Iterable[Lock | None]) -> list[bool]:
         """Release each lock in one round trip; True where this call released it."""
-        items, live = self._live(locks)
-        out = [False] * len(items)
-        if live:
-            for _, lock in live:
-                if lock._auto is not None:
-                    lock._auto.forget()  # before the release, as in Lock.unlock
-            results = self._backend.release_many([lk._name for _, lk in live], [lk._token for _, lk in live])
-            for (i, lock), ok in zip(live, results, strict=True):
-                lock._token = b""
-                out[i] = ok
-        return out
+        releasing = Releasing(self._live(locks))
+        if not releasing.live:
+            return releasing.out
+        return releasing.done(self._backend.release_many(releasing.names, releasing.tokens))
 
     # -- idempotency keys and counters -------------------------------------------------
 
     def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
         """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
-        name = stored(self._once_prefix, key_bytes(key))
-        return self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
+        return self._backend.set_nx(*self._once(key, value, ttl))
 
     def incr(self, key: str | bytes, amount: int = 1) -> int:
         """Add ``amount`` to a counter atomically and return the new value."""
-        name = stored(self._count_prefix, key_bytes(key))
-        return self._backend.incr(name, amount_int(amount))
+        return self._backend.incr(*self._counter(key, amount))
 
     # -- lifetime ---------------------------------------------------------------------
 

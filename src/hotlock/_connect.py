@@ -11,11 +11,13 @@ import dataclasses
 import logging
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ._config import ServerConfig, parse_url
+from ._dialect import check_fences, check_scripts, detect
 from ._keys import check_prefix
 from .backends.native import native_aio, native_module, tls_refused
+from .metrics import LISTENER_METHODS, Listener, Listeners
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,8 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_NAMES",
+    "check_listener",
     "choose",
-    "connect_config",
+    "connect_arguments",
+    "in_process",
     "log_server",
     "open_async_backend",
     "open_async_detected",
@@ -39,6 +43,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("hotlock")
+
+InProcess = TypeVar("InProcess", bound="Backend | AsyncBackend")
 
 BACKEND_NAMES = ("native", "redis-py")
 # The shortest timeout a connection takes, in seconds (see connect_config).
@@ -166,7 +172,8 @@ async def open_async_detected(config: ServerConfig, requested: str | None, scrip
     return opened
 
 
-def connect_config(
+def connect_arguments(
+    *,
     url: str | None,
     prefix: object,
     connect_timeout: float,
@@ -174,9 +181,20 @@ def connect_config(
     backend: str | None,
     wait_replicas: int,
     wait_timeout: float | None,
-) -> tuple[bytes, ServerConfig | None]:
-    """connect()'s argument checks and URL: the prefix as bytes and the server, or None
-    (after its WARNING) for the in-process fallback."""
+    scripts: str,
+    fences: object,
+    metrics: object,
+    wakeups: object,
+    lazy: object,
+    credential_provider: object,
+    reauth_interval: object,
+) -> tuple[bytes, ServerConfig | None, Listener | None]:
+    """Every argument of hotlock.connect() and hotlock.aio.connect() checked, in their
+    signature's order and before any I/O: the prefix as bytes, the server (None, after its
+    WARNING, for the in-process fallback) and the listener."""
+    check_scripts(scripts)
+    check_fences(fences)
+    listener = check_listener(metrics)
     raw_prefix = prefix_bytes(prefix)
     for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -213,14 +231,49 @@ def connect_config(
             # There are no replicas to wait for in-process: saying nothing would be a lie.
             raise ValueError(f"wait_replicas={wait_replicas!r} needs a url or CACHE_URL")
         log.warning("no cache configured: locks exclude nothing outside this process")
-        return raw_prefix, None
-    return raw_prefix, parse_url(
-        url,
-        connect_timeout=float(connect_timeout),
-        timeout=float(timeout),
-        wait_replicas=wait_replicas,
-        wait_timeout=float(wait_timeout),
-    )
+        config = None
+    else:
+        config = parse_url(
+            url,
+            connect_timeout=float(connect_timeout),
+            timeout=float(timeout),
+            wait_replicas=wait_replicas,
+            wait_timeout=float(wait_timeout),
+        )
+    config = with_wakeups(config, wakeups)
+    config = with_credentials(config, credential_provider, reauth_interval)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    return raw_prefix, config, listener
+
+
+def in_process(backend: InProcess, scripts: str, fences: bool) -> InProcess:
+    """The in-process fallback (no URL), given the dialect connect()'s arguments ask for."""
+    backend.use_dialect(detect(None, None, scripts, fences))
+    return backend
+
+
+def check_listener(metrics: object) -> Listener | None:
+    """connect()'s check of ``metrics``, before any I/O: None, an object with every
+    Listener method (a missing one would otherwise surface as an AttributeError, logged
+    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, (list, tuple)):
+        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
+        if not listeners:
+            return None
+        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
+    return _one_listener(metrics, "metrics")
+
+
+def _one_listener(metrics: object, name: str) -> Listener:
+    missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
+        )
+    return metrics  # type: ignore[return-value]
 
 
 def prefix_bytes(prefix: object) -> bytes:

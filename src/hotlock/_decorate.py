@@ -44,7 +44,7 @@ def _field_names(template: str, fields: str) -> list[str]:
 class Locking:
     """locked()'s arguments, checked as lock() and lock_wait() would check them."""
 
-    __slots__ = ("fields", "options", "template")
+    __slots__ = ("fields", "options", "template", "ttl", "wait")
 
     def __init__(
         self, template: object, ttl: Any, wait: Any, limit: object, auto_extend: object, max_hold: Any
@@ -58,6 +58,9 @@ class Locking:
         auto_extend_ms(auto_extend, max_hold, ms)
         limit = limit_int(limit)
         self.template = template
+        # As given: each call passes them on to lock() or lock_wait().
+        self.ttl = ttl
+        self.wait = wait
         # lock()'s keywords, only where they differ from its defaults: the common case then
         # stays on lock()'s one-call native path.
         given = (("auto_extend", auto_extend, False), ("max_hold", max_hold, None), ("limit", limit, 1))

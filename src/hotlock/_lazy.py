@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._connect import choose, open_async_detected, open_detected
 from ._dialect import UNDETECTED, Dialect
 
 if TYPE_CHECKING:
     from ._config import ServerConfig
-    from .backends import AsyncBackend, Backend
+    from .backends import AsyncBackend, Backend, Named
 
-__all__ = ["AsyncLazyBackend", "LazyBackend"]
+__all__ = ["AsyncLazyBackend", "LazyBackend", "Unopened"]
+
+B = TypeVar("B", bound="Named")
 
 # The operations that need the server: forwarded until the backend is open, then replaced
 # by the opened backend's own bound methods.
@@ -45,8 +47,11 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-class LazyBackend:
-    """A Backend that is opened by its first call (see the module's docstring)."""
+class Unopened(Generic[B]):
+    """What LazyBackend and AsyncLazyBackend share: connect()'s arguments kept for the open,
+    and what the backend tells about itself before it is open."""
+
+    _aio = False
 
     def __init__(self, config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> None:
         self._config = config
@@ -54,11 +59,9 @@ class LazyBackend:
         self._scripts = scripts
         self._fences = fences
         # What the opened backend will be: choose() reads no network, only what was built.
-        self.name, _ = choose(config, requested)
+        self.name, _ = choose(config, requested, aio=self._aio)
         self.server = config.display
-        self._opened: Backend | None = None
-        self._opening = threading.Lock()
-        self._closed = False
+        self._opened: B | None = None
 
     @property
     def dialect(self) -> Dialect:
@@ -67,6 +70,15 @@ class LazyBackend:
     @property
     def fenced(self) -> bool:
         return self._fences
+
+
+class LazyBackend(Unopened["Backend"]):
+    """A Backend that is opened by its first call (see the module's docstring)."""
+
+    def __init__(self, config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> None:
+        super().__init__(config, requested, scripts, fences)
+        self._opening = threading.Lock()
+        self._closed = False
 
     def _open(self) -> Backend:
         with self._opening:  # one connect for the threads that arrive together
@@ -128,28 +140,16 @@ class LazyBackend:
         return f"<hotlock lazy {self.name} backend server={self.server} ({state})>"
 
 
-class AsyncLazyBackend:
+class AsyncLazyBackend(Unopened["AsyncBackend"]):
     """LazyBackend's async twin: the first awaited call opens the backend, in the event loop
     it runs in (an async cache belongs to one loop, as a connected one does)."""
 
+    _aio = True
+
     def __init__(self, config: ServerConfig, requested: str | None, scripts: str, fences: bool) -> None:
-        self._config = config
-        self._requested = requested
-        self._scripts = scripts
-        self._fences = fences
-        self.name, _ = choose(config, requested, aio=True)
-        self.server = config.display
-        self._opened: AsyncBackend | None = None
+        super().__init__(config, requested, scripts, fences)
         # The open in progress: callers that arrive while it runs await the same one.
         self._opening: asyncio.Future[AsyncBackend] | None = None
-
-    @property
-    def dialect(self) -> Dialect:
-        return UNDETECTED if self._opened is None else self._opened.dialect
-
-    @property
-    def fenced(self) -> bool:
-        return self._fences
 
     @property
     def wake_slot(self) -> Any:

@@ -238,6 +238,29 @@ class Lease:
             self._auto.touch()  # a loss to tell
         return self._lost(why)
 
+    def _extend_replied(self, ok: bool, ms: int, sent: float) -> None:
+        """extend()'s reply (True: the key still held the token): reported, recorded and
+        told the renewer; LockLost when the key was lost."""
+        if self._meter is not None:  # metrics hook
+            self._meter.extended(self, ok)
+        self._extended(ok, ms, sent)
+        if self._auto is not None:
+            self._auto.touch()  # a new deadline to renew by, or a loss to tell
+        if not ok:
+            raise self._lost(TAKEN)
+
+    def _failed(self, op: Literal["extend", "release"], error: CacheError) -> None:
+        """An extend or release Redis could not answer: reported (the lease is unchanged)."""
+        if self._meter is not None:  # metrics hook
+            self._meter.failed(self, op, error)
+
+    def _released(self, released: bool) -> bool:
+        """unlock()'s reply: nothing more is sent for this lease; reported; the result."""
+        self._token = b""
+        if self._meter is not None:  # metrics hook
+            self._meter.released(self, released)
+        return released
+
     def _sendable(self) -> bool:
         """Not yet released, and taken by this process (a forked child sends nothing)."""
         return bool(self._token) and self._pid == _ident.pid
@@ -281,16 +304,9 @@ class Lock(Lease):
         except Unreplicated as short:
             raise self._unreplicated(short, sent) from None
         except CacheError as error:
-            if self._meter is not None:  # metrics hook
-                self._meter.failed(self, "extend", error)
+            self._failed("extend", error)
             raise
-        if self._meter is not None:  # metrics hook
-            self._meter.extended(self, ok)
-        self._extended(ok, ms, sent)
-        if self._auto is not None:
-            self._auto.touch()  # a new deadline to renew by, or a loss to tell
-        if not ok:
-            raise self._lost(TAKEN)
+        self._extend_replied(ok, ms, sent)
 
     def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.
@@ -307,9 +323,9 @@ class Lock(Lease):
         try:
             released = self._backend.release(self._name, self._token)
         except CacheError as error:
-            if self._meter is not None:  # metrics hook
-                self._meter.failed(self, "release", error)
+            self._failed("release", error)
             raise
+        # Lease._released, inline: the hot path.
         self._token = b""
         if self._meter is not None:  # metrics hook
             self._meter.released(self, released)

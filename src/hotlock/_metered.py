@@ -16,42 +16,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._cache import Cache
+from ._core import Request
 from ._lock import Lease, Lock
 from ._validate import DEFAULT_TTL, Seconds
 from .errors import CacheError, LockNotAcquired
-from .metrics import LISTENER_METHODS, BaseListener, Listener, Listeners, NotAcquired, Op, WaitOutcome
+from .metrics import BaseListener, Listener, NotAcquired, Op, WaitOutcome
 
 if TYPE_CHECKING:
     from .backends import Backend
 
-__all__ = ["Batch", "Meter", "MeteredCache", "as_list", "check_listener"]
+__all__ = ["Batch", "Meter", "MeteredCache", "as_list"]
 
 log = logging.getLogger("hotlock")
 
 _monotonic = time.monotonic  # the clock of Lease._now, bound once for the hot path
-
-
-def check_listener(metrics: object) -> Listener | None:
-    """connect()'s check of ``metrics``, before any I/O: None, an object with every
-    Listener method (a missing one would otherwise surface as an AttributeError, logged
-    and swallowed, on the first event), or a list or tuple of such (made one Listeners)."""
-    if metrics is None:
-        return None
-    if isinstance(metrics, (list, tuple)):
-        listeners = [_one_listener(m, f"metrics[{i}]") for i, m in enumerate(metrics)]
-        if not listeners:
-            return None
-        return listeners[0] if len(listeners) == 1 else Listeners(*listeners)
-    return _one_listener(metrics, "metrics")
-
-
-def _one_listener(metrics: object, name: str) -> Listener:
-    missing = [m for m in LISTENER_METHODS if not callable(getattr(metrics, m, None))]
-    if missing:
-        raise TypeError(
-            f"{name} must be a hotlock.metrics.Listener; {type(metrics).__name__} lacks {', '.join(missing)}"
-        )
-    return metrics  # type: ignore[return-value]
 
 
 class Meter:
@@ -237,16 +215,16 @@ class MeteredCache(Cache):
             meter.raised()
         return lock
 
-    def lock_wait(self, key: str | bytes, *args: Any, **kwargs: Any) -> Lock:
+    def _waiting(self, request: Request) -> Lock:
         meter = self._meter
         started = _monotonic()
         try:
-            got, attempts = self._lock_wait(key, *args, **kwargs)
+            got, attempts = self._wait(request)
         except CacheError as error:
-            meter.error(key, "acquire", error)
+            meter.error(request.key, "acquire", error)
             raise
         if isinstance(got, LockNotAcquired):
-            meter.timed_out(key, _monotonic() - started, attempts)
+            meter.timed_out(request.key, _monotonic() - started, attempts)
             raise got
         meter.waited(got, _monotonic() - started, attempts)
         return got

@@ -1,6 +1,11 @@
-"""Transient replies: the error replies that say the command did not run and that the
-same command may succeed in a moment, and the rule for retrying them, defined once for
-every path (native and redis-py, sync and async, cluster and Sentinel).
+"""The resend rules, defined once for every path (native and redis-py, sync and async,
+cluster and Sentinel): how long a call may be resent, and the transient replies, the error
+replies that say the command did not run and that the same command may succeed in a moment.
+
+A call whose reply was lost (a timeout, a dropped connection) is resent once, with the same
+token, and a call that met a transient reply until its budget ends: ``resend_until``. The
+extension keeps a copy of that one line in C (NativeBackend._rule), which
+tests/unit/test_transient.py holds to this one.
 
 A failover behind one endpoint (a DNS name or a proxy that now points at the promoted
 replica), a server loading its data set, a long script, a cluster electing a primary or
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["CAP_S", "FIRST_S", "TRANSIENT", "Retrying", "code", "pause_s", "tried"]
+__all__ = ["CAP_S", "FIRST_S", "TRANSIENT", "Retrying", "code", "pause_s", "resend_until", "tried"]
 
 TRANSIENT = frozenset({"READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"})
 
@@ -37,6 +42,13 @@ TRANSIENT = frozenset({"READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", 
 # loading server while still trying about ten times a second.
 FIRST_S = 0.005
 CAP_S = 0.1
+
+
+def resend_until(start: float, wait_s: float, timeout: float) -> float:
+    """Until when a call begun at ``start`` (on the caller's clock) may be resent: a call
+    that may wait ``wait_s`` (lock_wait) ends within max(wait, one reply timeout) plus one
+    reply timeout, lost reply or not."""
+    return start + max(wait_s, timeout) + timeout
 
 
 def code(text: str | bytes) -> str | None:

@@ -32,13 +32,16 @@ import enum
 import random
 import time
 from collections.abc import Callable, Sized
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._backoff import CAP_MS, delay_ms
 from ._keys import wake_channel
 from ._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_POLL, ACQUIRE_WAIT, Script
+from ._subscriber import Sleeper
 
-__all__ = ["FIRST", "POLL_FIRST", "ChannelEntry", "Step", "Waiting", "poll"]
+__all__ = ["FIRST", "POLL_FIRST", "ChannelEntry", "Joining", "Step", "Waiting", "poll"]
+
+W = TypeVar("W", bound=Sleeper)  # a waiter: a thread's (wakeup.Waiter) or a task's (wakeup_async.AsyncWaiter)
 
 # Attempts a lock_wait makes on its plain backoff before it asks to be woken: the first;
 # after one sleep on the backoff's first step (0-1 ms) the next attempt marks. Measured
@@ -226,3 +229,37 @@ def poll(acquire: Callable[[Script], int], wait_ms: int) -> tuple[int, float, in
             return result, sent, machine.failures + 1
         step = machine.failed(result)
     return result, sent, machine.failures
+
+
+class Joining(Generic[W]):
+    """Where one lock_wait stands with the wake-ups: the hub it asked (``slot.get()``: a
+    backend's subscriber, hotlock._hubs) and the waiter it joined. Waiting's wake-up steps
+    (START, LOOK, JOIN) are taken here through the objects given, alike for the sync and the
+    async driver; each driver only attempts and sleeps."""
+
+    __slots__ = ("_slot", "hub", "waiter")
+
+    def __init__(self, slot: Any) -> None:
+        self._slot = slot  # a Made (Slot, AsyncSlot): get() the hub, or None when wake-ups are off
+        self.hub: Any = None
+        self.waiter: W | None = None
+
+    def through(self, machine: Waiting, step: Step) -> Step:
+        """The wake-up steps from ``step`` on, taken: the first step that is not one."""
+        while True:
+            if step is Step.START:
+                self.hub = self._slot.get()
+                step = machine.started(self.hub is not None)
+            elif step is Step.LOOK:
+                step = machine.looked(self.hub.subscribed(machine.channel))
+            elif step is Step.JOIN:
+                self.waiter = self.hub.join(machine.channel)
+                step = machine.joined(None if self.waiter is None else self.waiter.entry)
+            else:
+                return step
+
+    def leave(self, acquired: bool) -> None:
+        """The wait is over, ``acquired`` or not (a wake it did not use goes on): once."""
+        if self.waiter is not None:
+            self.hub.leave(self.waiter, acquired)
+            self.waiter = None

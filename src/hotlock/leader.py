@@ -208,7 +208,8 @@ class AsyncLeader(_Base):
     ) -> None:
         # CacheBase has two kinds, Cache and AsyncCache: checked without importing hotlock.aio,
         # which would put this module above the package (tests/test_imports.py).
-        from ._cache import Cache, CacheBase
+        from ._cache import Cache
+        from ._core import CacheBase
 
         if not isinstance(cache, CacheBase) or isinstance(cache, Cache):
             raise TypeError(

@@ -60,3 +60,32 @@ def test_retrying_counts_and_names_what_was_retried(monkeypatch: pytest.MonkeyPa
         "release (retried after a lost reply) (retried 2 times within the call's timeout)"
     )
     assert tried("release", False, Retrying()) == "release"
+
+
+@pytest.mark.parametrize(
+    ("start", "wait_s", "timeout", "until"),
+    [
+        (100.0, 0.0, 2.0, 104.0),  # lock, extend, release: two reply timeouts
+        (100.0, 1.0, 2.0, 104.0),  # a wait shorter than a reply timeout changes nothing
+        (100.0, 10.0, 2.0, 112.0),  # lock_wait: its wait, then one reply timeout
+        (0.0, 0.25, 0.25, 0.5),
+    ],
+)
+def test_a_call_is_resent_within_its_wait_or_one_timeout_plus_one_timeout(
+    start: float, wait_s: float, timeout: float, until: float
+) -> None:
+    assert _transient.resend_until(start, wait_s, timeout) == until
+
+
+def test_the_c_budget_is_the_python_one() -> None:
+    from hotlock.backends.native import native_module
+
+    native, why = native_module()
+    if native is None:
+        pytest.skip(f"the native extension is not live: {why}")
+    for start in (0.0, 12.5, 1e6):
+        for wait_s in (0.0, 0.001, 0.5, 2.0, 30.0):
+            for timeout in (0.001, 0.5, 2.0, 15.0):
+                assert native._resend_deadline(start, wait_s, timeout) == _transient.resend_until(
+                    start, wait_s, timeout
+                )

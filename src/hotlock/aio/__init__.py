@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from .._connect import connect_config, open_async_detected, with_credentials, with_wakeups
-from .._dialect import check_fences, check_scripts, detect
+from .._connect import connect_arguments, in_process, open_async_detected
+from .._core import lock_wait
 from .._lazy import AsyncLazyBackend
-from .._metered import check_listener
-from .._validate import DEFAULT_TTL, Seconds
+from .._validate import Seconds
 from ..backends.memory_async import AsyncMemoryBackend
 from ..backends.native import native_aio
 from ._cache import Acquiring, AsyncCache
@@ -68,18 +67,10 @@ async def connect(
     before any loop runs (``await`` it there anyway; it returns at once). A failure to connect
     is that call's CacheError; the next call tries again.
     """
-    check_scripts(scripts)
-    check_fences(fences)
-    listener = check_listener(metrics)
-    raw_prefix, config = connect_config(url, prefix, connect_timeout, timeout, backend, wait_replicas, wait_timeout)
-    config = with_wakeups(config, wakeups)
-    config = with_credentials(config, credential_provider, reauth_interval)
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be a bool, not {type(lazy).__name__}")
+    # Its arguments by name, before any other local exists: checked in one place for both APIs.
+    raw_prefix, config, listener = connect_arguments(**locals())
     if config is None:
-        memory = AsyncMemoryBackend()
-        memory.use_dialect(detect(None, None, scripts, fences))
-        return _cache(memory, raw_prefix, listener, timeout)
+        return _cache(in_process(AsyncMemoryBackend(), scripts, fences), raw_prefix, listener, timeout)
     if lazy:
         return _cache(AsyncLazyBackend(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
     return _cache(await open_async_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
@@ -121,18 +112,3 @@ async def with_lock(
 ) -> R:
     """``await cache.with_lock(key, ttl, fn, *args, **kwargs)``."""
     return await cache.with_lock(key, ttl, fn, *args, **kwargs)
-
-
-def lock_wait(
-    cache: AsyncCache,
-    key: str | bytes,
-    ttl: Seconds = DEFAULT_TTL,
-    wait: Seconds = 10.0,
-    *,
-    auto_extend: bool = False,
-    max_hold: Seconds | None = None,
-    limit: int = 1,
-) -> Acquiring:
-    """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``: await it, or use
-    it with ``async with``."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)

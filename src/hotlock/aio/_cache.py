@@ -1,4 +1,4 @@
-"""The async Cache: the sync Cache's validation, key layout and errors, awaited."""
+"""The async Cache: the calls hotlock._core checks and builds, awaited on one async backend."""
 
 from __future__ import annotations
 
@@ -9,29 +9,16 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
-from .._cache import CacheBase
+from .._core import ONCE, CacheBase, Extending, Releasing, Request
 from .._decorate import Locking
-from .._ident import new_token, new_tokens
-from .._keys import stored
-from .._lock import TAKEN
+from .._ident import new_token
 from .._renewer import warn_unreleased
 from .._scripts import permit_ask
-from .._validate import (
-    DEFAULT_TTL,
-    Seconds,
-    amount_int,
-    auto_extend_ms,
-    key_bytes,
-    key_list,
-    limit_int,
-    ttl_ms,
-    value_bytes,
-    wait_ms,
-)
-from .._waiting import FIRST, Step, Waiting
-from ..backends.wakeup_async import AsyncSlot, AsyncWaiter, AsyncWakeups
+from .._validate import DEFAULT_TTL, Seconds
+from .._waiting import FIRST, Joining, Step, Waiting
+from ..backends.wakeup_async import AsyncSlot, AsyncWaiter
 from ..errors import Unreplicated
 from ._lock import AsyncLock
 from ._renewer import AsyncRenewer
@@ -47,7 +34,13 @@ R = TypeVar("R")
 log = logging.getLogger("hotlock")
 
 
-class AsyncCache(CacheBase[AsyncLock]):
+class AsyncDecorate(Protocol):
+    """What AsyncCache.locked() returns: a decorator of coroutine functions."""
+
+    def __call__(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+
+class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
     """Locks, idempotency keys and counters on one async backend. Make one with
     ``await hotlock.aio.connect()``; it belongs to the event loop it was made in."""
 
@@ -89,45 +82,15 @@ class AsyncCache(CacheBase[AsyncLock]):
         cancelled and the block raises LockLost. ``limit=N``: up to N holders at once, as
         in hotlock.Cache.lock().
         """
-        name = stored(self._lock_prefix, key_bytes(key))
-        ms = ttl_ms(ttl)
-        hold = auto_extend_ms(auto_extend, max_hold, ms)
-        return Acquiring(self, key, name, ms, None, auto_extend, hold, limit_int(limit))
+        return Acquiring(self, Request(self._lock_prefix, key, ttl, ONCE, auto_extend, max_hold, limit))
 
-    def lock_wait(
-        self,
-        key: str | bytes,
-        ttl: Seconds = DEFAULT_TTL,
-        wait: Seconds = 10.0,
-        *,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-        limit: int = 1,
-    ) -> Acquiring:
-        """Poll with jittered backoff until acquired; LockNotAcquired once ``wait`` has passed.
+    def _waiting(self, request: Request) -> Acquiring:
+        return Acquiring(self, request)
 
-        Never sleeps past the deadline nor past the holder's remaining TTL; ``wait=0`` is
-        exactly one attempt. Awaitable, and usable with ``async with``, like lock().
-        """
-        name = stored(self._lock_prefix, key_bytes(key))
-        ms = ttl_ms(ttl)
-        wait_for = wait_ms(wait)
-        hold = auto_extend_ms(auto_extend, max_hold, ms)
-        return Acquiring(self, key, name, ms, wait_for, auto_extend, hold, limit_int(limit))
-
-    async def _acquire(
-        self,
-        key: str | bytes,
-        name: bytes,
-        ms: int,
-        wait_for: int | None,
-        auto: bool = False,
-        hold: int | None = None,
-        limit: int = 1,
-        tries: list[int] | None = None,
-    ) -> AsyncLock:
+    async def _acquire(self, request: Request, tries: list[int] | None = None) -> AsyncLock:
         # ``tries``: a metered cache's list, given the number of attempts a lock_wait made
         # when it acquires or gives up.
+        key, name, ms, wait_for, limit = request.key, request.name, request.ttl_ms, request.wait_ms, request.limit
         loop = asyncio.get_running_loop()
         token = new_token()
         ask = permit_ask(token, limit)
@@ -140,8 +103,7 @@ class AsyncCache(CacheBase[AsyncLock]):
         slot: AsyncSlot | None = None if wait_for is None else getattr(self._backend, "wake_slot", None)
         machine: Waiting | None = None
         script = FIRST
-        hub: AsyncWakeups | None = None
-        waiter: AsyncWaiter | None = None
+        joining: Joining[AsyncWaiter] = Joining(slot)
         # True from the moment an acquire with this token may reach Redis until we know it
         # did not take the key: while it is, an interruption must release the token.
         maybe_held = False
@@ -153,44 +115,29 @@ class AsyncCache(CacheBase[AsyncLock]):
                 result = await self._backend.acquire(name, ask, ms, since, wait_for or 0, script)
                 if result > 0:
                     lock = AsyncLock(self._backend, self._release_in_background, loop, key, name, ask, result, ms, sent)
-                    if auto:
-                        self._renew([lock], hold)
+                    if request.auto:
+                        self._renew([lock], request.hold_ms)
                     if tries is not None:
                         tries.append(1 if machine is None else machine.failures + 1)
-                    if waiter is not None:
-                        assert hub is not None
-                        hub.leave(waiter, True)
-                        waiter = None
+                    joining.leave(True)
                     return lock
                 maybe_held = False
                 if wait_for is None:
                     raise self._not_acquired(key, result, wait_for, limit)
                 if machine is None:
                     machine = Waiting(name, wait_for, start, time.monotonic, random.random, slot is not None)
-                step = machine.failed(result)
+                step = joining.through(machine, machine.failed(result))
                 while step is not Step.ATTEMPT:
                     if step is Step.SLEEP:
                         await asyncio.sleep(machine.sleep_s)
-                        step = machine.slept()
                     elif step is Step.WAKEABLE:
-                        assert waiter is not None
-                        await waiter.sleep(machine.sleep_s)
-                        step = machine.slept()
-                    elif step is Step.START:
-                        assert slot is not None
-                        hub = slot.get()
-                        step = machine.started(hub is not None)
-                    elif step is Step.LOOK:
-                        assert hub is not None
-                        step = machine.looked(hub.subscribed(machine.channel))
-                    elif step is Step.JOIN:
-                        assert hub is not None
-                        waiter = hub.join(machine.channel)
-                        step = machine.joined(None if waiter is None else waiter.entry)
+                        assert joining.waiter is not None
+                        await joining.waiter.sleep(machine.sleep_s)
                     else:
                         if tries is not None:
                             tries.append(machine.failures)
                         raise self._not_acquired(key, result, wait_for, limit)
+                    step = joining.through(machine, machine.slept())
                 script = machine.script
         except BaseException:
             # Cancelled (or failed: a timeout is ambiguous) while our acquire may have
@@ -201,9 +148,7 @@ class AsyncCache(CacheBase[AsyncLock]):
                 self._release_in_background([name], [token])
             raise
         finally:
-            if waiter is not None:
-                assert hub is not None
-                hub.leave(waiter, False)
+            joining.leave(False)
 
     async def with_lock(
         self, key: str | bytes, ttl: Seconds, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs
@@ -217,33 +162,8 @@ class AsyncCache(CacheBase[AsyncLock]):
         async with self.lock(key, ttl):
             return await fn(*args, **kwargs)
 
-    def locked(
-        self,
-        template: str,
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        wait: Seconds | None = None,
-        limit: int = 1,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
-        """A decorator for coroutine functions: each call holds the lock on
-        ``template.format(**arguments)`` while it is awaited, released however it ends.
-
-        ```python
-        @cache.locked("export:{tenant.id}", ttl=120, wait=5)
-        async def export(tenant, full=False): ...
-        ```
-
-        As hotlock.Cache.locked(), awaited: ``wait=None`` tries once (lock()),
-        ``wait=S`` waits up to S seconds (lock_wait()); a cancelled call releases the lock
-        and re-raises CancelledError; with ``auto_extend=True`` a loss cancels the call
-        and raises LockLost. Everything but the key is checked here, before any call; a
-        plain function (use hotlock.Cache.locked) or an async generator function is a
-        TypeError.
-        """
-        locking = Locking(template, ttl, wait, limit, auto_extend, max_hold)
-        options = locking.options
+    def _decorator(self, locking: Locking) -> AsyncDecorate:
+        ttl, wait, options = locking.ttl, locking.wait, locking.options
 
         def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
             key_of = locking.keys(fn, coroutine=True)
@@ -267,97 +187,67 @@ class AsyncCache(CacheBase[AsyncLock]):
         auto_extend: bool = False,
         max_hold: Seconds | None = None,
     ) -> list[AsyncLock | None]:
-        """Try each key once, in one round trip: an AsyncLock per key, or None where held elsewhere.
-
-        ``auto_extend`` and ``max_hold`` as for lock(), for every lock taken.
-        """
-        given, raw = key_list(keys)
-        names = [stored(self._lock_prefix, k) for k in raw]
-        ms = ttl_ms(ttl)
-        hold = auto_extend_ms(auto_extend, max_hold, ms)
-        if not names:
+        """As hotlock.Cache.lock_many(), awaited: an AsyncLock per key, or None where held
+        elsewhere; interrupted (cancelled, or failed), it releases in the background
+        whatever it may have taken."""
+        taking = self._taking(keys, ttl, auto_extend, max_hold)
+        if not taking.names:
             return []
         loop = asyncio.get_running_loop()
-        tokens = new_tokens(len(names))
         sent = loop.time()
         try:
-            results = await self._backend.acquire_many(names, tokens, ms)
+            results = await self._backend.acquire_many(taking.names, taking.tokens, taking.ttl_ms)
         except BaseException:
-            self._release_in_background(names, tokens)
+            self._release_in_background(taking.names, taking.tokens)
             raise
-        locks = [
-            AsyncLock(self._backend, self._release_in_background, loop, key, name, token, result, ms, sent)
-            if result > 0
-            else None
-            for key, name, token, result in zip(given, names, tokens, results, strict=True)
-        ]
+        locks = taking.leases(
+            results, sent, functools.partial(AsyncLock, self._backend, self._release_in_background, loop)
+        )
         if auto_extend:
-            self._renew([lk for lk in locks if lk is not None], hold)
+            self._renew([lk for lk in locks if lk is not None], taking.hold_ms)
         return locks
 
     async def extend_many(self, locks: Iterable[AsyncLock | None], ttl: Seconds) -> list[bool]:
-        """Extend each lock to ``ttl`` from now, in one round trip; False where it was lost.
-
-        ``None`` entries (as lock_many returns) and released or inherited locks are False
-        without a byte sent for them. Under wait_replicas an extend too few replicas
-        confirmed is False too: its lease is lost (and its key released).
-        """
-        items, live = self._live(locks)
-        ms = ttl_ms(ttl)
-        out = [False] * len(items)
-        if live:
-            sent = asyncio.get_running_loop().time()
-            why: dict[int, str] = {}
-            try:
-                results = await self._backend.extend_many(
-                    [lk._name for _, lk in live], [lk._token for _, lk in live], ms
-                )
-            except Unreplicated as short:
-                results, why = short.results, short.why
-            except BaseException:
-                # As in AsyncLock.extend: a shorter TTL may be in force now.
-                for _, lock in live:
-                    lock._deadline = min(lock._deadline, sent + ms / 1000.0)
-                raise
-            for j, ((i, lock), ok) in enumerate(zip(live, results, strict=True)):
-                lock._extended(ok, ms, sent, why.get(j, TAKEN))
-                if lock._auto is not None:
-                    lock._auto.touch()
-                out[i] = ok
-        return out
+        """As hotlock.Cache.extend_many(), awaited: False where a lock was lost, and for
+        ``None``, released or inherited locks (nothing sent for them)."""
+        extending = Extending(self._live(locks), ttl)
+        if not extending.live:
+            return extending.out
+        sent = asyncio.get_running_loop().time()
+        try:
+            results = await self._backend.extend_many(extending.names, extending.tokens, extending.ms)
+        except Unreplicated as short:
+            return extending.done(short.results, sent, short.why)
+        except BaseException:
+            # As in AsyncLock.extend: a shorter TTL may be in force now.
+            for _, lock in extending.live:
+                lock._deadline = min(lock._deadline, sent + extending.ms / 1000.0)
+            raise
+        return extending.done(results, sent)
 
     async def unlock_many(self, locks: Iterable[AsyncLock | None]) -> list[bool]:
-        """Release each lock in one round trip; True where this call released it."""
-        items, live = self._live(locks)
-        out = [False] * len(items)
-        if live:
-            for _, lock in live:
-                if lock._auto is not None:
-                    lock._auto.forget()  # before the release, as in AsyncLock.unlock
-            names, tokens = [lk._name for _, lk in live], [lk._token for _, lk in live]
-            try:
-                results = await self._backend.release_many(names, tokens)
-            except asyncio.CancelledError:
-                for _, lock in live:
-                    lock._token = b""
-                self._release_in_background(names, tokens)
-                raise
-            for (i, lock), ok in zip(live, results, strict=True):
-                lock._token = b""
-                out[i] = ok
-        return out
+        """Release each lock in one round trip; True where this call released it. Cancelling
+        it still releases them: the release is finished in the background."""
+        releasing = Releasing(self._live(locks))
+        if not releasing.live:
+            return releasing.out
+        try:
+            results = await self._backend.release_many(releasing.names, releasing.tokens)
+        except asyncio.CancelledError:
+            releasing.gone()
+            self._release_in_background(releasing.names, releasing.tokens)
+            raise
+        return releasing.done(results)
 
     # -- idempotency keys and counters -------------------------------------------------
 
     async def set_nx(self, key: str | bytes, value: str | bytes | int, ttl: Seconds) -> bool:
         """Set ``key`` to ``value`` for ``ttl`` unless it exists; True if this call set it."""
-        name = stored(self._once_prefix, key_bytes(key))
-        return await self._backend.set_nx(name, value_bytes(value), ttl_ms(ttl))
+        return await self._backend.set_nx(*self._once(key, value, ttl))
 
     async def incr(self, key: str | bytes, amount: int = 1) -> int:
         """Add ``amount`` to a counter atomically and return the new value."""
-        name = stored(self._count_prefix, key_bytes(key))
-        return await self._backend.incr(name, amount_int(amount))
+        return await self._backend.incr(*self._counter(key, amount))
 
     # -- interrupted acquisitions ------------------------------------------------------
 
@@ -412,33 +302,15 @@ class Acquiring:
     Each await is one acquisition with its own token.
     """
 
-    __slots__ = ("_auto", "_cache", "_held", "_hold_ms", "_key", "_limit", "_name", "_ttl_ms", "_wait_ms")
+    __slots__ = ("_cache", "_held", "_request")
 
-    def __init__(
-        self,
-        cache: AsyncCache,
-        key: str | bytes,
-        name: bytes,
-        ttl: int,
-        wait: int | None,
-        auto: bool = False,
-        hold: int | None = None,
-        limit: int = 1,
-    ) -> None:
+    def __init__(self, cache: AsyncCache, request: Request) -> None:
         self._cache = cache
-        self._key = key
-        self._name = name
-        self._ttl_ms = ttl
-        self._wait_ms = wait
-        self._auto = auto
-        self._hold_ms = hold
-        self._limit = limit
+        self._request = request
         self._held: AsyncLock | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncLock]:
-        return self._cache._acquire(
-            self._key, self._name, self._ttl_ms, self._wait_ms, self._auto, self._hold_ms, self._limit
-        ).__await__()
+        return self._cache._acquire(self._request).__await__()
 
     async def __aenter__(self) -> AsyncLock:
         self._held = await self

@@ -76,16 +76,10 @@ class AsyncLock(Lease):
             # Cancelled or failed after the extend may have run: a shorter TTL may now be
             # in force, so trust whichever deadline comes first.
             self._deadline = min(self._deadline, sent + ms / 1000.0)
-            if self._meter is not None and isinstance(error, CacheError):  # metrics hook
-                self._meter.failed(self, "extend", error)
+            if isinstance(error, CacheError):
+                self._failed("extend", error)
             raise
-        if self._meter is not None:  # metrics hook
-            self._meter.extended(self, ok)
-        self._extended(ok, ms, sent)
-        if self._auto is not None:
-            self._auto.touch()  # a new deadline to renew by, or a loss to tell
-        if not ok:
-            raise self._lost(TAKEN)
+        self._extend_replied(ok, ms, sent)
 
     async def unlock(self) -> bool:
         """Release the lock; True if this call released it, False if it was no longer ours.
@@ -109,13 +103,9 @@ class AsyncLock(Lease):
             self._release_later([self._name], [token])
             raise
         except CacheError as error:
-            if self._meter is not None:  # metrics hook
-                self._meter.failed(self, "release", error)
+            self._failed("release", error)
             raise
-        self._token = b""
-        if self._meter is not None:  # metrics hook
-            self._meter.released(self, released)
-        return released
+        return self._released(released)
 
     async def __aenter__(self) -> AsyncLock:
         if self._auto is not None:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .._core import Request
 from .._metered import Batch, Meter, as_list
 from ..errors import CacheError, LockNotAcquired
 from ._cache import AsyncCache
@@ -28,31 +29,22 @@ class MeteredAsyncCache(AsyncCache):
         super().__init__(backend, prefix, reply_timeout)
         self._meter = Meter(listener)
 
-    async def _acquire(
-        self,
-        key: str | bytes,
-        name: bytes,
-        ms: int,
-        wait_for: int | None,
-        auto: bool = False,
-        hold: int | None = None,
-        limit: int = 1,
-        tries: list[int] | None = None,
-    ) -> AsyncLock:
-        # lock() and lock_wait() both end here; wait_for is None for a try-once acquire.
+    async def _acquire(self, request: Request, tries: list[int] | None = None) -> AsyncLock:
+        # lock() and lock_wait() both end here; wait_ms is None for a try-once acquire.
         # The signature is the parent's own, so mypy flags this override if that one changes.
         meter = self._meter
         loop = asyncio.get_running_loop()
         # A lock_wait's attempts are counted in the parent's loop (no list for a lock()).
-        counted: list[int] | None = None if wait_for is None else []
+        key, waits = request.key, request.wait_ms is not None
+        counted: list[int] | None = [] if waits else None
         started = loop.time()
         try:
-            lock = await super()._acquire(key, name, ms, wait_for, auto, hold, limit, counted)
+            lock = await super()._acquire(request, counted)
         except LockNotAcquired:
             if counted:
                 meter.timed_out(key, loop.time() - started, counted[0])
             else:
-                meter.not_acquired(key, "held" if wait_for is None else "timeout", loop.time() - started)
+                meter.not_acquired(key, "timeout" if waits else "held", loop.time() - started)
             raise
         except CacheError as error:
             meter.error(key, "acquire", error)

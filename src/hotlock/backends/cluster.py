@@ -84,7 +84,7 @@ from .._dialect import (
 )
 from .._ident import TOKEN_BYTES
 from .._scripts import ACQUIRE, ACQUIRE_POLL, CONFIRMED, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
-from .._transient import TRANSIENT, Retrying
+from .._transient import TRANSIENT, Retrying, resend_until
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
 
@@ -859,9 +859,8 @@ class ClusterCore:
         return route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S
 
     def retry_until(self, wait_ms: int = 0) -> float:
-        """As in every backend: a call that may wait ``wait_ms`` returns within
-        max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
-        return time.monotonic() + max(wait_ms / 1000.0, self.timeout) + self.timeout
+        """As in every backend (hotlock._transient.resend_until), from now."""
+        return resend_until(time.monotonic(), wait_ms / 1000.0, self.timeout)
 
     def route(
         self,

@@ -64,7 +64,7 @@ from .._scripts import (
     resent,
 )
 from .._sentinel import PrimaryWatch
-from .._transient import Retrying, code, tried
+from .._transient import Retrying, code, resend_until, tried
 from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
 from .wakeup import slot, wait
 
@@ -782,9 +782,8 @@ class RedisPyBackend(Detected):
                 _RETRY_UNTIL.reset(reset)
 
     def _retry_until(self, wait_ms: int = 0) -> float:
-        """Until when a lost reply may still be retried: a call that may wait ``wait_ms``
-        returns within max(wait, one reply timeout) plus one reply timeout, lost reply or not."""
-        return time.monotonic() + max(wait_ms / 1000.0, self._timeout) + self._timeout
+        """Until when a call begun now may be resent (hotlock._transient.resend_until)."""
+        return resend_until(time.monotonic(), wait_ms / 1000.0, self._timeout)
 
     def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
         # WAIT confirms the writes made earlier *on its own connection*, so it rides in the

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from .._config import ServerConfig
 from .._ident import TOKEN_BYTES
+from .._transient import resend_until
 from ..errors import CacheError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
 
 __all__ = ["InFlight", "info_fields", "retry_until", "unconfirmed", "unconfirmed_renewals", "wait_ms", "within"]
@@ -32,9 +33,10 @@ def unconfirmed_renewals(what: str, results: list[bool], replicas: int, config: 
 
 
 def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
-    """Until when (loop time) a lost acquire reply may still be retried; see AsyncBackend.acquire."""
+    """Until when (loop time) an acquire begun at ``since`` (None: now) may be resent
+    (hotlock._transient.resend_until); see AsyncBackend.acquire."""
     start = asyncio.get_running_loop().time() if since is None else since
-    return start + max(wait_ms / 1000.0, timeout) + timeout
+    return resend_until(start, wait_ms / 1000.0, timeout)
 
 
 def info_fields(raw: bytes) -> dict[str, str]:

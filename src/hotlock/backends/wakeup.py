@@ -54,7 +54,7 @@ from .._credentials import auth_command
 from .._hubs import Hub, Made, PerNode, current_pid
 from .._scripts import Script
 from .._subscriber import ConnectTrouble, Entry, Refused
-from .._waiting import FIRST, Step, Waiting, poll
+from .._waiting import FIRST, Joining, Step, Waiting, poll
 
 __all__ = [
     "ClusterWakeups",
@@ -380,12 +380,12 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
     if result > 0:
         return result, sent, 1  # uncontended: no machine made, nothing more to do
     machine = Waiting(key, wait_ms, sent, time.monotonic, random.random)
-    hub: Wakeups | None = None
-    waiter: Waiter | None = None
+    joining: Joining[Waiter] = Joining(slot)
     acquired = False
     step = machine.failed(result)
     try:
         while True:
+            step = joining.through(machine, step)
             if step is Step.ATTEMPT:
                 sent = time.monotonic()
                 result = acquire(machine.script)
@@ -397,22 +397,10 @@ def wait(slot: Slot | None, key: bytes, acquire: Callable[[Script], int], wait_m
                 time.sleep(machine.sleep_s)
                 step = machine.slept()
             elif step is Step.WAKEABLE:
-                assert waiter is not None
-                waiter.sleep(machine.sleep_s)
+                assert joining.waiter is not None
+                joining.waiter.sleep(machine.sleep_s)
                 step = machine.slept()
-            elif step is Step.START:
-                hub = slot.get()
-                step = machine.started(hub is not None)
-            elif step is Step.LOOK:
-                assert hub is not None
-                step = machine.looked(hub.subscribed(machine.channel))
-            elif step is Step.JOIN:
-                assert hub is not None
-                waiter = hub.join(machine.channel)
-                step = machine.joined(None if waiter is None else waiter.entry)
             else:
                 return result, sent, machine.failures
     finally:
-        if waiter is not None:
-            assert hub is not None
-            hub.leave(waiter, acquired)
+        joining.leave(acquired)
