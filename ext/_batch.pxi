@@ -1,6 +1,7 @@
 # Cache.lock_many's and Cache.unlock_many's common case in one extension call each, as
 # ext/_lease.pxi does for lock() and unlock(): per key, what the Python methods would
-# check is checked here, the names, tokens and leases are made here, and the batch is sent
+# check is checked here, the names and tokens are made here (the leases by _Taker._lease,
+# so by Lease._fill), and the batch is sent
 # through the same backend calls (NativeBackend._scripts / _release_many, or on a native
 # cluster ClusterRouter.many) with the same what/err_key/retry rule.
 #
@@ -13,12 +14,12 @@
 # stays Python's. tests/test_native_batch.py holds the two paths to each other.
 
 from cpython.list cimport PyList_GetSlice, PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_DECREF, Py_INCREF
 
 cdef object _batch_cls = None  # the class the methods were made for (hotlock._fastpath.NativeCache)
 cdef object _py_lock_many = None  # its Python lock_many and unlock_many: every other case
 cdef object _py_unlock_many = None
-cdef Py_ssize_t _at_cache_backend  # the offset of CacheBase._backend
-cdef Py_ssize_t _at_batch_take  # the offset of Cache._take
+cdef object _a_batch_take, _a_cache_backend  # Cache._take, Cache._backend (see _attribute)
 cdef object _urandom = os.urandom  # as hotlock._ident.new_tokens draws a batch's tokens
 cdef PyMethodDef _lock_many_def, _unlock_many_def
 
@@ -173,7 +174,6 @@ cdef object _take_many(_Taker taker, object keys, object ttl):
 
 cdef object _lock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Cache.lock_many(keys, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None)
-    cdef PyObject *taker
     cdef Py_ssize_t i
     cdef object keys, ttl = DEFAULT_TTL
     cdef bint got_ttl = nargs == 2
@@ -192,9 +192,9 @@ cdef object _lock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObjec
             elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
                 return _as_given(_py_lock_many, self, args, nargs, kwnames)
     if (type(keys) is list or type(keys) is tuple) and isinstance(self, _batch_cls):
-        taker = _slot(self, _at_batch_take)
-        if taker is not NULL and type(<object>taker) is _Taker:
-            locks = _take_many(<_Taker><object>taker, keys, ttl)
+        taker = _get(_a_batch_take, self)
+        if type(taker) is _Taker:
+            locks = _take_many(<_Taker>taker, keys, ttl)
             if locks is not None:
                 return locks
     return _as_given(_py_lock_many, self, args, nargs, kwnames)
@@ -202,10 +202,6 @@ cdef object _lock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObjec
 
 cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Cache.unlock_many(locks)
-    cdef PyObject *owner
-    cdef PyObject *pid
-    cdef PyObject *name
-    cdef PyObject *token
     cdef Py_ssize_t n, i, m = 0
     cdef Py_ssize_t *live = NULL
     cdef long long *released = NULL  # on a cluster, each live lease's result
@@ -216,11 +212,11 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
         return _as_given(_py_unlock_many, self, args, nargs, kwnames)
     locks = <object>args[0]
     is_list = type(locks) is list
-    owner = _slot(self, _at_cache_backend)
-    if (not is_list and type(locks) is not tuple) or owner is NULL:
+    if not is_list and type(locks) is not tuple:
         return _as_given(_py_unlock_many, self, args, nargs, kwnames)
-    if type(<object>owner) is not NativeBackend:
-        router = _router_of(<object>owner)
+    owner = _get(_a_cache_backend, self)
+    if type(owner) is not NativeBackend:
+        router = _router_of(owner)
         if router is None:
             return _as_given(_py_unlock_many, self, args, nargs, kwnames)
     if is_list:
@@ -240,21 +236,20 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
                 continue
             # A lease of this cache's backend, of this process, not auto-extended (the
             # Python method's forget() is then nothing): else it is the Python method's.
-            if type(lock) is not _lease_cls or _slot(lock, _at_backend) != owner:
+            if type(lock) is not _lease_cls or _get(_a_backend, lock) is not owner:
                 return _as_given(_py_unlock_many, self, args, nargs, kwnames)
-            pid = _slot(lock, _at_pid)
-            name = _slot(lock, _at_name)
-            token = _slot(lock, _at_token)
-            if (pid is NULL or type(<object>pid) is not int
-                    or PyLong_AsLongAndOverflow(<object>pid, &overflow) != _my_pid or overflow != 0
-                    or _slot(lock, _at_auto) != <PyObject *>None
-                    or name is NULL or type(<object>name) is not bytes
-                    or token is NULL or type(<object>token) is not bytes):
+            pid = _get(_a_pid, lock)
+            name = _get(_a_name, lock)
+            token = _get(_a_token, lock)
+            if (type(pid) is not int
+                    or PyLong_AsLongAndOverflow(pid, &overflow) != _my_pid or overflow != 0
+                    or _get(_a_auto, lock) is not None
+                    or type(name) is not bytes or type(token) is not bytes):
                 return _as_given(_py_unlock_many, self, args, nargs, kwnames)
-            if PyBytes_GET_SIZE(<object>token) == 0:
+            if PyBytes_GET_SIZE(token) == 0:
                 continue  # released already: nothing is sent for it
-            names.append(<object>name)
-            tokens.append(<object>token)
+            names.append(name)
+            tokens.append(token)
             live[m] = i
             m += 1
         out = _new_list(n, False)
@@ -263,7 +258,7 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
         # A CacheError keeps every token, as unlock_many does.
         values = None
         if router is None:
-            values = (<NativeBackend><object>owner)._release_many(names, tokens)
+            values = (<NativeBackend>owner)._release_many(names, tokens)
             if len(values) != m:
                 raise ValueError("release_many: one result per key")
         else:
@@ -274,7 +269,7 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
             router._many("release_many", _SHA_RELEASE_SHARDED, names, tokens, -1, router._until(), released)
         for i in range(m):
             lock = (<list>locks)[live[i]] if is_list else (<tuple>locks)[live[i]]
-            _store(lock, _at_token, b"")
+            _set(_a_token, lock, b"")
             ok = True if (values[i] if released is NULL else released[i]) else False
             Py_INCREF(ok)
             Py_DECREF((<list>out)[live[i]])
@@ -288,18 +283,12 @@ cdef object _unlock_many_c(object self, PyObject **args, Py_ssize_t nargs, PyObj
 def cache_batch(cls not None, lock_many not None, unlock_many not None):
     """(lock_many, unlock_many) of cls (hotlock._fastpath.NativeCache) with the common case in
     one call; every other case goes to the given Python methods. Call after lease_methods
-    (the lease class and its offsets come from there)."""
-    global _batch_cls, _py_lock_many, _py_unlock_many, _at_cache_backend, _at_batch_take
+    (the lease class comes from there)."""
+    global _batch_cls, _py_lock_many, _py_unlock_many, _a_batch_take, _a_cache_backend
     if _lease_cls is None:
         raise RuntimeError("lease_methods first")
-    offsets = {}
-    for slot in ("_take", "_backend"):
-        descr = next((k.__dict__[slot] for k in cls.__mro__ if slot in k.__dict__), None)
-        if type(descr) is not MemberDescriptorType:
-            raise TypeError(f"{slot} is not a plain slot")
-        offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
-    _at_batch_take = offsets["_take"]
-    _at_cache_backend = offsets["_backend"]
+    _a_batch_take = _attribute(cls, "_take")
+    _a_cache_backend = _attribute(cls, "_backend")
     _batch_cls, _py_lock_many, _py_unlock_many = cls, lock_many, unlock_many
     return (_method(cls, &_lock_many_def, <void *>_lock_many_c, lock_many),
             _method(cls, &_unlock_many_def, <void *>_unlock_many_c, unlock_many))

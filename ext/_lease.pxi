@@ -1,6 +1,6 @@
 # The native cycle's Python-facing calls in one extension call each: Cache.lock's
 # common case (the key and TTL checks for the common types, the token, the acquire and the
-# Lock itself, with no Python frame between), and Lock.unlock's and Lock.extend's (below).
+# Lock, whose fields Lease._fill sets), and Lock.unlock's and Lock.extend's (below).
 #
 # Python still owns the API. Only what hotlock._validate accepts unchanged is handled
 # here: a str or bytes key of 1..MAX_KEY_BYTES UTF-8 bytes, an int TTL of whole seconds in
@@ -12,10 +12,9 @@
 from cpython.exc cimport PyErr_Clear
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_AsLongLongAndOverflow
-from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XDECREF, Py_XINCREF
+from cpython.object cimport Py_TYPE, PyTypeObject
+from cpython.ref cimport PyObject
 from libc.math cimport isfinite, rint
-
-from types import MemberDescriptorType
 
 from hotlock import _ident
 from hotlock._scripts import permit_ask
@@ -23,50 +22,14 @@ from hotlock._validate import DEFAULT_TTL, MAX_KEY_BYTES, MAX_LIMIT, MAX_TTL_MS,
 
 
 cdef extern from "Python.h":
-    # Only the fields read here.
-    ctypedef struct _Type "PyTypeObject":
-        Py_ssize_t tp_basicsize
-        Py_ssize_t tp_itemsize
-        Py_ssize_t tp_dictoffset
-        Py_ssize_t tp_weaklistoffset
-        PyObject *(*tp_alloc)(_Type *, Py_ssize_t)
-    ctypedef struct PyMemberDef:
-        Py_ssize_t offset
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
+    ctypedef struct _Type "PyTypeObject"
     const char *PyUnicode_AsUTF8AndSize(object, Py_ssize_t *) noexcept
 
 
 cdef Py_ssize_t _MAX_KEY = MAX_KEY_BYTES
 cdef long long _MAX_TTL_MS = MAX_TTL_MS
 cdef long long _MAX_LIMIT = MAX_LIMIT
-# The fields a new lease gets from its acquisition; Lease.__init__ sets the same ones.
-cdef tuple _OWN = ("_backend", "key", "_name", "_token", "fence", "_ttl_ms", "_pid", "_deadline", "_since")
-DEF _MAX_SLOTS = 64
-
-
-cdef dict _slot_offsets(cls_object):
-    """Every slot of a lease class and its offset in the object; TypeError unless the
-    class has plain __slots__ only (no __dict__, no __weakref__, no property over a slot)."""
-    cdef _Type *cls = <_Type *><PyObject *>cls_object
-    offsets = {}
-    for klass in cls_object.__mro__:
-        for slot in klass.__dict__.get("__slots__", ()):
-            descr = klass.__dict__[slot]
-            if type(descr) is not MemberDescriptorType:
-                raise TypeError(f"{slot} is not a plain slot")
-            offsets[slot] = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
-    # Only slots, no __dict__ or __weakref__: then every field is one of the offsets.
-    if (cls.tp_itemsize or cls.tp_dictoffset or cls.tp_weaklistoffset or len(offsets) > _MAX_SLOTS
-            or <Py_ssize_t>(len(offsets) * sizeof(PyObject *) + sizeof(PyObject)) != cls.tp_basicsize):
-        raise TypeError(f"{cls_object.__name__} must have __slots__ only")
-    return offsets
-
-
-cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
-    """Fill an empty (NULL) slot of a just-allocated object."""
-    Py_INCREF(value)
-    (<PyObject **>(obj + offset))[0] = <PyObject *>value
+cdef tuple _NO_ARGS = ()
 
 
 # This process's pid, as getpid() says: read at import and, in every forked child, at the
@@ -75,8 +38,6 @@ cdef inline void _put(char *obj, Py_ssize_t offset, object value) noexcept:
 # which the child's after-fork hook sets to the same value a moment later. A dict lookup
 # of _ident.pid cost ~170 instructions per call.
 cdef long _my_pid = getpid()
-cdef object _my_pid_object = _my_pid  # a PyLong of it, for the leases _Taker builds
-cdef long _my_pid_object_is = _my_pid
 
 
 cdef void _lease_after_fork() noexcept nogil:
@@ -87,56 +48,35 @@ cdef void _lease_after_fork() noexcept nogil:
 pthread_atfork(NULL, NULL, _lease_after_fork)
 
 
-cdef inline object _pid_now():
-    """_my_pid as a Python int (made again only in a forked child)."""
-    global _my_pid_object, _my_pid_object_is
-    if _my_pid_object_is != _my_pid:
-        _my_pid_object = _my_pid
-        _my_pid_object_is = _my_pid
-    return _my_pid_object
-
-
 cdef class _Taker:
     """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template), called by
     cache_lock (below).
 
-    A lease is built without a Python __init__: allocated, every slot copied from the
-    template (a Lock the cache made the ordinary way, so a slot someone adds to Lease with
-    a default in __init__ gets that default here too), then the acquisition's own fields
-    written in. tests/test_native.py compares such a lock with one Lease.__init__ made."""
+    The lease is Python's (hotlock._lock.Lease): made here as ``object.__new__(cls)`` (cls
+    the template's class, Cache._lease_class) and filled by Lease._fill, the one place a
+    new lease's fields are set, which Lease.__init__ calls too. Only the held value is
+    formatted here (_held), as the acquire needs it anyway. tests/test_native_lease.py
+    compares such a lock with one Lease.__init__ made."""
 
     cdef NativeBackend _backend  # one server: its backend; on a cluster None
     cdef ClusterRouter _router  # on a cluster (ClusterRouter.taker): its fast path; else None
     cdef object _owner  # the backend every lease holds (on a cluster, the ClusterBackend)
     cdef bytes _prefix  # the cache's lock prefix: prefix + b"lock:"
-    cdef object _template
-    cdef _Type *_cls
-    cdef Py_ssize_t _n_rest
-    cdef Py_ssize_t _rest[_MAX_SLOTS]  # the template's slots copied as they are (_meter, ...)
-    cdef Py_ssize_t _own[9]  # the offsets of _OWN's slots, in that order
+    cdef type _cls  # the class of the leases made (hotlock._fastpath.NativeLock)
+    cdef object _fill  # its _fill (Lease._fill), a plain function: called by vectorcall
     cdef object _pop  # hotlock._ident's token pool, popleft
     cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
     cdef long long _ms_value
-    cdef bint _fenced  # the backend's connect(fences=...): False makes every lease's fence 0
 
     def __cinit__(self, backend not None, bytes prefix not None, template not None, ClusterRouter router=None):
-        cls_object = type(template)  # kept alive by the template
-        cdef _Type *cls = <_Type *><PyObject *>cls_object
-        offsets = _slot_offsets(cls_object)
         if router is None:
             self._backend = <NativeBackend?>backend
         self._router = router
         self._owner = backend
-        self._fenced = backend.fenced  # set with the dialect, before any cache has a taker
         self._prefix = prefix
-        self._template = template
-        self._cls = cls
-        for i, slot in enumerate(_OWN):
-            self._own[i] = offsets.pop(slot)
-        self._n_rest = 0
-        for offset in offsets.values():
-            self._rest[self._n_rest] = offset
-            self._n_rest += 1
+        # A lease of the class to make (Cache._lease_template): only its class is used.
+        self._cls = type(template)
+        self._fill = self._cls._fill
         self._pop = _ident._pool.popleft
 
     cdef object _take(self, key, ttl, long long limit):
@@ -198,34 +138,14 @@ cdef class _Taker:
         return self._lease(key, name, _held(token, fence), fence, ms, sent)
 
     cdef object _lease(self, key, bytes name, bytes held, long long fence, long long ms, double sent):
-        cdef PyObject *made = self._cls.tp_alloc(self._cls, 0)  # zeroed, GC-tracked
-        cdef PyObject *v
-        cdef char *obj
-        cdef char *template = <char *><PyObject *>self._template
-        cdef Py_ssize_t i
-        if made is NULL:
-            raise MemoryError()
-        lease = <object>made
-        Py_DECREF(lease)  # tp_alloc's reference: `lease` holds one now
-        obj = <char *>made
-        for i in range(self._n_rest):
-            v = (<PyObject **>(template + self._rest[i]))[0]
-            Py_XINCREF(v)
-            (<PyObject **>(obj + self._rest[i]))[0] = v
-        # As Lease.__init__: the held value is the token (a permit's: token '#' fence); the TTL runs from
-        # when the acquire was sent.
-        _put(obj, self._own[0], self._owner)
-        _put(obj, self._own[1], key)
-        _put(obj, self._own[2], name)
-        _put(obj, self._own[3], held)
-        _put(obj, self._own[4], fence if self._fenced else 0)
+        """A new lease of the cache's class: its fields as Lease._fill sets them."""
+        # object.__new__(cls), without looking the method up: the lease class has no
+        # __new__ of its own, so this is object's, which only allocates.
+        lease = (<PyTypeObject *>self._cls).tp_new(self._cls, <PyObject *>_NO_ARGS, NULL)
         if self._ms is None or self._ms_value != ms:
             self._ms = ms
             self._ms_value = ms
-        _put(obj, self._own[5], self._ms)
-        _put(obj, self._own[6], _pid_now())
-        _put(obj, self._own[7], sent + <double>ms / 1000.0)
-        _put(obj, self._own[8], sent)
+        self._fill(lease, self._owner, key, name, held, fence, self._ms, sent)
         return lease
 
 
@@ -263,32 +183,46 @@ cdef extern from "Python.h":
 
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-cdef object _lease_cls = None  # the class the methods were made for (hotlock._lock.Lock)
+cdef object _lease_cls = None  # the class the methods were made for (hotlock._fastpath.NativeLock)
 cdef object _py_unlock = None  # its Python unlock and extend: every other case
 cdef object _py_extend = None
 cdef object _taken = None  # hotlock._lock.TAKEN: why an extend that found another token says the lock is lost
-# Slot offsets in a _lease_cls object (see _slot_offsets).
-cdef Py_ssize_t _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
 
-cdef object _cache_cls = None  # hotlock._cache.Cache
+cdef object _cache_cls = None  # hotlock._fastpath.NativeCache
 cdef object _py_lock = None  # its Python lock: every other case
-cdef Py_ssize_t _at_take  # the offset of Cache._take: the cache's _Taker, or None
+
+# The leases and caches are plain Python objects (hotlock._lock.Lease, hotlock._cache.Cache):
+# the one-call paths read and write their attributes through the descriptor each class has
+# for each name (a slot's member descriptor, or whatever the class puts there), as
+# `obj.<name>` does, less looking the name up in the class on every call. They are found
+# once, by name, in lease_methods and cache_lock; nothing here knows an object's layout.
+cdef object _a_backend, _a_name, _a_token, _a_pid, _a_auto, _a_meter, _a_loss, _a_ttl, _a_deadline
+cdef object _a_take  # Cache._take: the cache's _Taker, or None
+
+
+cdef inline object _get(object descr, object obj):
+    """obj.<descr's name>."""
+    return Py_TYPE(descr).tp_descr_get(descr, obj, type(obj))
+
+
+cdef inline int _set(object descr, object obj, object value) except -1:
+    """obj.<descr's name> = value."""
+    return Py_TYPE(descr).tp_descr_set(descr, obj, value)
+
+
+cdef object _attribute(object cls, str name):
+    """What cls's attribute lookup finds for name: a data descriptor (a slot's), which
+    _get and _set call."""
+    for klass in cls.__mro__:
+        descr = klass.__dict__.get(name)
+        if descr is not None:
+            if <void *>Py_TYPE(descr).tp_descr_get is NULL or <void *>Py_TYPE(descr).tp_descr_set is NULL:
+                raise TypeError(f"{cls.__name__}.{name} is not a slot")
+            return descr
+    raise TypeError(f"{cls.__name__} has no {name}")
 
 cdef PyMethodDef _lock_def, _unlock_def, _extend_def
 cdef list _docs = []  # keeps the ml_doc strings alive
-
-
-cdef inline PyObject *_slot(object obj, Py_ssize_t offset) noexcept:
-    return (<PyObject **>((<char *><PyObject *>obj) + offset))[0]
-
-
-cdef inline void _store(object obj, Py_ssize_t offset, object value) noexcept:
-    """obj.<slot> = value, as a slot assignment does (the old value's reference dropped)."""
-    cdef PyObject **field = <PyObject **>((<char *><PyObject *>obj) + offset)
-    cdef PyObject *old = field[0]
-    Py_INCREF(value)
-    field[0] = <PyObject *>value
-    Py_XDECREF(old)
 
 
 cdef object _as_given(object method, object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
@@ -308,7 +242,6 @@ cdef object _as_given(object method, object self, PyObject **args, Py_ssize_t na
 
 cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Cache.lock(key, ttl=DEFAULT_TTL, *, auto_extend=False, max_hold=None, limit=1)
-    cdef PyObject *taker
     cdef Py_ssize_t i
     cdef object key, ttl = DEFAULT_TTL
     cdef long long limit = 1
@@ -332,64 +265,55 @@ cdef object _lock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kw
             elif not ((name == "auto_extend" and value is False) or (name == "max_hold" and value is None)):
                 return _as_given(_py_lock, self, args, nargs, kwnames)
     if isinstance(self, _cache_cls):
-        taker = _slot(self, _at_take)
-        if taker is not NULL and type(<object>taker) is _Taker:
-            lock = (<_Taker><object>taker)._take(key, ttl, limit)
+        taker = _get(_a_take, self)
+        if type(taker) is _Taker:
+            lock = (<_Taker>taker)._take(key, ttl, limit)
             if type(lock) is int:
                 raise self._not_acquired(key, lock, None, limit)
             return lock
     return _as_given(_py_lock, self, args, nargs, kwnames)
 
 
-cdef inline bint _plain_held(object lease) noexcept:
-    """The common case unlock and extend share: a lease of _lease_cls itself on a
-    NativeBackend, with a held value, taken by this process, not auto-extended. A metered
-    lease is one too: its hooks (hotlock._metered.Meter) are called here as the Python
-    methods call them, so connect(metrics=...) keeps the one-call path."""
-    cdef PyObject *backend
-    cdef PyObject *name
-    cdef PyObject *token
-    cdef PyObject *pid
+cdef inline bint _plain_held(object lease, object owner, object name, object token) except -1:
+    """The common case unlock and extend share: a lease of _lease_cls itself (the caller
+    checks) on a NativeBackend or a native cluster, whose owner, name and token (read once
+    by the caller) are as Lease made them, with a held value, taken by this process, not
+    auto-extended. A metered lease is one too: its hooks (hotlock._metered.Meter) are
+    called here as the Python methods call them, so connect(metrics=...) keeps the
+    one-call path."""
     cdef int overflow = 0
-    if type(lease) is not _lease_cls:
+    if not ((type(owner) is NativeBackend or _router_of(owner) is not None)
+            and type(name) is bytes and type(token) is bytes and PyBytes_GET_SIZE(token) > 0):
         return False
-    backend = _slot(lease, _at_backend)
-    name = _slot(lease, _at_name)
-    token = _slot(lease, _at_token)
-    pid = _slot(lease, _at_pid)
-    return (backend is not NULL
-            and (type(<object>backend) is NativeBackend or _router_of(<object>backend) is not None)
-            and name is not NULL and type(<object>name) is bytes
-            and token is not NULL and type(<object>token) is bytes and PyBytes_GET_SIZE(<object>token) > 0
-            and pid is not NULL and type(<object>pid) is int
-            and PyLong_AsLongAndOverflow(<object>pid, &overflow) == _my_pid and overflow == 0
-            and _slot(lease, _at_auto) == <PyObject *>None
-            and _slot(lease, _at_meter) is not NULL)
+    pid = _get(_a_pid, lease)
+    return (type(pid) is int and PyLong_AsLongAndOverflow(pid, &overflow) == _my_pid and overflow == 0
+            and _get(_a_auto, lease) is None)
 
 
 cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Lock.unlock()
-    cdef bytes name, token
     cdef bint released
-    if nargs != 0 or kwnames is not NULL or not _plain_held(self):
+    if nargs != 0 or kwnames is not NULL or type(self) is not _lease_cls:
         return _as_given(_py_unlock, self, args, nargs, kwnames)
-    # Owned references: the round trip releases the GIL, and another thread may unlock
-    # this lock (emptying its token) meanwhile.
-    owner = <object>_slot(self, _at_backend)
-    name = <bytes><object>_slot(self, _at_name)
-    token = <bytes><object>_slot(self, _at_token)
-    meter = <object>_slot(self, _at_meter)
+    # Read once, and held here: the round trip releases the GIL, and another thread may
+    # unlock this lock (emptying its token) meanwhile.
+    owner = _get(_a_backend, self)
+    name = _get(_a_name, self)
+    token = _get(_a_token, self)
+    if not _plain_held(self, owner, name, token):
+        return _as_given(_py_unlock, self, args, nargs, kwnames)
+    meter = _get(_a_meter, self)
     try:
         # A CacheError keeps the token, as unlock() does.
         if type(owner) is NativeBackend:
-            released = (<NativeBackend>owner)._release(name, token)
+            released = (<NativeBackend>owner)._release(<bytes>name, <bytes>token)
         else:
-            released = _router_of(owner)._release(name, token)
+            released = _router_of(owner)._release(<bytes>name, <bytes>token)
     except CacheError as error:
         if meter is not None:  # metrics hook
             meter.failed(self, "release", error)
         raise
-    _store(self, _at_token, b"")
+    _set(_a_token, self, b"")
     if meter is not None:  # metrics hook: Meter.released, its common case written out
         if released:
             try:
@@ -403,8 +327,6 @@ cdef object _unlock_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
 
 cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *kwnames):
     # Lock.extend(ttl=None)
-    cdef bytes name, token
-    cdef PyObject *held_ms
     cdef long long ms
     cdef int overflow = 0
     cdef double d, sent
@@ -418,16 +340,20 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         ttl = <object>args[0]  # extend(ttl=...)
     else:
         return _as_given(_py_extend, self, args, nargs, kwnames)
-    if not _plain_held(self) or _slot(self, _at_loss) != <PyObject *>None:
+    if type(self) is not _lease_cls:
+        return _as_given(_py_extend, self, args, nargs, kwnames)
+    owner = _get(_a_backend, self)
+    name = _get(_a_name, self)
+    token = _get(_a_token, self)
+    if not _plain_held(self, owner, name, token) or _get(_a_loss, self) is not None:
         return _as_given(_py_extend, self, args, nargs, kwnames)
     # The TTL as Lease._extend_ms takes it: the one it holds, or ttl_ms's common cases.
-    kept = None
-    if ttl is None:
-        held_ms = _slot(self, _at_ttl)
-        if held_ms is NULL or type(<object>held_ms) is not int:
+    kept = ttl is None
+    if kept:
+        held_ms = _get(_a_ttl, self)
+        if type(held_ms) is not int:
             return _as_given(_py_extend, self, args, nargs, kwnames)
-        kept = <object>held_ms
-        ms = PyLong_AsLongLongAndOverflow(kept, &overflow)
+        ms = PyLong_AsLongLongAndOverflow(held_ms, &overflow)
         if overflow != 0 or not 0 < ms <= _MAX_TTL_MS:
             return _as_given(_py_extend, self, args, nargs, kwnames)
     elif type(ttl) is int:
@@ -444,16 +370,13 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
         return _as_given(_py_extend, self, args, nargs, kwnames)
     # Not auto-extended and not known lost: _extend_ms would raise nothing here (a plain
     # lease past its deadline may still be extended).
-    owner = <object>_slot(self, _at_backend)
-    name = <bytes><object>_slot(self, _at_name)
-    token = <bytes><object>_slot(self, _at_token)
-    meter = <object>_slot(self, _at_meter)
+    meter = _get(_a_meter, self)
     sent = _monotonic()
     try:
         if type(owner) is NativeBackend:
-            ok = (<NativeBackend>owner)._extend(name, token, ms)
+            ok = (<NativeBackend>owner)._extend(<bytes>name, <bytes>token, ms)
         else:
-            ok = _router_of(owner)._extend(name, token, ms)
+            ok = _router_of(owner)._extend(<bytes>name, <bytes>token, ms)
     except Unreplicated as short:  # wait_replicas: the extend ran, too few replicas confirmed it
         raise self._unreplicated(short, sent) from None
     except CacheError as error:
@@ -463,14 +386,11 @@ cdef object _extend_c(object self, PyObject **args, Py_ssize_t nargs, PyObject *
     if meter is not None:  # metrics hook
         meter.extended(self, ok)
     if ok:
-        # Lease._extended(True, ms, sent)
-        if kept is None:
-            # A new int only when the TTL changed (the same TTL is the common extend).
-            held_ms = _slot(self, _at_ttl)
-            if (held_ms is NULL or type(<object>held_ms) is not int
-                    or PyLong_AsLongLongAndOverflow(<object>held_ms, &overflow) != ms or overflow != 0):
-                _store(self, _at_ttl, ms)
-        _store(self, _at_deadline, sent + <double>ms / 1000.0)
+        # Lease._extended(True, ms, sent) written out: a Python frame costs more than the
+        # rest of this call's Python-facing work.
+        if not kept:  # the same TTL (the common extend) is the same int
+            _set(_a_ttl, self, ms)
+        _set(_a_deadline, self, sent + <double>ms / 1000.0)
         return None
     self._extended(False, ms, sent)
     raise self._lost(_taken)
@@ -499,11 +419,8 @@ cdef object _method(object cls, PyMethodDef *method, void *function, object pyth
 def cache_lock(cls not None, lock not None):
     """The lock() of cls (hotlock._fastpath.NativeCache) with the common case in one call; every
     other case goes to the given Python method."""
-    global _cache_cls, _py_lock, _at_take
-    descr = next((k.__dict__["_take"] for k in cls.__mro__ if "_take" in k.__dict__), None)
-    if type(descr) is not MemberDescriptorType:
-        raise TypeError("_take is not a plain slot")
-    _at_take = (<PyMemberDescrObject *><PyObject *>descr).d_member.offset
+    global _cache_cls, _py_lock, _a_take
+    _a_take = _attribute(cls, "_take")
     _cache_cls, _py_lock = cls, lock
     return _method(cls, &_lock_def, <void *>_lock_c, lock)
 
@@ -512,17 +429,16 @@ def lease_methods(cls not None, unlock not None, extend not None, str taken not 
     """(unlock, extend) for cls (hotlock._fastpath.NativeLock) with the common case in C; every other
     case goes to the given Python methods."""
     global _lease_cls, _py_unlock, _py_extend, _taken
-    global _at_backend, _at_name, _at_token, _at_pid, _at_auto, _at_meter, _at_loss, _at_ttl, _at_deadline
-    offsets = _slot_offsets(cls)
-    _at_backend = offsets["_backend"]
-    _at_name = offsets["_name"]
-    _at_token = offsets["_token"]
-    _at_pid = offsets["_pid"]
-    _at_auto = offsets["_auto"]
-    _at_meter = offsets["_meter"]
-    _at_loss = offsets["_loss"]
-    _at_ttl = offsets["_ttl_ms"]
-    _at_deadline = offsets["_deadline"]
+    global _a_backend, _a_name, _a_token, _a_pid, _a_auto, _a_meter, _a_loss, _a_ttl, _a_deadline
+    _a_backend = _attribute(cls, "_backend")
+    _a_name = _attribute(cls, "_name")
+    _a_token = _attribute(cls, "_token")
+    _a_pid = _attribute(cls, "_pid")
+    _a_auto = _attribute(cls, "_auto")
+    _a_meter = _attribute(cls, "_meter")
+    _a_loss = _attribute(cls, "_loss")
+    _a_ttl = _attribute(cls, "_ttl_ms")
+    _a_deadline = _attribute(cls, "_deadline")
     _lease_cls, _py_unlock, _py_extend, _taken = cls, unlock, extend, taken
     return (_method(cls, &_unlock_def, <void *>_unlock_c, unlock),
             _method(cls, &_extend_def, <void *>_extend_c, extend))

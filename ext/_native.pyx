@@ -32,7 +32,7 @@ from hotlock import _backoff
 from hotlock._acquire import warn_refused
 from hotlock._config import command_name, naming_commands, naming_optional, tls_files_stamp
 from hotlock._credentials import auth_args, auth_command, reauth_command
-from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script
+from hotlock._dialect import COMMAND_PROBE, UNDETECTED, by_script, script_serves
 from hotlock._ident import TOKEN_BYTES
 from hotlock._keys import wake_channel
 from hotlock._scripts import ACQUIRE, ACQUIRE_CHAIN, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS, held_value

@@ -62,6 +62,11 @@ cdef enum:
     _PLAIN_DELIFEQ = 1  # SET key v IFEQ v PX ms; DELIFEQ key v (Valkey 9)
     _PLAIN_DELEX = 2  # SET key v IFEQ v PX ms; DELEX key IFEQ v (Redis 8.4+)
 
+# What NativeBackend._scripts returns.
+cdef enum:
+    _DONE = 0  # every call answered (values[i] set)
+    _BY_SCRIPT = 1  # a Lua-free command refused with a code the script serves: send the call by script
+
 
 cdef class _Conn:
     """One thread's connection. Its context is touched only by its thread, with the GIL
@@ -649,7 +654,8 @@ cdef str _tried(str what, _Retry *rule):
 
 class _TransientReply(Exception):
     """A handshake command (SCRIPT LOAD on a loading server, say) got a transient reply:
-    nothing of the call ran, and the connection is gone (see NativeBackend._reconnect)."""
+    nothing of the call ran, and the connection is gone (see NativeBackend._reconnect).
+    Its args: the reply's code (hotlock._transient.code), then the message to raise."""
 
 
 cdef class NativeBackend:
@@ -829,14 +835,14 @@ cdef class NativeBackend:
         rule.transient = 0
         return rule
 
-    cdef bint _transient_pause(self, _Conn conn, _Retry *rule, str text) except -1:
+    cdef bint _transient_pause(self, _Conn conn, _Retry *rule, str code) except -1:
         """After a transient reply (the command did not run; hotlock._transient): drop the
         connection it came on (READONLY: every connection of this backend, the other
         threads' included, which their calls drop as they end), sleep the backoff that
         hotlock._transient gives, the GIL released, and cap the next round trips at what
         is left. False when the call's own timeout leaves no time for another try."""
         cdef double pause_ms
-        if text.startswith("the server replied READONLY"):
+        if code == "READONLY":
             for other in list(self._conns):
                 if other is not conn:
                     _close(<_Conn>other)
@@ -1065,8 +1071,9 @@ cdef class NativeBackend:
                     # Unusable (wrong password, no such db, no SCRIPT permission): drop it
                     # so the next call starts from a fresh connect.
                     _drop(conn)
-                    if _transient_code(r.str[:r.len]) is not None:
-                        raise _TransientReply(text, f"{names[i]}: {text}")
+                    code = _transient_code(r.str[:r.len])
+                    if code is not None:
+                        raise _TransientReply(code, f"{names[i]}: {text}")
                     refusal = "authentication failed: " if names[i] == "AUTH" else ""
                     raise cache_error(f"{what} failed: {refusal}{names[i]}: {text}", self.server, key)
                 if i >= n - len(_SOURCES) and (
@@ -1121,7 +1128,10 @@ cdef class NativeBackend:
 
         On a server with compare-and-set (self._plain), extend and release go as plain
         commands (_append_plain) through this same loop: the same batching and lost-reply
-        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come.
+        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come. Returns
+        _DONE, or _BY_SCRIPT when a plain command was refused with an error code the
+        script serves (_script_serves): nothing raised, and the caller sends the call
+        again by script (values then say nothing).
 
         The ACQUIRE script of a plain token (not a permit's ask) goes as the transaction
         of hotlock._acquire where the dialect has it (self._txn; ``txn`` False keeps this
@@ -1267,10 +1277,14 @@ cdef class NativeBackend:
                     elif r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
                         # It did not run: resent (todo[i] stays) after _transient_pause.
                         if transient is None:
-                            transient = (f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}",
+                            transient = (_transient_code(r.str[:r.len]),
+                                         f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}",
                                          keys if single else keys[i])
                     elif error is None:
-                        error = (self._reply_error(conn, r), keys if single else keys[i])
+                        # A Lua-free command refused with a code the script serves goes
+                        # again by script (_script_serves): decided here, on the reply.
+                        error = (self._reply_error(conn, r), keys if single else keys[i],
+                                 plain != _PLAIN_NONE and _script_serves(r))
                     while k > 0:
                         freeReplyObject(replies[j])
                         j += 1
@@ -1283,11 +1297,13 @@ cdef class NativeBackend:
                         if took and (replicas < 0 or r.integer < replicas):
                             replicas = r.integer
                     elif error is None and not (refused and _auth_refused(r)):
-                        error = (self._reply_error(conn, r), err_key)
+                        error = (self._reply_error(conn, r), err_key, False)
                     freeReplyObject(r)
                 if no_multi is not None:
                     self._refuse_multi(no_multi)
                 if error is not None:
+                    if error[2]:
+                        return _BY_SCRIPT
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
                 if refused:
                     # NOAUTH/WRONGPASS: this connection is not authenticated (credentials
@@ -1298,7 +1314,7 @@ cdef class NativeBackend:
                     continue
                 if transient is not None:
                     if not self._transient_pause(conn, &rule, transient[0]):
-                        raise cache_error(f"{_tried(what, &rule)} failed: {transient[0]}", self.server, transient[1])
+                        raise cache_error(f"{_tried(what, &rule)} failed: {transient[1]}", self.server, transient[2])
                     continue  # on a new connection, whose handshake loads the scripts
                 if missing == 0:
                     if scripted == 0:
@@ -1323,7 +1339,7 @@ cdef class NativeBackend:
                 free(todo)
         if wait and replicas < self._wait_replicas:
             self._undo(keys, tokens, n, values, replicas, what, err_key, acquire)
-        return 0
+        return _DONE
 
     cdef int _undo(self, object keys, object tokens, Py_ssize_t n, long long *values, long long replicas,
                    str what, bytes err_key, bint acquire) except -1:
@@ -1353,6 +1369,7 @@ cdef class NativeBackend:
 
     cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
                     int plain=-1):
+        """Each key's value, or None where _scripts says _BY_SCRIPT."""
         cdef Py_ssize_t n, i
         cdef long long *values
         # Copies of the caller's lists: _scripts reads them again after each round trip,
@@ -1371,7 +1388,9 @@ cdef class NativeBackend:
         if values is NULL:
             raise MemoryError()
         try:
-            self._scripts(sha, keys, tokens, n, ms, self._rule(0.0, resend), what, None, values, plain)
+            if self._scripts(sha, keys, tokens, n, ms, self._rule(0.0, resend), what, None, values,
+                             plain) == _BY_SCRIPT:
+                return None
             return [values[i] for i in range(n)]
         finally:
             free(values)
@@ -1401,12 +1420,13 @@ cdef class NativeBackend:
                     r = NULL
                     _drop(conn)
                     continue
-                if r.type == REDIS_REPLY_ERROR and _transient_code(r.str[:r.len]) is not None:
+                code = _transient_code(r.str[:r.len]) if r.type == REDIS_REPLY_ERROR else None
+                if code is not None:
                     # It did not run, so even SET NX and INCRBY may go again (hotlock._transient).
                     text = f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}"
                     freeReplyObject(r)
                     r = NULL
-                    if not self._transient_pause(conn, &rule, text):
+                    if not self._transient_pause(conn, &rule, code):
                         raise cache_error(f"{_tried(what, &rule)} failed: {text}", self.server, key)
                     continue
                 break
@@ -1526,11 +1546,8 @@ cdef class NativeBackend:
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
         cdef int plain = _PLAIN_NONE if _permit(token) else self._extend_as
-        try:
-            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
-        except CacheError as exc:
-            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
-                raise
+        if self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
+                         plain) == _BY_SCRIPT:
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
                           _PLAIN_NONE)
         if value == 0 and plain and self._plain != _PLAIN_NONE:
@@ -1542,11 +1559,8 @@ cdef class NativeBackend:
 
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
         plain = _PLAIN_NONE if _any_by_script(tokens) else self._extend_as
-        try:
-            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
-        except CacheError as exc:
-            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
-                raise
+        values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
+        if values is None:  # refused as _BY_SCRIPT says: all once more by script
             values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", _PLAIN_NONE)
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", values)
@@ -1562,11 +1576,8 @@ cdef class NativeBackend:
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
         cdef int plain = _PLAIN_NONE if _permit(token) else -1
-        try:
-            self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
-        except CacheError as exc:
-            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
-                raise
+        if self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value,
+                         plain) == _BY_SCRIPT:
             value = 0  # the key now holds permits (WRONGTYPE): the script below says 0
         if value == 0 and plain and self._plain != _PLAIN_NONE:
             # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
@@ -1583,12 +1594,9 @@ cdef class NativeBackend:
         """release_many(), also Cache.unlock_many's one-call path (ext/_batch.pxi): each
         key's value, nonzero where released."""
         plain = _PLAIN_NONE if _any_by_script(tokens) else -1
-        try:
-            values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
-        except CacheError as exc:
-            if plain == _PLAIN_NONE or not _script_serves(self._plain, exc):
-                raise
-            values = [0] * len(keys)  # a key now holds permits (WRONGTYPE): all once more by script
+        values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
+        if values is None:  # a key now holds permits (WRONGTYPE): all once more by script
+            values = [0] * len(keys)
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_RELEASE, keys, tokens, -1, True, "release_many", values)
         return values
@@ -1782,15 +1790,13 @@ cdef bint _any_by_script(list values) except -1:
     return False
 
 
-cdef inline bint _script_serves(int plain, object exc):
-    # hotlock._dialect.script_serves: a Lua-free extend or release refused OOM (SET is
-    # refused at maxmemory under noeviction, the EXTEND script's PEXPIRE is not; running
-    # an extend twice is harmless, the TTL is set from now) or WRONGTYPE (the key now holds
-    # permits; the script finds no lock of ours there) runs again as the script.
-    if plain == _PLAIN_NONE:
-        return False
-    text = str(exc)
-    return "replied OOM" in text or "replied WRONGTYPE" in text
+cdef bint _script_serves(redisReply *r) except -1:
+    """Whether a Lua-free extend or release refused with the error reply r runs again as
+    the script: hotlock._dialect.script_serves, asked of the reply's own text (its code
+    first): OOM (SET is refused at maxmemory under noeviction, the EXTEND script's PEXPIRE
+    is not; running an extend twice is harmless, the TTL is set from now) or WRONGTYPE
+    (the key now holds permits; the script finds no lock of ours there)."""
+    return script_serves(r.str[:r.len].decode("utf-8", "replace"))
 
 
 cdef class _ReplyError:

@@ -34,6 +34,10 @@
 #include <openssl/x509v3.h>
 #include <hiredis/hiredis_ssl.h>
 
+#ifndef SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED
+#define SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED 1116 /* OpenSSL 1.1.1's; an older one never sends TLS 1.3 */
+#endif
+
 static inline const char *hotlock_openssl_version(void) { return OpenSSL_version(OPENSSL_VERSION); }
 
 static void hotlock_tls_reason(char *out, size_t cap, const char *what) {
@@ -249,9 +253,11 @@ static int hotlock_tls_failure(void *ssl, int first_use, char *err, size_t cap) 
         return 0;
     }
     reason = ERR_reason_error_string(e);
+    /* The hint goes by OpenSSL's reason code, not its words: TLS 1.3's certificate_required alert. */
     snprintf(err, cap, "the TLS session failed: %s%s", reason ? reason : "unknown error",
-             reason && strstr(reason, "certificate required") ? " (the server requires a client certificate: ssl_certfile)"
-                                                              : "");
+             ERR_GET_REASON(e) == SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED
+                 ? " (the server requires a client certificate: ssl_certfile)"
+                 : "");
     ERR_clear_error();
     return 1;
 }

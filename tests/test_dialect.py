@@ -222,6 +222,30 @@ def test_a_full_server_still_extends_on_every_path(redis_backend: str, full_serv
         cache.close()
 
 
+def test_the_script_takes_over_by_the_error_code_not_the_words_of_the_message(
+    redis_backend: str, server_kind: str
+) -> None:
+    """Only the codes the script serves (OOM, WRONGTYPE) send a Lua-free extend again as the
+    script. Refused for another reason (NOPERM: an ACL that takes SET away), the extend is
+    that error on every path, though the key's name, which the message shows, holds the
+    words of both codes."""
+    server = start_redis(kind=server_kind)
+    cache = open_cache(redis_backend, server.url)
+    try:
+        if not server.lua_free:
+            pytest.skip("extend goes by script on this server: it sends no SET")
+        lock = cache.lock("replied OOM replied WRONGTYPE", ttl=30)
+        server.client().execute_command("ACL", "SETUSER", "default", "-set")
+        with pytest.raises(hotlock.CacheError, match="NOPERM") as caught:
+            lock.extend(60)
+        assert "replied OOM" in str(caught.value)  # the words were there to be misread
+        assert server.client().pttl(lock_name("replied OOM replied WRONGTYPE")) <= 30_000  # not extended
+        assert lock.unlock() is True
+    finally:
+        cache.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("aio_backend", AIO_BACKENDS)
 def test_a_full_server_still_extends_async(aio_backend: str, full_server: RedisServer) -> None:
     async def main() -> None:

@@ -1,7 +1,7 @@
 """The native cycle's one-call paths (ext/_lease.pxi) against the Python paths they replace.
 
 The native backend takes the common case of Cache.lock (a str/bytes key, an int/float TTL)
-in one extension call that builds the Lock without Lease.__init__, and the common case of
+in one extension call that builds the Lock with Lease._fill (not __init__), and the common case of
 Lock.unlock and Lock.extend in one call each, with every other case handed to the Python
 methods (Lock.unlock/Lock.extend, Cache.lock; hotlock._fastpath binds the one-call ones to
 NativeCache and NativeLock, the classes connect() chooses on the native backend). These tests hold

@@ -5,8 +5,9 @@ connect() chooses when the backend is the native one.
 functions (ext/_lease.pxi) that do the common case in one call, and so are
 ``NativeCache.lock_many`` and ``NativeCache.unlock_many`` (ext/_batch.pxi): what the
 Python method would check, checked in C, the command sent from there, and (for lock and
-lock_many) the new leases' slots filled by their offsets, which the extension derives from ``Lease``'s own slot
-descriptors. Every other case (another backend, auto_extend or max_hold, a bad argument,
+lock_many) each new lease made as ``object.__new__`` and filled by ``Lease._fill``, the one
+place a lease's fields are set; the leases are read and written only through their
+attributes. Every other case (another backend, auto_extend or max_hold, a bad argument,
 a released, inherited, lost or auto-extended lock) is handed, with its arguments as given,
 to the Python method it stands for: ``Cache.lock``, ``Lock.unlock``, ``Lock.extend``,
 ``Cache.lock_many``, ``Cache.unlock_many``.

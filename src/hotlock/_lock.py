@@ -20,9 +20,6 @@ __all__ = ["Lease", "LeaseHooks", "Lock", "Watch", "past_max_hold", "shown"]
 
 log = logging.getLogger("hotlock")
 
-# The held value is formatted on every acquisition: in C when the extension is there
-# (the same bytes, a quarter of the instructions), else by the Python definition.
-
 # Why a lease is lost, as LockLost and the log say it.
 TAKEN = "is no longer held: it expired or was taken over"
 UNCONFIRMED = "was not confirmed by an extend before its TTL ran out (Redis unreachable or too slow)"
@@ -88,19 +85,31 @@ class Lease:
     )
     _shown_as = "hotlock.Lease"
 
+    key: str | bytes
+    """The key as the caller gave it (str or bytes), without the prefix."""
+    fence: int
+    """The fencing token: an int larger than the fence of every earlier acquisition of
+    this key; 0 under connect(fences=False)."""
+
     def __init__(
         self, backend: Named, key: str | bytes, name: bytes, token: bytes, fence: int, ttl: int, sent_at: float
     ) -> None:
+        self._fill(backend, key, name, held_value(token, fence), fence, ttl, sent_at)
+
+    def _fill(
+        self, backend: Named, key: str | bytes, name: bytes, held: bytes, fence: int, ttl: int, sent_at: float
+    ) -> None:
+        """Every field of a new lease, set here and nowhere else: by __init__, and by the
+        native backend's one-call lock() and lock_many() (ext/_lease.pxi), which call it on
+        ``object.__new__(cls)`` with the held value formatted in C. ``held`` is
+        held_value(token, fence)."""
         self._backend = backend
         self.key = key
-        """The key as the caller gave it (str or bytes), without the prefix."""
         self.fence = fence if backend.fenced else 0
-        """The fencing token: an int larger than the fence of every earlier acquisition of
-        this key; 0 under connect(fences=False)."""
         self._name = name  # the Redis key, prefix included
         # What the key holds (token + fence) and extend/release compare; b"" once
         # released: nothing more is sent for this lock.
-        self._token = held_value(token, fence)
+        self._token = held
         self._ttl_ms = ttl
         self._pid = _ident.pid
         # When the acquire was sent: the TTL runs from then, not from when its reply came

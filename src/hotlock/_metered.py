@@ -191,14 +191,8 @@ class MeteredCache(Cache):
     _plain_lock = staticmethod(Cache.lock)
 
     def __init__(self, backend: Backend, prefix: bytes, listener: Listener, reply_timeout: float = 2.0) -> None:
-        self._meter = Meter(listener)  # before Cache.__init__, which asks for the template
+        self._meter = Meter(listener)
         super().__init__(backend, prefix, reply_timeout)
-
-    def _lease_template(self) -> Lock:
-        # The native one-call lock() copies _meter from here into every lease it makes.
-        template = super()._lease_template()
-        template._meter = self._meter
-        return template
 
     def lock(self, key: str | bytes, ttl: Seconds = DEFAULT_TTL, **options: Any) -> Lock:
         # The hot path, written out (no super(), no Meter.took, ttl passed
@@ -214,7 +208,7 @@ class MeteredCache(Cache):
         except CacheError as error:
             meter.error(key, "acquire", error)
             raise
-        lock._meter = meter  # set already by the native template; a store costs less than a test
+        lock._meter = meter  # every lease is made without one (Lease._fill)
         try:
             meter._acquired(key, _monotonic() - started, 1)
         except Exception:
