@@ -23,7 +23,7 @@ Under connect(fences=False) the acquire of a free key is ``SET <key> <token> NX 
 alone: no clock is read, the lock's fence is 0, and its one reply, OK or nil, says the same
 (``TAKEN``, or SCRIPT: the key exists). No MULTI is sent, so none can be refused.
 
-A transport sends ``commands`` in one write and hands the four replies to ``read``: the
+A transport sends ``commands`` in one write and hands their replies to ``read``: the
 fence, or ``SCRIPT`` (send the ACQUIRE script instead), or the one reply that is an error,
 which the transport treats as it treats a script's error reply (NOAUTH, a transient reply,
 MOVED, OOM...). A MULTI refused alone (an ACL without it, a proxy that has no transactions)
@@ -84,10 +84,9 @@ def fence_of(time_reply: object) -> int | None:
 def read(replies: list[object], error: type[BaseException]) -> int | BaseException:
     """The replies to ``commands`` (error replies as instances of ``error``): the fence
     (> 0) when the key was taken (TAKEN for SET alone), SCRIPT when the ACQUIRE script is
-    to decide, or
-    the error reply the call failed with, to be treated as a script's (the first one of
-    SET, TIME, EXEC: a queued command refused makes EXEC refuse the whole, EXECABORT, so
-    SET's own error names why). A MULTI refused NOAUTH or WRONGPASS is that error, whatever
+    to decide, or the error reply the call failed with, to be treated as a script's (the
+    first one of SET, TIME, EXEC: a queued command refused makes EXEC refuse the whole,
+    EXECABORT, so SET's own error names why). A MULTI refused NOAUTH or WRONGPASS is that error, whatever
     came after it: this connection is not authenticated, never a server without
     transactions."""
     if len(replies) == 1:  # SET NX PX alone
