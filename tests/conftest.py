@@ -39,6 +39,13 @@ from hotlock.backends.native import native_module
 if TYPE_CHECKING:
     from .cluster import Cluster
 
+# A suite started in the background by a shell without job control (`make test &` in a
+# script) inherits SIGINT ignored, and so would every process it starts, where Python then
+# installs no KeyboardInterrupt: the tests that Ctrl-C `hotlock watch` need SIGINT as a
+# terminal gives it. A handler here is reset to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 LOCK_SPACE = b"hotlock:lock:"
 
 
