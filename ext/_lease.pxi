@@ -49,11 +49,11 @@ pthread_atfork(NULL, NULL, _lease_after_fork)
 
 
 cdef class _Taker:
-    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, template), called by
-    cache_lock (below).
+    """One cache's Cache.lock as one call: NativeBackend.taker(prefix, lease_class), called
+    by cache_lock (below).
 
     The lease is Python's (hotlock._lock.Lease): made here as ``object.__new__(cls)`` (cls
-    the template's class, Cache._lease_class) and filled by Lease._fill, the one place a
+    the cache's Cache._lease_class) and filled by Lease._fill, the one place a
     new lease's fields are set, which Lease.__init__ calls too. Only the held value is
     formatted here (_held), as the acquire needs it anyway. tests/test_native_lease.py
     compares such a lock with one Lease.__init__ made."""
@@ -68,14 +68,13 @@ cdef class _Taker:
     cdef object _ms  # the last TTL in ms as an int, handed to every lease taken with it
     cdef long long _ms_value
 
-    def __cinit__(self, backend not None, bytes prefix not None, template not None, ClusterRouter router=None):
+    def __cinit__(self, backend not None, bytes prefix not None, type lease_class not None, ClusterRouter router=None):
         if router is None:
             self._backend = <NativeBackend?>backend
         self._router = router
         self._owner = backend
         self._prefix = prefix
-        # A lease of the class to make (Cache._lease_template): only its class is used.
-        self._cls = type(template)
+        self._cls = lease_class  # Cache._lease_class: Lock, or its metered or native subclass
         self._fill = self._cls._fill
         self._pop = _ident._pool.popleft
 

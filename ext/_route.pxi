@@ -275,9 +275,9 @@ cdef class ClusterRouter:
             (<list>(<tuple>entry)[2]).append(i)
         return list(where.values())
 
-    def taker(self, bytes lock_prefix not None, template not None):
+    def taker(self, bytes lock_prefix not None, type lease_class not None):
         """Cache.lock's one-call path on this cluster (ext/_lease.pxi's _Taker)."""
-        return _Taker(self._cluster, lock_prefix, template, self)
+        return _Taker(self._cluster, lock_prefix, lease_class, self)
 
     # -- one key ----------------------------------------------------------------------
 

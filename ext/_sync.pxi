@@ -1453,10 +1453,10 @@ cdef class NativeBackend:
 
     # -- the Backend interface ------------------------------------------------------------
 
-    def taker(self, bytes lock_prefix not None, template not None):
+    def taker(self, bytes lock_prefix not None, type lease_class not None):
         """Cache.lock's common case as one call for one cache (ext/_lease.pxi): the _Taker
         that Cache keeps in its _take slot for hotlock._native.cache_lock."""
-        return _Taker(self, lock_prefix, template)
+        return _Taker(self, lock_prefix, lease_class)
 
     def acquire(self, bytes key not None, bytes token not None, long long ttl_ms):
         cdef long long value

@@ -53,11 +53,7 @@ class Cache(CacheBase[Lock, Lock, Decorate]):
         # (anything else it hands to them), the token, the acquire and the Lock, copied
         # from this template. None elsewhere.
         taker = getattr(backend, "taker", None)
-        self._take: object = None if taker is None else taker(self._lock_prefix, self._lease_template())
-
-    def _lease_template(self) -> Lock:
-        """What the native one-call lock() copies its leases' other slots from (_meter, ...)."""
-        return self._lease_class(self._backend, "", b"", b"", 1, 1, 0.0)
+        self._take: object = None if taker is None else taker(self._lock_prefix, self._lease_class)
 
     def _renew(self) -> Renewer:
         if self._renewer is None:

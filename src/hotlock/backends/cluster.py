@@ -1027,9 +1027,9 @@ class ClusterBackend(ClusterCore):
             links = [self._links.get(a) for a in self._numbers]
             self._router.set_map(table, list(self._numbers), links)
 
-    def taker(self, lock_prefix: bytes, template: object) -> object:
+    def taker(self, lock_prefix: bytes, lease_class: type) -> object:
         """Cache.lock's one-call path (hotlock._native), when the extension routes here."""
-        return None if self._router is None else self._router.taker(lock_prefix, template)
+        return None if self._router is None else self._router.taker(lock_prefix, lease_class)
 
     def routed(
         self,
