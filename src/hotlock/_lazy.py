@@ -217,7 +217,8 @@ class AsyncLazyBackend(Unopened["AsyncBackend"]):
         opened, self._opened = self._opened, None
         opening, self._opening = self._opening, None
         if opened is None and opening is not None:
-            opening.cancel()
+            opening.cancel()  # and waited for, as NativeAsyncBackend.close does its connect
+            await asyncio.wait({opening})
         if opened is not None:
             await opened.close()
 

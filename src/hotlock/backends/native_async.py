@@ -738,8 +738,13 @@ class NativeAsyncBackend:
     async def close(self) -> None:
         if self.wake_slot is not None:
             await self.wake_slot.close()
-        if self._connecting is not None:
-            self._connecting.cancel()
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            # Cancelled and waited for: a connect still in flight when the loop ends would
+            # be a task left pending (asyncio.wait raises nothing of its own, only a
+            # cancellation of this close()).
+            connecting.cancel()
+            await asyncio.wait({connecting})
         proto, self._proto = self._proto, None
         if proto is not None:
             live = proto.usable()  # not in a forked child: its close leaves the parent's socket alone
