@@ -64,15 +64,10 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=["native", "redis-py"])
-def which(request: pytest.FixtureRequest) -> str:
-    if request.param == "native":
-        from hotlock.backends.native import native_module
-
-        module, why = native_module()
-        if module is None:
-            pytest.skip(f"the native extension is not live: {why}")
-    return str(request.param)
+@pytest.fixture
+def which(redis_backend: str) -> str:
+    """native and redis-py (conftest's: a run that requires the extension fails without it)."""
+    return redis_backend
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import pytest
 from hotlock import _transient
 from hotlock._transient import CAP_S, FIRST_S, Retrying, code, pause_s, tried
 
+from ..conftest import native_for_module
+
 
 @pytest.mark.parametrize("word", ["READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"])
 def test_the_six_replies_that_say_the_command_did_not_run_are_transient(word: str) -> None:
@@ -78,14 +80,9 @@ def test_a_call_is_resent_within_its_wait_or_one_timeout_plus_one_timeout(
 
 
 def test_the_c_budget_is_the_python_one() -> None:
-    from hotlock.backends.native import native_module
-
-    native, why = native_module()
-    if native is None:
-        pytest.skip(f"the native extension is not live: {why}")
+    native = native_for_module()
     for start in (0.0, 12.5, 1e6):
         for wait_s in (0.0, 0.001, 0.5, 2.0, 30.0):
             for timeout in (0.001, 0.5, 2.0, 15.0):
-                assert native._resend_deadline(start, wait_s, timeout) == _transient.resend_until(
-                    start, wait_s, timeout
-                )
+                c_until = native._resend_deadline(start, wait_s, timeout)
+                assert c_until == _transient.resend_until(start, wait_s, timeout)
