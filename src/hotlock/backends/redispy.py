@@ -15,7 +15,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import redis
@@ -25,8 +25,6 @@ from redis.credentials import CredentialProvider
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
-    NoPermissionError,
-    NoScriptError,
     OutOfMemoryError,
     RedisError,
     ResponseError,
@@ -35,37 +33,39 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .. import _acquire
 from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, redispy_tls_kwargs
 from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
-    Detected,
-    Dialect,
-    by_script,
-    extend_command,
     info_fields,
-    release_command,
     script_serves,
 )
-from .._ident import TOKEN_BYTES
+from .._exchange import (
+    FRAME,
+    Exchange,
+    Failure,
+    Lost,
+    NotSent,
+    Send,
+    Shape,
+    Steps,
+    any_refusal,
+    drive,
+    is_anything,
+    is_frame,
+    is_int,
+    is_ok_or_nil,
+    is_text,
+    no_permission,
+    retires,
+)
 from .._scripts import (
-    ACQUIRE,
-    ACQUIRE_CHAIN,
-    ACQUIRE_POLL,
-    ACQUIRE_WAIT,
-    CONFIRMED,
-    EXTEND,
-    RELEASE,
-    RELEASE_SHARDED,
     SCRIPTS,
     Script,
-    held_value,
-    resent,
 )
 from .._sentinel import PrimaryWatch
-from .._transient import Retrying, code, resend_until, tried
-from ..errors import CacheError, LinkLost, ReplyError, cache_error, unconfirmed_extends, unreplicated
+from .._transient import code
+from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .wakeup import slot, wait
 
 __all__ = ["RedisPyBackend", "RedisPyLink"]
@@ -76,185 +76,6 @@ log = logging.getLogger("hotlock")
 
 # The errors after which a request may or may not have reached the server. Shared with redispy_async.
 AMBIGUOUS = (RedisConnectionError, RedisTimeoutError, OSError)
-
-# -- reply shapes -------------------------------------------------------------------------
-# What each command may answer (error replies aside), checked as each reply is read, on the
-# connection it came on: anything else is a server, proxy or endpoint that does not speak
-# as Redis does, and the connection is dropped, never read again (UnexpectedReply).
-Shape = Callable[[object], bool]
-
-
-def is_int(reply: object) -> bool:
-    return type(reply) is int  # not a RESP3 boolean (a bool), nor a double
-
-
-def is_flag(reply: object) -> bool:
-    """0 or 1: the extend and release scripts, DELIFEQ, DELEX."""
-    return type(reply) is int and 0 <= reply <= 1
-
-
-def is_count(reply: object) -> bool:
-    """WAIT's count of replicas."""
-    return type(reply) is int and reply >= 0
-
-
-def is_ok_or_nil(reply: object) -> bool:
-    """SET ... NX and SET ... IFEQ: done, or not."""
-    return reply is None or reply == b"OK"
-
-
-def is_text(reply: object) -> bool:
-    return type(reply) is bytes
-
-
-def is_anything(reply: object) -> bool:
-    """A reply whose reader takes any shape (COMMAND INFO: _dialect.commands_from)."""
-    return True
-
-
-# What each script returns: an acquire a fence or -(TTL left) (an integer), the others 0 or 1.
-SCRIPT_REPLY: dict[Script, Shape] = {
-    ACQUIRE: is_int,
-    ACQUIRE_WAIT: is_int,
-    ACQUIRE_CHAIN: is_int,
-    ACQUIRE_POLL: is_int,
-    EXTEND: is_flag,
-    RELEASE: is_flag,
-    RELEASE_SHARDED: is_flag,
-}
-# Every script loaded in one round trip; each load answers its script's SHA1.
-SCRIPT_LOADS: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]
-
-
-def _sha_of(script: Script) -> Shape:
-    return lambda reply: reply == script.sha
-
-
-SCRIPT_LOADED: list[Shape] = [_sha_of(s) for s in SCRIPTS]
-
-
-# A pipeline's replies end with TIME's (two bulk strings, unlike any reply a lock command
-# gives): a server that sent one reply too many in the middle of a pipeline shifts the
-# rest by one, and the reply found in TIME's place shows it, where a check of what is left
-# to read can miss a reply the server has yet to send. TIME, since the scripts need its
-# ACL permission anyway. A single command needs no frame: an extra reply behind its own is
-# found in the parser's buffer, or by the pool's poll before the connection is used again.
-# Nor do transactions (Transaction.framed): each EXEC's reply, a pair holding TIME's, is of
-# a shape no other reply of theirs has, so a shift before it shows in its place.
-FRAME = (b"TIME",)
-
-
-def is_frame(reply: object) -> bool:
-    return type(reply) is list and len(reply) == 2 and type(reply[0]) is bytes and type(reply[1]) is bytes
-
-
-# -- the transaction acquire (hotlock._acquire) --------------------------------------------
-# Its four replies, as each is checked on arrival. With MULTI refused (an ACL, a proxy), SET
-# and TIME run on their own and EXEC is refused: SET then answers OK or nil, TIME the clock.
-
-
-def is_ok(reply: object) -> bool:
-    return reply == b"OK"
-
-
-def is_queued_set(reply: object) -> bool:
-    return reply == b"QUEUED" or is_ok_or_nil(reply)
-
-
-def is_queued_time(reply: object) -> bool:
-    return reply == b"QUEUED" or is_frame(reply)
-
-
-def is_exec(reply: object) -> bool:
-    """EXEC's: SET's reply (OK, or nil: the key exists) and TIME's."""
-    return type(reply) is list and len(reply) == 2 and is_ok_or_nil(reply[0]) and is_frame(reply[1])
-
-
-TRANSACTION_REPLY: list[Shape] = [is_ok, is_queued_set, is_queued_time, is_exec]
-# connect(fences=False): SET NX PX alone.
-SET_REPLY: list[Shape] = [is_ok_or_nil]
-
-
-def by_transaction(dialect: Dialect, script: Script, tokens: Sequence[bytes]) -> bool:
-    """Whether an acquire with ``script`` of these tokens goes as the transaction: only the
-    ACQUIRE script itself (the waiting forms are the contended path), and only plain
-    locks (a permit's ask, token '#' limit, always goes by script). Shared with redispy_async."""
-    return script is ACQUIRE and dialect.transaction and all(len(t) == TOKEN_BYTES for t in tokens)
-
-
-class Transaction:
-    """The acquires of some keys by hotlock._acquire's transaction, without I/O: what to
-    send and what the replies say, for the sync and async backends alike, each of which
-    sends and receives.
-
-    The backend writes ``commands`` at once (every key's transaction, then ``wait``: the
-    WAIT of wait_replicas, which confirms the SETs before it on its connection) and hands
-    the replies (error replies in place) to ``read``, which names the keys the ACQUIRE
-    script is to decide. Those go next as ACQUIRE (with their own WAIT), and ``scripted``
-    takes their results. ``outcome`` is then what one acquire by script gives: each key's
-    result, and the WAIT reply ([] without wait_replicas). Under connect(fences=False)
-    each key's transaction is SET NX PX alone (one reply)."""
-
-    __slots__ = ("_n", "_per", "_waits", "commands", "framed", "refused", "results", "shapes")
-
-    def __init__(
-        self, keys: Sequence[bytes], tokens: Sequence[bytes], ttl_ms: int, wait: list[tuple[Any, ...]], fenced: bool
-    ) -> None:
-        self._n = len(keys)
-        self._per = 4 if fenced else 1  # replies per key
-        self.commands: list[tuple[Any, ...]] = [
-            command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms, fenced)
-        ]
-        self.commands += wait
-        self.shapes = (TRANSACTION_REPLY if fenced else SET_REPLY) * self._n + [is_count] * len(wait)
-        # Whether the write needs FRAME behind it: not when EXEC's reply frames it.
-        self.framed = not fenced
-        self.results: list[int] = []
-        # MULTI's error reply when it was refused alone: this server takes no transaction
-        # from us, and the backend sends every later acquire by script.
-        self.refused: RedisError | None = None
-        self._waits: list[int] = []
-
-    def read(self, replies: list[Any]) -> list[int]:
-        """The transactions' replies: the indices of the keys that go by script next. The
-        first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
-        per = self._per
-        fours = [replies[per * i : per * i + per] for i in range(self._n)]
-        # Noted before any error is raised: the backend's next acquire goes by script.
-        self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, RedisError)), None)
-        rest: list[int] = []
-        for i, four in enumerate(fours):
-            result = _acquire.read(four, RedisError)
-            if isinstance(result, BaseException):
-                raise result
-            self.results.append(result)
-            if result == _acquire.SCRIPT:
-                rest.append(i)
-        waits = replies[per * self._n :]
-        for reply in waits:
-            if isinstance(reply, Exception):
-                raise reply
-        if len(rest) < self._n:
-            # A key was taken: this WAIT confirms it. One that took nothing confirms
-            # nothing of ours (the script's own WAIT covers the keys it decides, and a
-            # SET run outside a refused MULTI too: the script writes after it).
-            self._waits += waits
-        return rest
-
-    def scripted(self, rest: list[int], results: list[int], waits: list[int]) -> None:
-        """The ACQUIRE script's results for the keys ``read`` named, and its WAIT reply."""
-        for i, result in zip(rest, results, strict=True):
-            self.results[i] = result
-        self._waits += waits
-
-    def outcome(self) -> tuple[list[int], list[int]]:
-        """Each key's result, and the fewest replicas a WAIT confirmed ([] without WAIT)."""
-        return self.results, [min(self._waits)] if self._waits else []
-
-
-def refused_warning(server: str, refusal: BaseException) -> None:
-    """Said once per backend, when MULTI is first refused. Shared with redispy_async."""
-    _acquire.warn_refused(server, describe(refusal))
 
 
 class UnexpectedReply(RedisError):
@@ -557,15 +378,12 @@ def _connection_kwargs(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-class RedisPyBackend(Detected):
+class RedisPyBackend(Exchange):
     name = "redis-py"
 
     def __init__(self, config: ServerConfig) -> None:
-        self.server = config.display
+        super().__init__(config)
         self._config = config
-        self._timeout = config.timeout
-        self._wait_replicas = config.wait_replicas
-        self._wait_ms = round(config.wait_timeout * 1000)
         self._watch: PrimaryWatch | None = None
         if config.sentinels:
             # One resolver for every backend (ServerConfig.primary: SENTINEL
@@ -577,8 +395,6 @@ class RedisPyBackend(Detected):
             self._watch = PrimaryWatch(config.primary)
             self._epoch = 0
         self._pid = os.getpid()
-        # False once this server refused MULTI: every acquire goes by script (Transaction).
-        self._transactions = True
         self._client: Any = self._new_client()  # redis.Redis; Any: the connection-level API it reaches is untyped
         # The wake-up subscriber (hotlock.backends.wakeup), made on the first contended lock_wait.
         self._wakeups = slot(config)
@@ -621,7 +437,7 @@ class RedisPyBackend(Detected):
         (StrayReply). Several commands are framed (FRAME) unless ``frame`` is False: their
         replies frame themselves.
 
-        Error replies come back in place as exceptions (NoScriptError included). With
+        Error replies come back in place as ReplyError (NOSCRIPT included). With
         ``timeout``, all the replies together get at most that many seconds, else each gets
         the connection's reply timeout. A lost, stray or unexpected reply leaves the
         connection closed.
@@ -650,15 +466,15 @@ class RedisPyBackend(Detected):
                 try:
                     reply = conn.read_response(**kw)
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
-                    replies.append(exc)
-                    word = transient_code(exc)
-                    if word is not None:
-                        # The command did not run; its resend goes on a fresh connection.
-                        fresh = True
-                        if word == "READONLY":
-                            # The endpoint reaches a replica now: no connection of this
-                            # cache to it takes another command, the other threads' included.
-                            self._drop_all()
+                    error = reply_error(exc)
+                    replies.append(error)
+                    retired = retires(error)
+                    # A transient reply: the command did not run, and its resend goes on a
+                    # fresh connection. READONLY: the endpoint reaches a replica now, and no
+                    # connection of this cache to it takes another command.
+                    fresh = fresh or retired > 0
+                    if retired == 2:
+                        self._drop_all()
                     continue
                 except AuthenticationError as exc:
                     raise AuthLost(exc) from exc
@@ -692,295 +508,72 @@ class RedisPyBackend(Detected):
         self._generation = next(self._generations)
         self._redis.connection_pool.disconnect(inuse_connections=False)
 
-    def _scripts(self, script: Script, calls: Sequence[tuple[bytes, ...]], timeout: float | None = None) -> list[Any]:
-        """EVALSHA ``script`` once per (key, *args) in ``calls``, in one round trip."""
-        commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, 1, *call) for call in calls]
-        commands += self._wait_command(script)
-        shapes = [SCRIPT_REPLY[script]] * len(calls) + [is_count] * (len(commands) - len(calls))
-        replies = self._send(commands, shapes, timeout)
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        if missing:
-            # Restart, SCRIPT FLUSH or failover emptied the script cache: load all, then
-            # send again only what did not run (a release that ran must not run twice).
-            self._load_scripts()
-            again = self._send(
-                [commands[i] for i in missing] + commands[len(calls) :],
-                [shapes[i] for i in missing] + shapes[len(calls) :],
-                timeout,
-            )
-            resent(replies, missing, again, len(calls))
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _commands(self, commands: list[tuple[bytes, ...]], shape: Shape, timeout: float | None = None) -> list[Any]:
-        """Plain commands of one reply ``shape`` in one round trip; error replies raised."""
-        replies = self._send(commands, [shape] * len(commands), timeout)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _call(
-        self,
-        what: str,
-        key: bytes | None,
-        fn: Callable[[float | None], T],
-        resend: bool = False,
-        retry_until: float | None = None,
-    ) -> T:
-        """Run ``fn`` (given a reply-timeout override) and turn every failure into CacheError.
-
-        The lost-reply rule (docs/architecture.md), as in the native client: one more try, sharing
-        whatever time is left until ``retry_until`` (a time.monotonic(); by default the
-        budget of a call that does not wait), after a lost handshake reply (nothing of the
-        call was sent: any call), or after a lost reply to the call itself when ``resend``
-        (same token: the scripts count "already my token" as success, and a release that
-        ran finds nothing to do; never INCRBY or SET NX: a resent INCRBY counts twice, a
-        resent SET NX answers "not set" for the value this call set). A transient reply
-        (hotlock._transient: the command did not run) is resent, whatever the command,
-        until the pauses would pass the call's own timeout (``retry_until`` less one reply
-        timeout).
-        """
-        limit: float | None = None  # the reply timeout of a retry: what is left of the budget
-        lost = False  # the one retry after a lost reply has been used
-        transient = Retrying()
-        until = retry_until
-        reset: contextvars.Token[float | None] | None = None
+    def _carry(self, step: Send) -> list[Any]:
+        """One Send of hotlock._exchange on a pooled connection: its replies, error replies
+        as ReplyError, or the Failure that lost them. A retry's handshake reads under the
+        step's time, too (_handshake)."""
+        reset = None if step.timeout is None else _RETRY_UNTIL.set(time.monotonic() + step.timeout)
         try:
-            while True:
-                try:
-                    return fn(limit)
-                except (RedisError, OSError) as exc:
-                    failure = exc
-                if transient_code(failure) is not None:
-                    # The command did not run: resent on a fresh connection (_send dropped it;
-                    # READONLY dropped them all) after a pause, while the call's own timeout lasts.
-                    until = self._retry_until() if until is None else until
-                    pause = transient.pause(until - self._timeout - time.monotonic())
-                    if pause is None:
-                        raise self._error(tried(what, lost, transient), key, failure) from failure
-                    time.sleep(pause)
-                    limit = min(self._timeout, until - time.monotonic())
-                elif isinstance(failure, AMBIGUOUS):
-                    until = self._retry_until() if until is None else until
-                    left = min(self._timeout, until - time.monotonic())
-                    # NOAUTH or WRONGPASS on a live connection (AuthLost, the connection closed):
-                    # nothing ran, and the new connection asks the credential provider again.
-                    safe = resend or isinstance(failure, HandshakeLost | AuthLost)
-                    if lost or left < 0.001 or not safe or refused(failure):
-                        raise self._error(tried(what, lost, transient), key, failure) from failure
-                    lost = True
-                    limit = left
-                    # The new connection's handshake reads under what is left, too (_handshake).
-                    reset = _RETRY_UNTIL.set(time.monotonic() + left)
-                else:
-                    raise self._error(tried(what, lost, transient), key, failure) from failure
+            return self._send(step.commands, step.shapes, step.timeout, step.frame)
+        except (HandshakeLost, AuthLost) as exc:
+            raise NotSent(describe(exc)) from exc
+        except (RedisError, OSError) as exc:
+            kind = Lost if isinstance(exc, AMBIGUOUS) and not refused(exc) else Failure
+            raise kind(f"{describe(exc)}{tls_hint(self._config, exc)}") from exc
         finally:
             if reset is not None:
                 _RETRY_UNTIL.reset(reset)
 
-    def _retry_until(self, wait_ms: int = 0) -> float:
-        """Until when a call begun now may be resent (hotlock._transient.resend_until)."""
-        return resend_until(time.monotonic(), wait_ms / 1000.0, self._timeout)
-
-    def _wait_command(self, script: Script) -> list[tuple[Any, ...]]:
-        # WAIT confirms the writes made earlier *on its own connection*, so it rides in the
-        # same write as the acquires or extends it confirms: no extra round trip, no other
-        # connection.
-        if self._wait_replicas and script in CONFIRMED:
-            return [("WAIT", self._wait_replicas, self._wait_ms)]
-        return []
-
-    def _renewed(
-        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[bool], wait_reply: list[Any]
-    ) -> list[bool]:
-        """Under wait_replicas: the extends' results, or Unreplicated when too few replicas
-        confirmed the ones that ran, released first (as _confirmed undoes acquires)."""
-        if not wait_reply or wait_reply[0] >= self._wait_replicas or not any(results):
-            return results
-        held = [(k, t) for k, t, ok in zip(keys, tokens, results, strict=True) if ok]
-        # If the release fails too, the keys expire by their TTL; the leases are lost either way.
-        with contextlib.suppress(CacheError):
-            self.release_many([k for k, _ in held], [t for _, t in held])
-        raise unconfirmed_extends(what, results, wait_reply[0], self._wait_replicas, self._wait_ms)
-
-    def _confirmed(
-        self, what: str, keys: list[bytes], tokens: list[bytes], results: list[int], wait_reply: list[Any]
-    ) -> list[int]:
-        """Under wait_replicas: undo what was acquired unless enough replicas confirmed it."""
-        if not wait_reply or wait_reply[0] >= self._wait_replicas:
-            return results
-        held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
-        if held:
-            # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
-            with contextlib.suppress(CacheError):
-                self.release_many([k for k, _ in held], [t for _, t in held])
-        raise cache_error(
-            unreplicated(what, wait_reply[0], self._wait_replicas, self._wait_ms),
-            self.server,
-            keys[0] if len(keys) == 1 else None,
-        )
-
-    def _error(self, what: str, key: bytes | None, exc: BaseException) -> Exception:
-        return cache_error(f"{what} failed: {describe(exc)}{tls_hint(self._config, exc)}", self.server, key)
+    def _run(self, steps: Steps[T]) -> T:
+        return drive(steps, self._carry)
 
     def _load_scripts(self) -> None:
-        # Loading twice changes nothing: a lost reply is resent.
-        self._call("SCRIPT LOAD", None, lambda t: _raised(self._send(SCRIPT_LOADS, SCRIPT_LOADED, t)), True)
+        self._run(self.load_steps(SCRIPTS))
 
     # -- the Backend interface --------------------------------------------------------
 
     def acquire(self, key: bytes, token: bytes, ttl_ms: int) -> int:
-        return self._acquire(key, token, ttl_ms, self._retry_until())
-
-    def _acquire(self, key: bytes, token: bytes, ttl_ms: int, retry_until: float, script: Script = ACQUIRE) -> int:
-        results, waited = self._call(
-            "acquire", key, lambda t: self._take(script, [key], [token], ttl_ms, t), True, retry_until
-        )
-        return self._confirmed("acquire", [key], [token], results, waited)[0]
-
-    def _take(
-        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, timeout: float | None
-    ) -> tuple[list[int], list[int]]:
-        """One try of the acquires (a lost reply resends it whole, with the same tokens):
-        each key's result, and WAIT's reply under wait_replicas. By transaction where it
-        serves (by_transaction), the keys it leaves to the script in a second round trip,
-        within the same ``timeout``."""
-        if not (self._transactions and by_transaction(self.dialect, script, tokens)):
-            return self._by_script(script, keys, tokens, ttl_ms, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        taking = Transaction(keys, tokens, ttl_ms, self._wait_command(ACQUIRE), self.fenced)
-        try:
-            rest = taking.read(self._send(taking.commands, taking.shapes, timeout, taking.framed))
-        finally:
-            if taking.refused is not None and self._transactions:
-                self._transactions = False
-                refused_warning(self.server, taking.refused)
-        if rest:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            keys, tokens = [keys[i] for i in rest], [tokens[i] for i in rest]
-            taking.scripted(rest, *self._by_script(ACQUIRE, keys, tokens, ttl_ms, left))
-        return taking.outcome()
-
-    def _by_script(
-        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, timeout: float | None
-    ) -> tuple[list[int], list[int]]:
-        """The acquires as ``script``, in one round trip: each key's result, and WAIT's reply."""
-        ms = b"%d" % ttl_ms
-        replies = self._scripts(script, [(k, t, ms) for k, t in zip(keys, tokens, strict=True)], timeout)
-        return replies[: len(keys)], replies[len(keys) :]
+        return self._run(self.acquire_steps("acquire", [key], [token], ttl_ms, until=self.retry_until()))[0]
 
     def acquire_wait(self, key: bytes, token: bytes, ttl_ms: int, wait_ms: int) -> tuple[int, float, int]:
-        retry_until = self._retry_until(wait_ms)
-        return wait(self._wakeups, key, lambda s: self._acquire(key, token, ttl_ms, retry_until, s), wait_ms)
+        until = self.retry_until(wait_ms)
+
+        def attempt(script: Script) -> int:
+            return self._run(self.acquire_steps("acquire", [key], [token], ttl_ms, script, until))[0]
+
+        return wait(self._wakeups, key, attempt, wait_ms)
 
     def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
         # The caller's lists as they are now: another thread may change them during the round trip.
-        keys, tokens = list(keys), list(tokens)
-        results, waited = self._call("acquire_many", None, lambda t: self._take(ACQUIRE, keys, tokens, ttl_ms, t), True)
-        return self._confirmed("acquire_many", keys, tokens, results, waited)
+        return self._run(self.acquire_steps("acquire_many", list(keys), list(tokens), ttl_ms))
 
     def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        # Not resent: a lost extend reply is a CacheError; the caller retries while valid_for() lasts.
-        return self.extend_many([key], [token], ttl_ms, "extend", key)[0]
+        return self._run(self.extend_steps("extend", [key], [token], ttl_ms))[0]
 
-    def extend_many(
-        self,
-        keys: list[bytes],
-        tokens: list[bytes],
-        ttl_ms: int,
-        what: str = "extend_many",
-        key: bytes | None = None,
-        scripted: bool = False,
-    ) -> list[bool]:
-        keys, tokens = list(keys), list(tokens)  # as in acquire_many
-        # Under wait_replicas by script: it takes a waiter's mark and permits as they are, so
-        # one write carries every extend and the one WAIT behind them.
-        if self.dialect.lua_free and not scripted and not by_script(tokens) and not self._wait_replicas:
-            # SET IFEQ replies OK when the key held this value (now with the new TTL), nil otherwise.
-            sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-            try:
-                done = [r is not None for r in self._call(what, key, lambda t: self._commands(sets, is_ok_or_nil, t))]
-            except CacheError as exc:
-                if not reply_serves_script(exc):
-                    raise
-                # Refused at maxmemory, or a key now holds permits: the script serves (see _dialect).
-            else:
-                # SET IFEQ compares the whole value: one a waiter marked ('+') is extended
-                # by the script, which accepts the mark (only under contention, or when lost).
-                return self._missed(done, keys, tokens, lambda k, t: self.extend_many(k, t, ttl_ms, what, key, True))
-        calls = [(k, t, b"%d" % ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-        replies = self._call(what, key, lambda t: self._scripts(EXTEND, calls, t))
-        return self._renewed(what, keys, tokens, [bool(r) for r in replies[: len(calls)]], replies[len(calls) :])
-
-    @staticmethod
-    def _missed(
-        done: list[bool],
-        keys: list[bytes],
-        tokens: list[bytes],
-        again: Callable[[list[bytes], list[bytes]], list[bool]],
-    ) -> list[bool]:
-        """After a Lua-free batch: what it missed once more by script (``again``)."""
-        missed = [i for i, ok in enumerate(done) if not ok]
-        if missed:
-            for i, ok in zip(missed, again([keys[i] for i in missed], [tokens[i] for i in missed]), strict=True):
-                done[i] = ok
-        return done
+    def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
+        return self._run(self.extend_steps("extend_many", list(keys), list(tokens), ttl_ms))
 
     def release(self, key: bytes, token: bytes) -> bool:
-        # A lost release reply is retried: the second try finds the key gone (False) or
-        # still ours (releases it), and either way the caller sees no error.
-        return self.release_many([key], [token], "release", key)[0]
+        return self._run(self.release_steps("release", [key], [token]))[0]
 
-    def release_many(
-        self,
-        keys: list[bytes],
-        tokens: list[bytes],
-        what: str = "release_many",
-        key: bytes | None = None,
-        scripted: bool = False,
-    ) -> list[bool]:
-        keys, tokens = list(keys), list(tokens)  # as in acquire_many
-        if self.dialect.lua_free and not scripted and not by_script(tokens):
-            dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            try:
-                done = [bool(r) for r in self._call(what, key, lambda t: self._commands(dels, is_flag, t), True)]
-            except CacheError as exc:
-                if not reply_serves_script(exc):
-                    raise
-                done = [False] * len(keys)  # a key now holds permits: all once more by script
-            # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
-            # by the script, which accepts the mark and wakes the waiter (only under
-            # contention, or when the lock was lost anyway).
-            return self._missed(done, keys, tokens, lambda k, t: self.release_many(k, t, what, key, True))
-        calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        return [bool(r) for r in self._call(what, key, lambda t: self._scripts(RELEASE, calls, t), True)]
+    def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
+        return self._run(self.release_steps("release_many", list(keys), list(tokens)))
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
         command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        return self._call("set_nx", key, lambda t: self._commands([command], is_ok_or_nil, t))[0] is not None
+        return self._run(self.command_steps("set_nx", key, command, is_ok_or_nil)) is not None
 
     def incr(self, key: bytes, amount: int) -> int:
-        command = (b"INCRBY", key, b"%d" % amount)
-        reply: int = self._call("incr", key, lambda t: self._commands([command], is_int, t))[0]
+        reply: int = self._run(self.command_steps("incr", key, (b"INCRBY", key, b"%d" % amount), is_int))
         return reply
 
     def info(self) -> dict[str, str] | None:
-        reply = self._call("INFO", None, lambda t: self._send([(b"INFO",)], [is_text], t))[0]
-        if isinstance(reply, NoPermissionError):
-            return None
-        if isinstance(reply, Exception):
-            raise cache_error(f"INFO failed: {describe(reply)}", self.server) from reply
-        return info_fields(reply)
+        reply = self._run(self.command_steps("INFO", None, (b"INFO",), is_text, declined=no_permission))
+        return None if reply is None else info_fields(reply)
 
     def command_info(self) -> list[Any] | None:
         """COMMAND INFO DELIFEQ DELEX's raw reply, or None when the server or its ACL refuses it."""
-        try:
-            reply = self._call("COMMAND INFO", None, lambda t: self._commands([COMMAND_PROBE], is_anything, t))[0]
-        except CacheError as exc:
-            return probe_refused(exc)
+        reply = self._run(self.command_steps("COMMAND INFO", None, COMMAND_PROBE, is_anything, declined=any_refusal))
         return reply if isinstance(reply, list) else None
 
     def close(self) -> None:
