@@ -523,3 +523,34 @@ def test_extends_too_few_replicas_confirmed_are_lost_and_released(rig: Rig) -> N
     ]
     # An extend that found nothing wrote nothing to confirm: no loss to tell.
     assert rig.run(ex.extend_steps("extend", [K1], [T1], TTL), [0, 0]) == [False]
+
+
+# -- a batch's error reply to some of its calls ----------------------------------------------------
+
+
+def test_a_transient_reply_to_some_of_a_batch_resends_only_those(rig: Rig) -> None:
+    ex = rig.exchange()
+    # The first release ran: sent again it would find its key gone and say False.
+    steps = ex.release_steps("release_many", [K1, K2, K3], [T1, T2, T3])
+    assert rig.run(steps, [1, err(TRANSIENT["LOADING"]), 0], [1]) == [True, True, False]
+    assert rig.sent[1] == [evalsha(RELEASE, K2, T2)]
+    # NOAUTH on one of them (nothing of it ran) likewise.
+    steps = ex.release_steps("release_many", [K1, K2], [T1, T2])
+    assert rig.run(steps, [err("NOAUTH Authentication required."), 1], [1]) == [True, True]
+    assert rig.sent[1] == [evalsha(RELEASE, K1, T1)]
+    # And on a Lua-free server, where a refusal the script serves is decided too.
+    ex = rig.exchange(VALKEY9)
+    steps = ex.release_steps("release_many", [K1, K2, K3], [T1, T2, T3])
+    assert rig.run(steps, [1, err(TRANSIENT["BUSY"]), err("WRONGTYPE Op")], [1], [0]) == [True, True, False]
+    assert rig.sent[1:] == [[(b"DELIFEQ", K2, T2)], [evalsha(RELEASE, K3, T3)]]
+
+
+def test_the_fewest_replicas_of_a_batchs_tries_decide(rig: Rig) -> None:
+    ex = rig.exchange(wait_replicas=1)
+    steps = ex.extend_steps("extend_many", [K1, K2], [T1, T2], TTL)
+    # K1's extend ran behind a WAIT that confirmed none; K2's resend behind one that did.
+    with pytest.raises(Unreplicated) as info:
+        rig.run(steps, [1, err(TRANSIENT["LOADING"]), 0], [1, 1], [1, 1])
+    assert sorted(info.value.why) == [0, 1]
+    assert rig.sent[1] == [evalsha(EXTEND, K2, T2, MS), WAIT]
+    assert rig.sent[2] == [evalsha(RELEASE, K1, T1), evalsha(RELEASE, K2, T2)]
