@@ -493,8 +493,10 @@ class Exchange(Detected):
         """Run ``attempt`` (given a reply-timeout override: None, or what is left of the
         budget) under the lost-reply and transient-reply rules, until it returns; every
         failure ends as the call's CacheError. ``until`` is the budget's end (by default a
-        call that does not wait: resend_until with no wait)."""
+        call that does not wait: resend_until with no wait, from now: the budget runs from
+        the call's start, as the C client's does, not from its first failure)."""
         clock = self.clock
+        until = self.retry_until() if until is None else until
         limit: float | None = None
         lost = False  # the one retry after a lost reply has been used
         transient = Retrying()
@@ -509,7 +511,6 @@ class Exchange(Detected):
                 elif reply.code in TRANSIENT:
                     # The command did not run: resent on a fresh connection (retires())
                     # after a pause, while the call's own timeout lasts.
-                    until = self.retry_until() if until is None else until
                     pause = transient.pause(until - self._timeout - clock())
                     if pause is None:
                         raise self._error(tried(what, lost, transient), key, f"the server replied {reply}") from reply
@@ -522,7 +523,6 @@ class Exchange(Detected):
                 failure = exc
             if not isinstance(failure, Lost | NotSent) or lost or not (resend or isinstance(failure, NotSent)):
                 raise self._error(tried(what, lost, transient), key, str(failure)) from failure
-            until = self.retry_until() if until is None else until
             left = min(self._timeout, until - clock())
             if left < 0.001:
                 raise self._error(tried(what, lost, transient), key, str(failure)) from failure

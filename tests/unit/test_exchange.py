@@ -554,3 +554,14 @@ def test_the_fewest_replicas_of_a_batchs_tries_decide(rig: Rig) -> None:
     assert sorted(info.value.why) == [0, 1]
     assert rig.sent[1] == [evalsha(EXTEND, K2, T2, MS), WAIT]
     assert rig.sent[2] == [evalsha(RELEASE, K1, T1), evalsha(RELEASE, K2, T2)]
+
+
+def test_the_budget_runs_from_the_calls_start_not_its_first_failure(rig: Rig) -> None:
+    ex = rig.exchange()
+    # The first reply took most of the timeout: the pauses get what is left of it.
+    steps = ex.extend_steps("extend", [K1], [T1], TTL)
+    text = rig.fails(steps, Took(0.9 * T, [err(TRANSIENT["LOADING"])]), Always([err(TRANSIENT["LOADING"])]))
+    assert "retried" in text and sum(rig.pauses) == pytest.approx(0.1 * T, abs=0.002)
+    # A NotSent that came late: the one more try gets what is left of two timeouts.
+    assert rig.run(_call(ex, "set_nx"), Took(1.5 * T, NotSent("connection refused")), [b"OK"]) == b"OK"
+    assert rig.sends[1].timeout == pytest.approx(0.5 * T)
