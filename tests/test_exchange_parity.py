@@ -83,6 +83,18 @@ def always(match: tuple[bytes, ...], reply: bytes) -> Callable[[list[bytes], dic
     return answer
 
 
+def lua_free(command: list[bytes], scripts: dict[bytes, str]) -> bytes:
+    """A Redis 8.4 with DELEX and SET IFEQ: extend and release go without Lua."""
+    name = command[0].upper()
+    if name == b"INFO":
+        return bulk(b"# Server\r\nredis_version:8.4.0\r\nredis_mode:standalone\r\n")
+    if name == b"COMMAND":
+        return b"*2\r\n*-1\r\n*1\r\n$5\r\ndelex\r\n"  # DELIFEQ: none; DELEX: its info
+    if name == b"DELEX":
+        return b":1\r\n"
+    return honest(command, scripts)
+
+
 def acquire(backend: Any) -> object:
     return backend.acquire(K1, T1, TTL)
 
@@ -209,6 +221,17 @@ CASES: dict[str, Case] = {
         {"wait_replicas": 1, "wait_timeout": 0.1},
     ),
     # A reply of a shape the command never gets.
+    # The Lua-free extend and release: what they miss, or are refused OOM or WRONGTYPE on,
+    # once more by script.
+    "luafree-extend-missed": Case(_rules(on(b"SET", K1, reply=b"$-1\r\n")), extend, True, answer=lua_free),
+    "luafree-extend-oom": Case(_rules(on(b"SET", K1, reply=OOM)), extend, True, answer=lua_free),
+    "luafree-release-missed": Case(_rules(on(b"DELEX", K1, reply=b":0\r\n")), release, True, answer=lua_free),
+    "luafree-release-many-wrongtype": Case(
+        _rules(on(b"DELEX", K2, reply=b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n")),
+        release_many,
+        [True, True, True],
+        answer=lua_free,
+    ),
     # The C client words a reply of the wrong RESP2 type as if it were an error reply;
     # both fail the call at once, neither resends.
     "unexpected-extend": Case(
