@@ -7,7 +7,9 @@ one call each, checked before anything is sent: ``Request`` (lock, lock_wait),
 ``Taking`` (lock_many), ``Extending`` (extend_many), ``Releasing`` (unlock_many). The
 drivers in hotlock._cache and hotlock.aio._cache only send what these hold and hand them
 the replies; what must stay two (a def and an async def, the sync lock()'s hot path)
-keeps one signature, which tests/unit/test_twins.py holds them to.
+keeps one parameter list, the sync one's, which hotlock._twin gives the async twin (and
+CacheBase.lock_wait's to the module-level lock_wait); tests/unit/test_twins.py holds them
+to it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ._ident import new_tokens
 from ._keys import COUNT_SPACE, LOCK_SPACE, ONCE_SPACE, stored
 from ._lock import TAKEN, Lease, shown
 from ._scripts import KIND_CONFLICT
+from ._twin import forwards
 from ._validate import (
     DEFAULT_TTL,
     Seconds,
@@ -320,17 +323,9 @@ class CacheBase(Generic[L, Waited, Decorator]):
         return items, live
 
 
-def lock_wait(
-    cache: CacheBase[Any, Waited, Any],
-    key: str | bytes,
-    ttl: Seconds = DEFAULT_TTL,
-    wait: Seconds = 10.0,
-    *,
-    auto_extend: bool = False,
-    max_hold: Seconds | None = None,
-    limit: int = 1,
-) -> Waited:
+@forwards(CacheBase.lock_wait)
+def lock_wait(cache: CacheBase[Any, Waited, Any], **given: Any) -> Waited:
     """``cache.lock_wait(key, ttl, wait, auto_extend=..., max_hold=..., limit=...)``, for a
     hotlock.Cache (the Lock) or a hotlock.aio.AsyncCache (an Acquiring: await it, or use it
     with ``async with``)."""
-    return cache.lock_wait(key, ttl, wait, auto_extend=auto_extend, max_hold=max_hold, limit=limit)
+    return cache.lock_wait(**given)

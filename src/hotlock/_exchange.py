@@ -37,13 +37,13 @@ replies.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Final, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from . import _acquire
-from ._config import ServerConfig
 from ._credentials import is_auth_refusal
 from ._dialect import Detected, Dialect, by_script, extend_command, release_command, script_serves
 from ._ident import TOKEN_BYTES
@@ -56,12 +56,16 @@ from ._scripts import (
     EXTEND,
     RELEASE,
     RELEASE_SHARDED,
+    SCRIPTS,
     Script,
     held_value,
     resent,
 )
 from ._transient import TRANSIENT, Retrying, resend_until, tried
 from .errors import CacheError, ReplyError, cache_error, unconfirmed_extends, unreplicated
+
+if TYPE_CHECKING:
+    from ._config import ServerConfig
 
 __all__ = [
     "FRAME",
@@ -77,6 +81,7 @@ __all__ = [
     "Transaction",
     "any_refusal",
     "drive",
+    "drive_async",
     "is_anything",
     "is_count",
     "is_flag",
@@ -465,14 +470,12 @@ class Exchange(Detected):
 
         return (yield from self._call(what, key, once, resend))
 
-    def load_steps(self, scripts: Sequence[Script]) -> Steps[None]:
-        """Every script of ``scripts`` loaded, in one round trip (loading twice changes
-        nothing: a lost reply is resent)."""
-        loads: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in scripts]
-        shapes = [_loaded(s) for s in scripts]
+    def load_steps(self) -> Steps[None]:
+        """Every script loaded, in one round trip (loading twice changes nothing: a lost
+        reply is resent)."""
 
         def once(limit: float | None) -> Steps[None]:
-            _raise_first((yield Send(loads, shapes, limit)))
+            _raise_first((yield Send(_LOADS, _LOADED, limit)))
 
         yield from self._call("SCRIPT LOAD", None, once, True)
 
@@ -591,12 +594,14 @@ class Exchange(Detected):
         replies: list[Any] = yield Send(commands, shapes, limit)
         missing = [i for i, r in enumerate(replies[:n]) if isinstance(r, ReplyError) and r.code == "NOSCRIPT"]
         if missing:
-            # Restart, SCRIPT FLUSH or failover emptied the script cache.
-            load = (b"SCRIPT", b"LOAD", script.source)
-            again = [load, *(commands[i] for i in missing), *wait]
-            loaded, *redone = yield Send(again, [_loaded(script), *(shapes[i] for i in missing), *shapes[n:]], limit)
-            _raise_first([loaded])
-            resent(replies, missing, redone, n)
+            # Restart, SCRIPT FLUSH or failover emptied the script cache: every script
+            # loaded (one reload per flush, whichever call meets it first), then what did
+            # not run, in the same write.
+            loads = len(_LOADS)
+            again = [*_LOADS, *(commands[i] for i in missing), *wait]
+            replies_again = yield Send(again, [*_LOADED, *(shapes[i] for i in missing), *shapes[n:]], limit)
+            _raise_first(replies_again[:loads])
+            resent(replies, missing, replies_again[loads:], n)
         if decided.keep(todo, replies[:n]):
             decided.waits += [w for w in replies[n:] if not isinstance(w, ReplyError)]
         _raise_first(replies)
@@ -674,6 +679,10 @@ def _loaded(script: Script) -> Shape:
     return lambda reply: reply == script.sha
 
 
+_LOADS: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]
+_LOADED: list[Shape] = [_loaded(s) for s in SCRIPTS]
+
+
 class Running(Generic[T]):
     """A call's steps as a driver carries them out: ``for step in running`` gives each
     step, the driver hands back each one's outcome (``took``: a Send's replies, None after
@@ -720,6 +729,23 @@ def drive(steps: Steps[T], carry: Callable[[Send], list[Any]]) -> T:
     for step in running:
         try:
             running.took(_sleep(step.seconds) if isinstance(step, Pause) else carry(step))
+        except Failure as failure:
+            running.failed(failure)
+    return running.result
+
+
+async def _pause(seconds: float) -> Any:
+    await asyncio.sleep(seconds)
+    return None  # a Pause's outcome
+
+
+async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]]) -> T:
+    """Carry ``steps`` out on an asyncio transport: ``carry`` writes a
+    Send and returns its replies, or raises the Failure that lost them."""
+    running = Running(steps)
+    for step in running:
+        try:
+            running.took(await (_pause(step.seconds) if isinstance(step, Pause) else carry(step)))
         except Failure as failure:
             running.failed(failure)
     return running.result

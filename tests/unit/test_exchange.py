@@ -16,7 +16,7 @@ from hotlock import _exchange
 from hotlock._config import ServerConfig
 from hotlock._dialect import Dialect, detect
 from hotlock._exchange import Exchange, Failure, Lost, NotSent, Send, Steps, drive
-from hotlock._scripts import ACQUIRE, ACQUIRE_WAIT, EXTEND, RELEASE
+from hotlock._scripts import ACQUIRE, ACQUIRE_WAIT, EXTEND, RELEASE, SCRIPTS
 from hotlock.errors import CacheError, ReplyError, Unreplicated
 
 from .conftest import FakeClock
@@ -31,7 +31,7 @@ FENCE = 1764582723123456
 SERVER = "redis://fake:6379/0"
 
 REDIS7 = detect({"redis_version": "7.0.15"}, None, "auto")  # scripts for extend/release
-SCRIPTS = detect({"redis_version": "7.0.15"}, None, "always")  # the acquire by script too
+ALWAYS = detect({"redis_version": "7.0.15"}, None, "always")  # the acquire by script too
 NO_FENCES = detect({"redis_version": "7.0.15"}, None, "auto", fences=False)
 VALKEY9 = detect({"server_name": "valkey", "valkey_version": "9.0.0"}, {"DELIFEQ": True, "DELEX": False}, "auto")
 REDIS84 = detect({"redis_version": "8.4.0"}, {"DELIFEQ": False, "DELEX": True}, "auto")
@@ -57,6 +57,8 @@ def evalsha(script: Any, key: bytes, *args: bytes) -> tuple[bytes, ...]:
 
 
 WAIT = (b"WAIT", b"1", b"500")
+LOADS = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]  # after NOSCRIPT: every script
+SHAS = [s.sha for s in SCRIPTS]
 FREE = [b"OK", b"QUEUED", b"QUEUED", [b"OK", NOW]]  # the transaction took the key
 HELD = [b"OK", b"QUEUED", b"QUEUED", [None, NOW]]  # SET NX found the key
 
@@ -197,7 +199,7 @@ def test_the_waiting_forms_and_permits_go_by_script(rig: Rig) -> None:
     assert rig.run(acquire(ex, [K1], [ask]), [7]) == [7]
     assert rig.sent == [[evalsha(ACQUIRE, K1, ask, MS)]]
     # connect(scripts='always'): the plain acquire too.
-    ex = rig.exchange(SCRIPTS)
+    ex = rig.exchange(ALWAYS)
     assert rig.run(acquire(ex, [K1], [T1]), [7]) == [7]
     assert rig.sent == [[evalsha(ACQUIRE, K1, T1, MS)]]
 
@@ -374,35 +376,33 @@ def test_a_lost_reply_and_transient_replies_both_show_in_the_error(rig: Rig) -> 
 # -- NOSCRIPT ----------------------------------------------------------------------------------
 
 
-def test_noscript_loads_the_script_and_resends_only_the_missing_calls_in_one_send(rig: Rig) -> None:
+def test_noscript_loads_every_script_and_resends_only_the_missing_calls_in_one_send(rig: Rig) -> None:
     ex = rig.exchange()
     steps = ex.release_steps("release_many", [K1, K2, K3], [T1, T2, T3])
-    results = rig.run(steps, [noscript(), 1, noscript()], [RELEASE.sha, 0, 1])
+    results = rig.run(steps, [noscript(), 1, noscript()], [*SHAS, 0, 1])
     assert results == [False, True, True]
-    load = (b"SCRIPT", b"LOAD", RELEASE.source)
     assert rig.sent == [
         [evalsha(RELEASE, K1, T1), evalsha(RELEASE, K2, T2), evalsha(RELEASE, K3, T3)],
-        [load, evalsha(RELEASE, K1, T1), evalsha(RELEASE, K3, T3)],
+        [*LOADS, evalsha(RELEASE, K1, T1), evalsha(RELEASE, K3, T3)],
     ]
 
 
 def test_noscript_under_wait_replicas_sends_the_wait_behind_the_missing_calls(rig: Rig) -> None:
-    ex = rig.exchange(SCRIPTS, wait_replicas=1)
-    results = rig.run(acquire(ex, [K1, K2], [T1, T2]), [7, noscript(), 1], [ACQUIRE.sha, 8, 1])
+    ex = rig.exchange(ALWAYS, wait_replicas=1)
+    results = rig.run(acquire(ex, [K1, K2], [T1, T2]), [7, noscript(), 1], [*SHAS, 8, 1])
     assert results == [7, 8]
-    load = (b"SCRIPT", b"LOAD", ACQUIRE.source)
     assert rig.sent == [
         [evalsha(ACQUIRE, K1, T1, MS), evalsha(ACQUIRE, K2, T2, MS), WAIT],
-        [load, evalsha(ACQUIRE, K2, T2, MS), WAIT],
+        [*LOADS, evalsha(ACQUIRE, K2, T2, MS), WAIT],
     ]
 
 
 def test_noscript_on_extend_and_after_a_held_key(rig: Rig) -> None:
     ex = rig.exchange()
-    assert rig.run(ex.extend_steps("extend", [K1], [T1], TTL), [noscript()], [EXTEND.sha, 1]) == [True]
-    assert rig.sent[1] == [(b"SCRIPT", b"LOAD", EXTEND.source), evalsha(EXTEND, K1, T1, MS)]
-    assert rig.run(acquire(ex, [K1], [T1]), HELD, [noscript()], [ACQUIRE.sha, -5]) == [-5]
-    assert rig.sent[2] == [(b"SCRIPT", b"LOAD", ACQUIRE.source), evalsha(ACQUIRE, K1, T1, MS)]
+    assert rig.run(ex.extend_steps("extend", [K1], [T1], TTL), [noscript()], [*SHAS, 1]) == [True]
+    assert rig.sent[1] == [*LOADS, evalsha(EXTEND, K1, T1, MS)]
+    assert rig.run(acquire(ex, [K1], [T1]), HELD, [noscript()], [*SHAS, -5]) == [-5]
+    assert rig.sent[2] == [*LOADS, evalsha(ACQUIRE, K1, T1, MS)]
 
 
 # -- the Lua-free extend and release ----------------------------------------------------------

@@ -11,12 +11,14 @@ Runs on asyncio and on uvloop alike. A cache belongs to the event loop it was co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from .. import connect as sync_connect
 from .._connect import connect_arguments, in_process, open_async_detected
 from .._core import lock_wait
 from .._lazy import AsyncLazyBackend
+from .._twin import takes
 from .._validate import Seconds
 from ..backends.memory_async import AsyncMemoryBackend
 from ..backends.native import native_aio
@@ -25,7 +27,6 @@ from ._lock import AsyncLock
 from ._metered import MeteredAsyncCache
 
 if TYPE_CHECKING:
-    from .._credentials import CredentialProvider
     from ..backends import AsyncBackend
     from ..metrics import Listener
 
@@ -35,23 +36,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-async def connect(
-    url: str | None = None,
-    *,
-    prefix: str | bytes = "hotlock:",
-    connect_timeout: float = 2.0,
-    timeout: float = 2.0,
-    backend: str | None = None,
-    wait_replicas: int = 0,
-    wait_timeout: float | None = None,
-    scripts: str = "auto",
-    fences: bool = True,
-    metrics: Listener | Sequence[Listener] | None = None,
-    wakeups: bool = True,
-    lazy: bool = False,
-    credential_provider: CredentialProvider | None = None,
-    reauth_interval: float | None = None,
-) -> AsyncCache:
+@takes(sync_connect)
+async def connect(**given: Any) -> AsyncCache:
     """Connect to Redis at ``url`` (else ``CACHE_URL``), or fall back to an in-process cache.
 
     hotlock.connect()'s arguments, checks and log lines (see its docstring). ``backend``
@@ -67,11 +53,12 @@ async def connect(
     before any loop runs (``await`` it there anyway; it returns at once). A failure to connect
     is that call's CacheError; the next call tries again.
     """
-    # Its arguments by name, before any other local exists: checked in one place for both APIs.
-    raw_prefix, config, listener = connect_arguments(**locals())
+    # Checked in one place for both APIs.
+    raw_prefix, config, listener = connect_arguments(**given)
+    backend, scripts, fences = given["backend"], given["scripts"], given["fences"]
     if config is None:
-        return _cache(in_process(AsyncMemoryBackend(), scripts, fences), raw_prefix, listener, timeout)
-    if lazy:
+        return _cache(in_process(AsyncMemoryBackend(), scripts, fences), raw_prefix, listener, given["timeout"])
+    if given["lazy"]:
         return _cache(AsyncLazyBackend(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
     return _cache(await open_async_detected(config, backend, scripts, fences), raw_prefix, listener, config.timeout)
 

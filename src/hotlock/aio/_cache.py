@@ -11,12 +11,14 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
+from .._cache import Cache
 from .._core import ONCE, CacheBase, Extending, Releasing, Request
 from .._decorate import Locking
 from .._ident import new_token
 from .._renewer import warn_unreleased
 from .._scripts import permit_ask
-from .._validate import DEFAULT_TTL, Seconds
+from .._twin import takes_method
+from .._validate import Seconds
 from .._waiting import FIRST, Joining, Step, Waiting
 from ..backends.wakeup_async import AsyncSlot, AsyncWaiter
 from ..errors import Unreplicated
@@ -64,15 +66,8 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
 
     # -- locks ------------------------------------------------------------------------
 
-    def lock(
-        self,
-        key: str | bytes,
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-        limit: int = 1,
-    ) -> Acquiring:
+    @takes_method(Cache.lock)
+    def lock(self, *, key: Any, ttl: Any, auto_extend: Any, max_hold: Any, limit: Any) -> Acquiring:
         """Try once: ``await cache.lock(key)`` gives an AsyncLock or raises LockNotAcquired;
         ``async with cache.lock(key):`` also releases it however the block ends.
 
@@ -179,14 +174,8 @@ class AsyncCache(CacheBase[AsyncLock, "Acquiring", AsyncDecorate]):
 
         return decorate
 
-    async def lock_many(
-        self,
-        keys: Iterable[str | bytes],
-        ttl: Seconds = DEFAULT_TTL,
-        *,
-        auto_extend: bool = False,
-        max_hold: Seconds | None = None,
-    ) -> list[AsyncLock | None]:
+    @takes_method(Cache.lock_many)
+    async def lock_many(self, *, keys: Any, ttl: Any, auto_extend: Any, max_hold: Any) -> list[AsyncLock | None]:
         """As hotlock.Cache.lock_many(), awaited: an AsyncLock per key, or None where held
         elsewhere; interrupted (cancelled, or failed), it releases in the background
         whatever it may have taken."""

@@ -141,6 +141,16 @@ _MAX_CLIENTS = getattr(redis.exceptions, "MaxClientsReachedError", None)
 REFUSALS: tuple[type[BaseException], ...] = (AuthenticationError,) + (() if _MAX_CLIENTS is None else (_MAX_CLIENTS,))
 
 
+def failure_kind(exc: BaseException) -> type[Failure]:
+    """What a redis-py failure is to hotlock._exchange: nothing of the call ran (NotSent:
+    a new connection's handshake lost its reply, or the server no longer holds a live
+    connection authenticated), its reply lost (Lost), or an answer no retry mends (a
+    refusal at connect, a reply out of shape). Shared with redispy_async."""
+    if isinstance(exc, HandshakeLost | AuthLost):
+        return NotSent
+    return Lost if isinstance(exc, AMBIGUOUS) and not refused(exc) else Failure
+
+
 def refused(exc: BaseException) -> bool:
     """Whether ``exc`` is a refusal, not a lost reply: a wrong password, no room for one more
     client, a TLS failure (tls_refused). Never retried. Shared with aio/_redispy."""
@@ -518,10 +528,8 @@ class RedisPyBackend(Exchange):
         reset = None if step.timeout is None else _RETRY_UNTIL.set(time.monotonic() + step.timeout)
         try:
             return self._send(step.commands, step.shapes, step.timeout, step.frame)
-        except (HandshakeLost, AuthLost) as exc:
-            raise NotSent(describe(exc)) from exc
         except (RedisError, OSError) as exc:
-            kind = Lost if isinstance(exc, AMBIGUOUS) and not refused(exc) else Failure
+            kind = failure_kind(exc)
             raise kind(f"{describe(exc)}{tls_hint(self._config, exc)}") from exc
         finally:
             if reset is not None:
@@ -531,7 +539,7 @@ class RedisPyBackend(Exchange):
         return drive(steps, self._carry)
 
     def _load_scripts(self) -> None:
-        self._run(self.load_steps(SCRIPTS))
+        self._run(self.load_steps())
 
     # -- the Backend interface --------------------------------------------------------
 

@@ -34,10 +34,10 @@ from .._exchange import (
     Exchange,
     Failure,
     Lost,
-    NotSent,
     Send,
     Steps,
     any_refusal,
+    drive_async,
     is_anything,
     is_frame,
     is_int,
@@ -52,21 +52,19 @@ from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .redispy import (
     AMBIGUOUS,
     AuthLost,
-    HandshakeLost,
     StrayReply,
     UnexpectedReply,
     connection_kwargs,
     describe,
+    failure_kind,
     lost_handshake,
     reauth_due,
     refusal_text,
-    refused,
     reply_error,
     tls_hint,
 )
 from .retry_async import (
     InFlight,
-    drive_async,
     info_fields,
     retry_until,
     within,
@@ -408,17 +406,11 @@ class RedisAsyncBackend(Exchange):
             work = self._execute(step)
             return await (work if step.timeout is None else within(work, step.timeout))
         except TimeoutError as exc:  # the step's own time ran out (within)
-            failure: BaseException = RedisTimeoutError()
-            kind: type[Failure] = Lost
-            cause: BaseException = exc
-        except (HandshakeLost, AuthLost) as exc:
-            failure, kind, cause = exc, NotSent, exc
+            raise (Failure if self._closing else Lost)(describe(RedisTimeoutError())) from exc
         except (RedisError, OSError) as exc:
-            lost = isinstance(exc, AMBIGUOUS) and not refused(exc)
-            failure, kind, cause = exc, Lost if lost else Failure, exc
-        if self._closing:
-            kind = Failure  # close() ends the calls in flight: no second try
-        raise kind(f"{describe(failure)}{tls_hint(self._config, failure)}") from cause
+            # close() ends the calls in flight: no second try.
+            kind = Failure if self._closing else failure_kind(exc)
+            raise kind(f"{describe(exc)}{tls_hint(self._config, exc)}") from exc
 
     async def _execute(self, step: Send) -> list[Any]:
         """The commands written at once on one connection and every reply read, error
@@ -487,7 +479,7 @@ class RedisAsyncBackend(Exchange):
             await self._pool.disconnect()
 
     async def _load_scripts(self) -> None:
-        await self._run(self.load_steps(SCRIPTS))
+        await self._run(self.load_steps())
 
     # -- the AsyncBackend interface ---------------------------------------------------
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from .._config import ServerConfig
-from .._exchange import Failure, Pause, Running, Send, Steps
 from .._ident import TOKEN_BYTES
 from .._transient import resend_until
 from ..errors import CacheError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
 
 __all__ = [
     "InFlight",
-    "drive_async",
     "info_fields",
     "retry_until",
     "unconfirmed",
@@ -95,23 +93,6 @@ else:
         # An abandoned task's outcome, taken so that asyncio does not log it as never retrieved.
         if not task.cancelled():
             task.exception()
-
-
-async def _pause(seconds: float) -> Any:
-    await asyncio.sleep(seconds)
-    return None  # a Pause's outcome
-
-
-async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]]) -> T:
-    """Carry hotlock._exchange's ``steps`` out on an asyncio transport: ``carry`` writes a
-    Send and returns its replies, or raises the Failure that lost them."""
-    running = Running(steps)
-    for step in running:
-        try:
-            running.took(await (_pause(step.seconds) if isinstance(step, Pause) else carry(step)))
-        except Failure as failure:
-            running.failed(failure)
-    return running.result
 
 
 class InFlight:
