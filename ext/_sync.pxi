@@ -599,6 +599,19 @@ cdef inline bint _is_error(redisReply *r, const char *prefix, size_t n) noexcept
     return r.type == REDIS_REPLY_ERROR and r.len >= n and memcmp(r.str, prefix, n) == 0
 
 
+cdef str _unexpected(str command, redisReply *r):
+    """= hotlock.backends.redispy.UnexpectedReply's words for a reply of a kind ``command``
+    never gets: an integer or nil shown, anything else only by its kind (it might echo a
+    token, which no error message may hold)."""
+    if r.type == REDIS_REPLY_INTEGER:
+        shown = str(r.integer)
+    elif r.type == REDIS_REPLY_NIL:
+        shown = "None"
+    else:
+        shown = "a list" if r.type == REDIS_REPLY_ARRAY else "a bytes"
+    return f"unexpected reply to {command}: {shown}"
+
+
 cdef str _io_text(redisContext *ctx):
     if hotlock_timed_out(ctx):
         return "no reply within the timeout"
@@ -1150,6 +1163,7 @@ cdef class NativeBackend:
         cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
         cdef bint reauthed = False  # the one reconnect after NOAUTH/WRONGPASS is spent
+        cdef bint unexpected = False  # a reply of a kind its command never gets: the connection is dropped
         # The fewest replicas a WAIT confirmed, over the rounds that decided a call (-1: none yet).
         cdef long long replicas = -1
         cdef Py_ssize_t i, j, k, sent, calls, missing, refused, scripted
@@ -1280,6 +1294,11 @@ cdef class NativeBackend:
                         # and the caller sends it again by script.
                         values[i] = 0
                         todo[i] = 0
+                    elif error is None and r.type != REDIS_REPLY_ERROR:
+                        unexpected = True
+                        command = "EVALSHA" if not plain else "SET" if sha is _SHA_EXTEND else (
+                            "DELIFEQ" if plain == _PLAIN_DELIFEQ else "DELEX")
+                        error = (_unexpected(command, r), keys if single else keys[i])
                     elif error is None:
                         error = (self._reply_error(conn, r), keys if single else keys[i])
                     while k > 0:
@@ -1293,12 +1312,17 @@ cdef class NativeBackend:
                         # (every transaction left to the script, say).
                         if took and (replicas < 0 or r.integer < replicas):
                             replicas = r.integer
+                    elif error is None and r.type != REDIS_REPLY_ERROR:
+                        unexpected = True
+                        error = (_unexpected("WAIT", r), err_key)
                     elif error is None and not (refused and _auth_refused(r)):
                         error = (self._reply_error(conn, r), err_key)
                     freeReplyObject(r)
                 if no_multi is not None:
                     self._refuse_multi(no_multi)
                 if error is not None:
+                    if unexpected:
+                        _drop(conn)
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
                 if refused:
                     # NOAUTH/WRONGPASS: this connection is not authenticated (credentials
