@@ -1625,6 +1625,9 @@ cdef class NativeBackend:
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
         if isinstance(reply, _ReplyError):
             raise cache_error(f"set_nx failed: {reply.text}", self.server, key)
+        if reply is not None and reply != b"OK":
+            # Not SET NX's OK or nil: shown by its kind only, as every path shows one.
+            raise cache_error("set_nx failed: unexpected reply to SET", self.server, key)
         return reply is not None
 
     def incr(self, bytes key not None, long long amount):
