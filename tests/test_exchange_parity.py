@@ -55,7 +55,8 @@ class Case:
     # budget, so the two paths' counts may differ (each is checked against its own text).
     jittered: bool = False
     # Where the two paths differ on purpose or by a known gap: each one's own outcome (as
-    # run() gives it), checked instead of their agreement. Every entry says why.
+    # run() gives it), checked instead of their agreement (the commands not compared).
+    # Every entry says why.
     differs: dict[str, object] | None = None
     warned: int = 0  # the WARNINGs the call logs (the refused MULTI's, once)
 
@@ -243,6 +244,22 @@ CASES: dict[str, Case] = {
         _rules(on(b"EVALSHA", RELEASE.sha, reply=b"*1\r\n:1\r\n")),
         release,
         (CacheError, "release failed: unexpected reply to EVALSHA: a list on key"),
+    ),
+    "unexpected-incr": Case(
+        _rules(on(b"INCRBY", reply=bulk(b"abc"))), incr, (CacheError, "incr failed: unexpected reply")
+    ),
+    "unexpected-set_nx": Case(
+        _rules(on(b"SET", reply=bulk(b"abc"))), set_nx, (CacheError, "set_nx failed: unexpected reply")
+    ),
+    # A transient reply to one transaction of a batch: the C client sends that one again,
+    # the Python core every one (a Transaction per try: an acquire resent with its own
+    # token is still one lock, so the outcome agrees; the keys that were taken then cost
+    # the ACQUIRE script a round trip, which finds their own tokens).
+    "transient-acquire-many": Case(
+        _rules(on(b"SET", K2, reply=LOADING)),
+        lambda backend: backend.acquire_many([K1, K2, K3], [T1, T2, T3], TTL),
+        [FENCE, fence_of(K2), fence_of(K3)],
+        differs={"redis-py": [FENCE, fence_of(K2), fence_of(K3)], "native": [FENCE, fence_of(K2), fence_of(K3)]},
     ),
     # EXEC's reply with an integer in TIME's place: the C client leaves the key to the
     # ACQUIRE script (hotlock._acquire.read's rule for a shape no server sends), the Python
