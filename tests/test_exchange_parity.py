@@ -196,6 +196,23 @@ CASES: dict[str, Case] = {
         extend,
         (CacheError, "extend failed: the server replied OOM command not allowed"),
     ),
+    # An error reply in a batch: the C client names the key of the call it came to, the
+    # Python core no key (key=None for a batch, as every Python path's batch error).
+    "oom-release-many": Case(
+        _rules(on(b"EVALSHA", RELEASE.sha, b"1", K2, reply=OOM)),
+        release_many,
+        None,
+        differs={
+            "redis-py": (
+                "CacheError",
+                f"release_many failed: the server replied {OOM[1:-2].decode()} (server <server>)",
+            ),
+            "native": (
+                "CacheError",
+                f"release_many failed: the server replied {OOM[1:-2].decode()} on key 'parity:k2' (server <server>)",
+            ),
+        },
+    ),
     # MULTI refused alone: SET and TIME ran on their own; this acquire and every later one by script.
     "multi-refused": Case(
         _rules(
