@@ -13,7 +13,7 @@ from .._config import ServerConfig
 from .._exchange import Failure, Pause, Running, Send, Steps
 from .._ident import TOKEN_BYTES
 from .._transient import resend_until
-from ..errors import CacheError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
+from ..errors import CacheError, ReplyError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
 
 __all__ = [
     "InFlight",
@@ -102,14 +102,18 @@ async def _pause(seconds: float) -> Any:
     return None  # a Pause's outcome
 
 
-async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]]) -> T:
+async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]], carried: Any = None) -> T:
     """Carry hotlock._exchange's ``steps`` out on an asyncio transport: ``carry`` writes a
-    Send and returns its replies, or raises the Failure that lost them."""
+    Send and returns its replies, or raises the Failure that lost them (or a handshake's
+    ReplyError: hotlock._exchange). ``carried``: the outcome of the first Send, which the
+    transport carried out already (Running.carried)."""
     running = Running(steps)
+    if carried is not None:
+        running.carried(carried)
     for step in running:
         try:
             running.took(await (_pause(step.seconds) if isinstance(step, Pause) else carry(step)))
-        except Failure as failure:
+        except (Failure, ReplyError) as failure:
             running.failed(failure)
     return running.result
 
