@@ -15,7 +15,6 @@ take. A transaction's replies are read in C (AioCore.acquire_many) and handed ba
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -49,8 +48,6 @@ from .retry_async import drive_async, info_fields, retry_until, within
 from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend"]
-
-log = logging.getLogger("hotlock")
 
 T = TypeVar("T")
 
