@@ -509,6 +509,16 @@ class Exchange(Detected):
             return release_command(self.dialect, key, token)
         return (b"EVALSHA", RELEASE.sha, b"1", key, token)
 
+    def extend_first(self, key: bytes, token: bytes, ttl_ms: int) -> Send | None:
+        """The Send an extend of one key begins with, one command; a reply in its shape
+        that is OK (SET IFEQ) or 1 (the script) settles the extend: True. None under
+        wait_replicas: a WAIT rides behind it."""
+        if self._wait_replicas:
+            return None
+        if self.dialect.lua_free and not by_script((token,)):
+            return Send([extend_command(key, token, ttl_ms)], [is_ok_or_nil], None)
+        return Send([(b"EVALSHA", EXTEND.sha, b"1", key, token, b"%d" % ttl_ms)], [is_flag], None)
+
     def retry_until(self, wait_ms: int = 0) -> float:
         """Until when a call begun now may be resent (hotlock._transient.resend_until)."""
         return resend_until(self.clock(), wait_ms / 1000.0, self._timeout)
@@ -725,7 +735,7 @@ class Running(Generic[T]):
 
     def carried(self, outcome: Any) -> None:
         """The first step, a Send, was carried out before the steps ran (a transport's
-        shortcut: Exchange.transacts, release_first): skipped, and ``outcome`` (its
+        shortcut: Exchange.transacts, release_first, extend_first): skipped, and ``outcome`` (its
         replies, or the Failure that lost them) handed back in its place."""
         next(self)
         if isinstance(outcome, Failure | ReplyError):

@@ -78,6 +78,25 @@ def test_release_first_is_what_a_release_sends_first_and_its_1_settles_it(dialec
     assert finish(ex.release_steps("release", [b"k"], [token]), [1]) == [True]
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("token", [TOKEN, PERMIT])
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_extend_first_is_what_an_extend_sends_first_and_its_settling_reply_settles_it(
+    dialect: Dialect, token: bytes, wait_replicas: int
+) -> None:
+    ex = exchange(dialect, wait_replicas)
+    shortcut = ex.extend_first(b"k", token, 30000)
+    step = first(ex.extend_steps("extend", [b"k"], [token], 30000))
+    if wait_replicas:
+        assert shortcut is None and len(step.commands) == 2  # the WAIT behind
+        return
+    assert shortcut is not None
+    assert (step.commands, step.shapes) == (shortcut.commands, shortcut.shapes)
+    settling = b"OK" if shortcut.shapes[0](b"OK") else 1
+    assert shortcut.shapes[0](settling)
+    assert finish(ex.extend_steps("extend", [b"k"], [token], 30000), [settling]) == [True]
+
+
 def test_a_carried_lost_reply_is_resent_and_a_carried_refusal_goes_by_script() -> None:
     ex = exchange(DIALECTS[1])
     steps = ex.acquire_steps("acquire", [b"k"], [TOKEN], 30000)

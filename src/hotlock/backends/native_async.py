@@ -357,7 +357,7 @@ class NativeAsyncBackend(Exchange):
         return replies
 
     # -- the AsyncBackend interface ---------------------------------------------------
-    # The common acquire and release take a shortcut (hotlock._exchange: a transport's
+    # The common acquire, extend and release take a shortcut (hotlock._exchange: a transport's
     # shortcut): one C call on the live connection, no steps, when no Sentinel watch or
     # AUTH again is to come first; any reply but the one that settles the call, and any
     # failure, is handed to the steps, which go on from there.
@@ -385,7 +385,19 @@ class NativeAsyncBackend(Exchange):
         return await self._run(self.acquire_steps("acquire_many", list(keys), list(tokens), ttl_ms))
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
-        return (await self._run(self.extend_steps("extend", [key], [token], ttl_ms)))[0]
+        proto = self._proto
+        carried: Any = None
+        first = self.extend_first(key, token, ttl_ms)
+        if proto is not None and self._direct and first is not None and proto.usable():
+            try:
+                reply = await proto.execute(*first.commands[0])
+            except _LOST as exc:
+                carried = _lost(exc)
+            else:
+                if (reply == b"OK" or (reply == 1 and type(reply) is int)) and first.shapes[0](reply):
+                    return True
+                carried = self._settled(proto, [reply], first.shapes)
+        return (await self._run(self.extend_steps("extend", [key], [token], ttl_ms), carried))[0]
 
     async def extend_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[bool]:
         return await self._run(self.extend_steps("extend_many", list(keys), list(tokens), ttl_ms))
