@@ -9,7 +9,9 @@ redis-py backends; this module owns the connection: connecting (AUTH, SELECT, sc
 loads in one round trip), reconnecting after a broken one, following the Sentinel
 primary, AUTH again when due, retiring it after a transient, NOAUTH or READONLY reply,
 checking each reply's shape, and turning what a write lost into the Failure the steps
-take. A transaction's replies are read in C (AioCore.acquire_many) and handed back decided.
+take. A transaction's replies are read in C (AioCore.acquire_many) and handed back decided,
+and the common acquire, extend and release of one key are one C call with no steps when
+the reply settles them (hotlock._exchange: a transport's shortcut).
 """
 
 from __future__ import annotations
