@@ -8,8 +8,9 @@
 # order on a connection. Only the public loop API is used (create_future, call_soon,
 # call_at, time, transport.write/abort/close), so asyncio and uvloop run it unchanged.
 #
-# It knows bytes, ints and futures, and nothing of locks: retries, NOSCRIPT recovery,
-# reconnection and error wording live in src/hotlock/backends/native_async.py.
+# It knows bytes, ints and futures, and nothing of locks: retries, NOSCRIPT recovery and
+# error wording live in src/hotlock/_exchange.py, reconnection in
+# src/hotlock/backends/native_async.py.
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE

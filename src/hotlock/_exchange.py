@@ -4,7 +4,8 @@
 Every call of a single-server Python backend (redis-py sync and async, the extension's
 asyncio client) is a generator of steps written here once, and the backend only carries
 them out: it writes a ``Send``'s commands on one connection and sends the replies back in
-(error replies in place, as ``ReplyError``), or throws in the ``Failure`` that lost them;
+(error replies in place, as ``ReplyError``), or throws in the ``Failure`` that lost them
+(or the ``ReplyError`` a new connection's handshake got in their place: none of them ran);
 it sleeps a ``Pause``. The generator's return value is the call's result; a ``CacheError``
 (or ``Unreplicated``) it raises is the call's error. The sync drivers loop with
 ``generator.send``, the async ones await the same steps.
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME",
+    "Decided",
     "Exchange",
     "Failure",
     "Lost",
@@ -243,9 +245,9 @@ _TRANSACTION_REPLY: list[Shape] = [_is_ok, _is_queued_set, _is_queued_time, _is_
 _SET_REPLY: list[Shape] = [is_ok_or_nil]  # connect(fences=False): SET NX PX alone
 
 
-class Transaction:
-    """The acquires of some keys by hotlock._acquire's transaction: what to send and what
-    the replies say.
+class Transaction(Send):
+    """The acquires of some keys by hotlock._acquire's transaction, as the Send of them,
+    and what the replies say.
 
     ``commands`` go in one write (every key's transaction, then ``wait``: the WAIT of
     wait_replicas, which confirms the SETs before it on its connection); ``read`` takes the
@@ -253,26 +255,32 @@ class Transaction:
     (with their own WAIT), and ``scripted`` takes their results. ``outcome`` is then what
     one acquire by script gives: each key's result, and the WAIT reply ([] without
     wait_replicas). Under connect(fences=False) each key's transaction is SET NX PX alone
-    (one reply)."""
+    (one reply).
 
-    __slots__ = ("_n", "_per", "_waits", "commands", "frame", "refused", "results", "shapes")
+    A transport that reads a transaction's replies itself (the extension's asyncio client,
+    in C by hotlock._acquire's rules: AioCore.acquire_many) may write this Send from
+    ``keys``, ``tokens``, ``ttl_ms``, ``fenced`` and ``wait`` and send back a Decided."""
+
+    __slots__ = ("_n", "_per", "_waits", "fenced", "keys", "refused", "results", "tokens", "ttl_ms", "wait")
 
     def __init__(
         self,
-        keys: Sequence[bytes],
-        tokens: Sequence[bytes],
+        keys: list[bytes],
+        tokens: list[bytes],
         ttl_ms: int,
         wait: list[tuple[bytes, ...]],
         fenced: bool,
+        timeout: float | None,
     ) -> None:
+        self.keys, self.tokens, self.ttl_ms, self.wait, self.fenced = keys, tokens, ttl_ms, wait, fenced
         self._n = len(keys)
         self._per = 4 if fenced else 1  # replies per key
-        self.commands: list[tuple[bytes, ...]] = [
+        commands: list[tuple[bytes, ...]] = [
             command for k, t in zip(keys, tokens, strict=True) for command in _acquire.commands(k, t, ttl_ms, fenced)
         ]
-        self.commands += wait
-        self.shapes = (_TRANSACTION_REPLY if fenced else _SET_REPLY) * self._n + [is_count] * len(wait)
-        self.frame = not fenced  # EXEC's reply frames the write; bare SETs do not
+        shapes = (_TRANSACTION_REPLY if fenced else _SET_REPLY) * self._n + [is_count] * len(wait)
+        # EXEC's reply frames the write; bare SETs do not.
+        super().__init__(commands + wait, shapes, timeout, not fenced)
         self.results: list[int] = []
         # MULTI's error reply when it was refused alone: this server takes no transaction
         # from us, and every later acquire goes by script.
@@ -280,23 +288,31 @@ class Transaction:
         self._waits: list[int] = []
 
     def read(self, replies: list[Any]) -> list[int]:
-        """The transactions' replies: the indices of the keys that go by script next. The
-        first error reply is raised, to be treated as a script's (transient, NOAUTH...)."""
-        per = self._per
-        fours = [replies[per * i : per * i + per] for i in range(self._n)]
-        # Noted before any error is raised: the next acquire goes by script.
-        self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, ReplyError)), None)
+        """The transactions' replies (or a Decided): the indices of the keys that go by
+        script next. The first error reply is raised, to be treated as a script's
+        (transient, NOAUTH...)."""
+        n = self._n
+        answers: list[int | BaseException]
+        if type(replies) is Decided:
+            answers = replies[:n]
+            self.refused = replies.refused
+        else:
+            per = self._per
+            fours = [replies[per * i : per * i + per] for i in range(n)]
+            # Noted before any error is raised: the next acquire goes by script.
+            self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, ReplyError)), None)
+            answers = [_acquire.read(four, ReplyError) for four in fours]
         rest: list[int] = []
-        for i, four in enumerate(fours):
-            result = _acquire.read(four, ReplyError)
+        for i, result in enumerate(answers):
             if isinstance(result, BaseException):
                 raise result
-            self.results.append(result)
-            if result == _acquire.SCRIPT:
+            if result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
+                result = _acquire.SCRIPT
                 rest.append(i)
-        waits = replies[per * self._n :]
+            self.results.append(result)
+        waits = replies[len(replies) - len(self.wait) :]
         _raise_first(waits)
-        if len(rest) < self._n:
+        if len(rest) < n:
             # A key was taken: this WAIT confirms it. One that took nothing confirms
             # nothing of ours (the script's own WAIT covers the keys it decides, and a
             # SET run outside a refused MULTI too: the script writes after it).
@@ -314,7 +330,7 @@ class Transaction:
         return self.results, [min(self._waits)] if self._waits else []
 
 
-class _Decided:
+class _Kept:
     """What the earlier tries of one call decided of its batch, kept so that a try after
     an error reply to some of its calls (transient, NOAUTH: they did not run) sends only
     those again, never a call that ran (a release run twice says False for the key it
@@ -339,6 +355,19 @@ class _Decided:
                 self.replies[i] = reply
                 kept = True
         return kept
+
+
+class Decided(list[Any]):
+    """A Transaction's replies as a transport that reads them itself sends them back: each
+    key's answer (the fence, SCRIPT, -1 for SCRIPT after a MULTI refused alone, or the
+    error reply), then the replies to its ``wait``; ``refused``: the MULTI refusal, as a
+    ReplyError, when an answer is -1."""
+
+    __slots__ = ("refused",)
+
+    def __init__(self, replies: list[Any], refused: ReplyError | None) -> None:
+        super().__init__(replies)
+        self.refused = refused
 
 
 def _raise_first(replies: list[Any]) -> None:
@@ -410,15 +439,15 @@ class Exchange(Detected):
         # so one write carries every extend and the one WAIT behind them.
         if self.dialect.lua_free and not by_script(tokens) and not self._wait_replicas:
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-            decided = _Decided()
-            done = yield from self._call(what, key, lambda limit: self._lua_free(sets, is_ok_or_nil, limit, decided))
+            kept = _Kept()
+            done = yield from self._call(what, key, lambda limit: self._lua_free(sets, is_ok_or_nil, limit, kept))
             # SET IFEQ compares the whole value: one a waiter marked ('+') is extended by
             # the script, which accepts the mark (only under contention, or when lost).
             return (yield from self._missed(what, key, done, EXTEND, keys, tokens, (ms,), False))
         calls = [(k, t, ms) for k, t in zip(keys, tokens, strict=True)]
         wait = self._wait_command(EXTEND)
-        decided = _Decided()
-        replies = yield from self._call(what, key, lambda limit: self._scripts(EXTEND, calls, limit, wait, decided))
+        kept = _Kept()
+        replies = yield from self._call(what, key, lambda limit: self._scripts(EXTEND, calls, limit, wait, kept))
         results = [bool(r) for r in replies[: len(calls)]]
         if wait and replies[-1] < self._wait_replicas and any(results):
             # If the release fails too, the keys expire by their TTL; the leases are lost either way.
@@ -432,16 +461,16 @@ class Exchange(Detected):
         key = keys[0] if len(keys) == 1 else None
         if self.dialect.lua_free and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            decided = _Decided()
-            done = yield from self._call(what, key, lambda limit: self._lua_free(dels, is_flag, limit, decided), True)
+            kept = _Kept()
+            done = yield from self._call(what, key, lambda limit: self._lua_free(dels, is_flag, limit, kept), True)
             # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
             # by the script, which accepts the mark and wakes the waiter (only under
             # contention, or when the lock was lost anyway).
             return (yield from self._missed(what, key, done, RELEASE, keys, tokens, (), True))
         calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        decided = _Decided()
+        kept = _Kept()
         replies = yield from self._call(
-            what, key, lambda limit: self._scripts(RELEASE, calls, limit, None, decided), True
+            what, key, lambda limit: self._scripts(RELEASE, calls, limit, None, kept), True
         )
         return [bool(r) for r in replies]
 
@@ -478,6 +507,53 @@ class Exchange(Detected):
             _raise_first((yield Send(_LOADS, _LOADED, limit)))
 
         yield from self._call("SCRIPT LOAD", None, once, True)
+
+    def connect_steps(self) -> Steps[None]:
+        """A connection made, for a transport whose handshake is a round trip of its own
+        (the extension's asyncio client: AUTH, SELECT and the script loads in one write): a
+        Send of no commands, under the rules of any call (a handshake that lost its reply
+        is NotSent, one that got a transient reply goes again after a pause)."""
+
+        def once(limit: float | None) -> Steps[None]:
+            yield Send([], [], limit)
+
+        yield from self._call("connect", None, once)
+
+    # -- a transport's shortcut -----------------------------------------------------------
+    # The common acquire and release are one write whose reply settles the call. A
+    # transport that writes that first Send more cheaply than a driver runs the steps (the
+    # extension's asyncio client: one C call, no generator) may write it itself, return
+    # the result when the reply settles the call, and otherwise run the steps with that
+    # Send's outcome carried in (Running.carried): they go on as if they had sent it.
+
+    def transacts(self, script: Script, token: bytes) -> bool:
+        """Whether an acquire of one key by ``script`` with ``token`` begins with the
+        one-key Transaction, and ends with it when that takes the key: its fence (> 0) is
+        then the result (no WAIT behind it)."""
+        return (
+            script is ACQUIRE
+            and self._transactions
+            and not self._wait_replicas
+            and self.dialect.transaction
+            and len(token) == TOKEN_BYTES
+        )
+
+    def release_first(self, key: bytes, token: bytes) -> tuple[bytes, ...]:
+        """The one command a release of one key begins with (its reply is_flag's); a reply
+        of 1 settles the release: True."""
+        if self.dialect.lua_free and not by_script((token,)):
+            return release_command(self.dialect, key, token)
+        return (b"EVALSHA", RELEASE.sha, b"1", key, token)
+
+    def extend_first(self, key: bytes, token: bytes, ttl_ms: int) -> Send | None:
+        """The Send an extend of one key begins with, one command; a reply in its shape
+        that is OK (SET IFEQ) or 1 (the script) settles the extend: True. None under
+        wait_replicas: a WAIT rides behind it."""
+        if self._wait_replicas:
+            return None
+        if self.dialect.lua_free and not by_script((token,)):
+            return Send([extend_command(key, token, ttl_ms)], [is_ok_or_nil], None)
+        return Send([(b"EVALSHA", EXTEND.sha, b"1", key, token, b"%d" % ttl_ms)], [is_flag], None)
 
     def retry_until(self, wait_ms: int = 0) -> float:
         """Until when a call begun now may be resent (hotlock._transient.resend_until)."""
@@ -546,9 +622,9 @@ class Exchange(Detected):
         if not (self._transactions and _by_transaction(self.dialect, script, tokens)):
             return (yield from self._by_script(script, keys, tokens, ttl_ms, limit, wait))
         deadline = None if limit is None else self.clock() + limit
-        taking = Transaction(keys, tokens, ttl_ms, wait, self.fenced)
+        taking = Transaction(keys, tokens, ttl_ms, wait, self.fenced, limit)
         try:
-            rest = taking.read((yield Send(taking.commands, taking.shapes, limit, taking.frame)))
+            rest = taking.read((yield taking))
         finally:
             if taking.refused is not None and self._transactions:
                 self._transactions = False
@@ -579,15 +655,15 @@ class Exchange(Detected):
         calls: Sequence[tuple[bytes, ...]],
         limit: float | None,
         wait: list[tuple[bytes, ...]] | None = None,
-        decided: _Decided | None = None,
+        kept: _Kept | None = None,
     ) -> Steps[list[Any]]:
         """EVALSHA ``script`` once per (key, *args) in ``calls``, ``wait`` behind them, in
         one round trip; after NOSCRIPT the script is loaded and only the calls that did not
         run go again, the WAIT behind them, in one more. The first error reply is raised.
-        ``decided``: what the earlier tries of this call decided, not sent again."""
+        ``kept``: what the earlier tries of this call decided, not sent again."""
         wait = wait or []
-        decided = _Decided() if decided is None else decided
-        todo = decided.todo(len(calls))
+        kept = _Kept() if kept is None else kept
+        todo = kept.todo(len(calls))
         n = len(todo)
         commands = [(b"EVALSHA", script.sha, b"1", *calls[i]) for i in todo] + wait
         shapes = [_SCRIPT_REPLY[script]] * n + [is_count] * len(wait)
@@ -602,28 +678,28 @@ class Exchange(Detected):
             replies_again = yield Send(again, [*_LOADED, *(shapes[i] for i in missing), *shapes[n:]], limit)
             _raise_first(replies_again[:loads])
             resent(replies, missing, replies_again[loads:], n)
-        if decided.keep(todo, replies[:n]):
-            decided.waits += [w for w in replies[n:] if not isinstance(w, ReplyError)]
+        if kept.keep(todo, replies[:n]):
+            kept.waits += [w for w in replies[n:] if not isinstance(w, ReplyError)]
         _raise_first(replies)
-        return [decided.replies[i] for i in range(len(calls))] + (
-            [min(decided.waits)] if wait and decided.waits else replies[n:]
+        return [kept.replies[i] for i in range(len(calls))] + (
+            [min(kept.waits)] if wait and kept.waits else replies[n:]
         )
 
     def _lua_free(
-        self, commands: list[tuple[bytes, ...]], shape: Shape, limit: float | None, decided: _Decided
+        self, commands: list[tuple[bytes, ...]], shape: Shape, limit: float | None, kept: _Kept
     ) -> Steps[list[bool]]:
         """The Lua-free extends or releases, in one round trip: each done (True) or to go
         by script (False: missed, or refused as _dialect.script_serves says). Another error
-        reply is raised. ``decided``: what the earlier tries of this call decided, not sent again."""
-        todo = decided.todo(len(commands))
+        reply is raised. ``kept``: what the earlier tries of this call decided, not sent again."""
+        todo = kept.todo(len(commands))
         replies = yield Send([commands[i] for i in todo], [shape] * len(todo), limit)
         for i, reply in zip(todo, replies, strict=True):
             if not isinstance(reply, ReplyError):
-                decided.replies[i] = reply == b"OK" or reply == 1
+                kept.replies[i] = reply == b"OK" or reply == 1
             elif script_serves(str(reply)):
-                decided.replies[i] = False  # to go by script
+                kept.replies[i] = False  # to go by script
         _raise_first([r for r in replies if not (isinstance(r, ReplyError) and script_serves(str(r)))])
-        return [decided.replies[i] for i in range(len(commands))]
+        return [kept.replies[i] for i in range(len(commands))]
 
     def _missed(
         self,
@@ -640,9 +716,9 @@ class Exchange(Detected):
         missed = [i for i, ok in enumerate(done) if not ok]
         if missed:
             calls = [(keys[i], tokens[i], *args) for i in missed]
-            decided = _Decided()
+            kept = _Kept()
             again = yield from self._call(
-                what, key, lambda limit: self._scripts(script, calls, limit, None, decided), resend
+                what, key, lambda limit: self._scripts(script, calls, limit, None, kept), resend
             )
             for i, reply in zip(missed, again, strict=True):
                 done[i] = bool(reply)
@@ -686,9 +762,9 @@ _LOADED: list[Shape] = [_loaded(s) for s in SCRIPTS]
 class Running(Generic[T]):
     """A call's steps as a driver carries them out: ``for step in running`` gives each
     step, the driver hands back each one's outcome (``took``: a Send's replies, None after
-    a Pause) or the Failure that lost a Send's replies (``failed``), and ``result`` holds
-    the call's result once the loop ends. The sync and async drivers differ only in
-    whether they await."""
+    a Pause) or the Failure that lost a Send's replies (``failed``; or a handshake's
+    ReplyError), and ``result`` holds the call's result once the loop ends. The sync and
+    async drivers differ only in whether they await."""
 
     __slots__ = ("_given", "_resume", "_steps", "result")
 
@@ -713,8 +789,18 @@ class Running(Generic[T]):
     def took(self, outcome: Any) -> None:
         self._given = outcome
 
-    def failed(self, failure: Failure) -> None:
+    def failed(self, failure: Failure | ReplyError) -> None:
         self._resume, self._given = self._steps.throw, failure
+
+    def carried(self, outcome: Any) -> None:
+        """The first step, a Send, was carried out before the steps ran (a transport's
+        shortcut: Exchange.transacts, release_first, extend_first): skipped, and ``outcome`` (its
+        replies, or the Failure that lost them) handed back in its place."""
+        next(self)
+        if isinstance(outcome, Failure | ReplyError):
+            self.failed(outcome)
+        else:
+            self.took(outcome)
 
 
 def _sleep(seconds: float) -> Any:
@@ -724,12 +810,12 @@ def _sleep(seconds: float) -> Any:
 
 def drive(steps: Steps[T], carry: Callable[[Send], list[Any]]) -> T:
     """Carry ``steps`` out on a blocking transport: ``carry`` writes a Send and returns its
-    replies, or raises the Failure that lost them."""
+    replies, or raises the Failure that lost them (or a handshake's ReplyError)."""
     running = Running(steps)
     for step in running:
         try:
             running.took(_sleep(step.seconds) if isinstance(step, Pause) else carry(step))
-        except Failure as failure:
+        except (Failure, ReplyError) as failure:
             running.failed(failure)
     return running.result
 
@@ -739,13 +825,17 @@ async def _pause(seconds: float) -> Any:
     return None  # a Pause's outcome
 
 
-async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]]) -> T:
-    """Carry ``steps`` out on an asyncio transport: ``carry`` writes a
-    Send and returns its replies, or raises the Failure that lost them."""
+async def drive_async(steps: Steps[T], carry: Callable[[Send], Awaitable[list[Any]]], carried: Any = None) -> T:
+    """Carry ``steps`` out on an asyncio transport: ``carry`` writes a Send and returns
+    its replies, or raises the Failure that lost them (or a handshake's ReplyError).
+    ``carried``: the outcome of the first Send, which the transport carried out already
+    (Running.carried)."""
     running = Running(steps)
+    if carried is not None:
+        running.carried(carried)
     for step in running:
         try:
             running.took(await (_pause(step.seconds) if isinstance(step, Pause) else carry(step)))
-        except Failure as failure:
+        except (Failure, ReplyError) as failure:
             running.failed(failure)
     return running.result

@@ -25,7 +25,6 @@ from redis.credentials import CredentialProvider
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
-    OutOfMemoryError,
     RedisError,
     ResponseError,
 )
@@ -38,7 +37,6 @@ from .._credentials import ask, ask_async, reauth_command
 from .._dialect import (
     COMMAND_PROBE,
     info_fields,
-    script_serves,
 )
 from .._exchange import (
     FRAME,
@@ -64,7 +62,6 @@ from .._scripts import (
     Script,
 )
 from .._sentinel import PrimaryWatch
-from .._transient import code
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
 from .wakeup import slot, wait
 
@@ -709,42 +706,11 @@ def refusal_text(exc: AuthenticationError) -> str:
 ERROR_CODES = {cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)}
 
 
-def probe_refused(exc: CacheError) -> list[Any] | None:
-    """COMMAND INFO's failure (_dialect.COMMAND_PROBE) raised, unless the server or its ACL
-    refused it (NOPERM, or a proxy without COMMAND): then the version decides, and the probe
-    gives None. Shared with redispy_async."""
-    if isinstance(exc.__cause__, ResponseError):
-        return None
-    raise exc
-
-
 def reply_error(exc: ResponseError | BusyLoadingError) -> ReplyError:
     """A redis-py error reply as the server sent it, its code put back (redis-py keeps some
     codes in the exception's type): what Route reads. Shared with redispy_async."""
     code = ERROR_CODES.get(type(exc))
     return ReplyError(f"{code} {exc}" if code else str(exc))
-
-
-def reply_serves_script(exc: CacheError) -> bool:
-    """_dialect.script_serves for a Lua-free command's CacheError (redis-py drops the OOM
-    code from the message, and keeps it in the exception's type)."""
-    return isinstance(exc.__cause__, OutOfMemoryError) or script_serves(str(exc.__cause__))
-
-
-def _raised(replies: list[Any]) -> list[Any]:
-    """``replies``, or the first error reply among them raised (to _call, which decides)."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-def transient_code(exc: BaseException) -> str | None:
-    """hotlock._transient.code of a redis-py error reply (redis-py keeps the code of some
-    replies in the exception's type, and the rest in its text). Shared with redispy_async."""
-    if not isinstance(exc, ResponseError | BusyLoadingError):
-        return None
-    return code(ERROR_CODES.get(type(exc)) or str(exc))
 
 
 def describe(exc: BaseException) -> str:

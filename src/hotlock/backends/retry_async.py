@@ -1,6 +1,7 @@
 """The time budget of an async lost-reply retry, a timeout that keeps cancellations, the
-wait_replicas error and the INFO fields: shared by the async Redis backends, below the
-connect step (hotlock._connect)."""
+async driver of hotlock._exchange's steps, the ordering of a pooled backend's calls and
+the INFO fields: shared by the async Redis backends, below the connect step
+(hotlock._connect)."""
 
 from __future__ import annotations
 
@@ -9,35 +10,16 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from .._config import ServerConfig
 from .._ident import TOKEN_BYTES
 from .._transient import resend_until
-from ..errors import CacheError, Unreplicated, cache_error, unconfirmed_extends, unreplicated
+from ..errors import cache_error
 
 __all__ = [
     "InFlight",
     "info_fields",
     "retry_until",
-    "unconfirmed",
-    "unconfirmed_renewals",
-    "wait_ms",
     "within",
 ]
-
-
-def unconfirmed(what: str, replicas: int, config: ServerConfig, key: bytes | None) -> CacheError:
-    """Under wait_replicas: the error for an acquire undone because too few replicas had it."""
-    return cache_error(unreplicated(what, replicas, config.wait_replicas, wait_ms(config)), config.display, key)
-
-
-def wait_ms(config: ServerConfig) -> int:
-    """wait_replicas's wait, in ms, as WAIT is sent it."""
-    return round(config.wait_timeout * 1000)
-
-
-def unconfirmed_renewals(what: str, results: list[bool], replicas: int, config: ServerConfig) -> Unreplicated:
-    """Under wait_replicas: extends that ran and too few replicas confirmed (their leases are lost)."""
-    return unconfirmed_extends(what, results, replicas, config.wait_replicas, wait_ms(config))
 
 
 def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
