@@ -469,9 +469,7 @@ class Exchange(Detected):
             return (yield from self._missed(what, key, done, RELEASE, keys, tokens, (), True))
         calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
         kept = _Kept()
-        replies = yield from self._call(
-            what, key, lambda limit: self._scripts(RELEASE, calls, limit, None, kept), True
-        )
+        replies = yield from self._call(what, key, lambda limit: self._scripts(RELEASE, calls, limit, None, kept), True)
         return [bool(r) for r in replies]
 
     def command_steps(

@@ -10,7 +10,6 @@ reports a failure as contention.
     native, native_async       the extension (hotlock._native) and its asyncio side
     cluster, cluster_async     a link per primary, routed by the slot map
     wakeup, wakeup_async       the wake-up subscriber the Redis backends share
-    retry_async                what both async Redis backends share
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from .._acquire import read as read_transaction
 from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
+from .._inflight import InFlight, retry_until
 from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
@@ -34,7 +35,6 @@ from .cluster import (
     needs_slots,
     transaction_form,
 )
-from .retry_async import InFlight, retry_until
 from .wakeup_async import async_cluster_slot
 
 __all__ = ["AsyncClusterBackend", "AsyncLink"]

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command_async, reauth_command_async
-from .._dialect import COMMAND_PROBE
+from .._dialect import COMMAND_PROBE, info_fields
 from .._exchange import (
     Decided,
     Exchange,
@@ -43,11 +43,11 @@ from .._exchange import (
     no_permission,
     retires,
 )
+from .._inflight import retry_until, within
 from .._scripts import SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from .._transient import TRANSIENT
 from ..errors import LinkLost, ReplyError, cache_error
-from .retry_async import info_fields, retry_until, within
 from .wakeup_async import async_slot
 
 __all__ = ["NativeAsyncBackend"]

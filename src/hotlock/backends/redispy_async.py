@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import KEEPALIVE_OPTIONS, ServerConfig
 from .._credentials import reauth_command_async
-from .._dialect import COMMAND_PROBE
+from .._dialect import COMMAND_PROBE, info_fields
 from .._exchange import (
     FRAME,
     Exchange,
@@ -46,6 +46,11 @@ from .._exchange import (
     no_permission,
     retires,
 )
+from .._inflight import (
+    InFlight,
+    retry_until,
+    within,
+)
 from .._scripts import SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
@@ -62,12 +67,6 @@ from .redispy import (
     refusal_text,
     reply_error,
     tls_hint,
-)
-from .retry_async import (
-    InFlight,
-    info_fields,
-    retry_until,
-    within,
 )
 from .wakeup_async import async_slot
 

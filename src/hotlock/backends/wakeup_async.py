@@ -24,9 +24,9 @@ from collections.abc import Callable
 from .._config import ServerConfig, keepalive, tls_context
 from .._credentials import auth_command_async
 from .._hubs import Hub, Made, PerNode
+from .._inflight import within
 from .._subscriber import ConnectTrouble, Entry
 from ..errors import CacheError
-from .retry_async import within
 from .wakeup import handshake
 
 __all__ = [

@@ -1,7 +1,5 @@
-"""The time budget of an async lost-reply retry, a timeout that keeps cancellations, the
-async driver of hotlock._exchange's steps, the ordering of a pooled backend's calls and
-the INFO fields: shared by the async Redis backends, below the connect step
-(hotlock._connect)."""
+"""What the async Redis backends share: a call's resend budget on the loop's clock, a
+timeout that keeps cancellations, and the ordering promise of a pooled backend (InFlight)."""
 
 from __future__ import annotations
 
@@ -10,13 +8,12 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from .._ident import TOKEN_BYTES
-from .._transient import resend_until
-from ..errors import cache_error
+from ._ident import TOKEN_BYTES
+from ._transient import resend_until
+from .errors import cache_error
 
 __all__ = [
     "InFlight",
-    "info_fields",
     "retry_until",
     "within",
 ]
@@ -27,16 +24,6 @@ def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
     (hotlock._transient.resend_until); see AsyncBackend.acquire."""
     start = asyncio.get_running_loop().time() if since is None else since
     return resend_until(start, wait_ms / 1000.0, timeout)
-
-
-def info_fields(raw: bytes) -> dict[str, str]:
-    """An INFO reply as its ``name: value`` fields (section headers and blank lines dropped)."""
-    fields: dict[str, str] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
-        name, sep, value = line.partition(":")
-        if sep and not line.startswith("#"):
-            fields[name] = value
-    return fields
 
 
 T = TypeVar("T")
