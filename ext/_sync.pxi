@@ -62,11 +62,6 @@ cdef enum:
     _PLAIN_DELIFEQ = 1  # SET key v IFEQ v PX ms; DELIFEQ key v (Valkey 9)
     _PLAIN_DELEX = 2  # SET key v IFEQ v PX ms; DELEX key IFEQ v (Redis 8.4+)
 
-# What NativeBackend._scripts returns.
-cdef enum:
-    _DONE = 0  # every call answered (values[i] set)
-    _BY_SCRIPT = 1  # a Lua-free command refused with a code the script serves: send the call by script
-
 
 cdef class _Conn:
     """One thread's connection. Its context is touched only by its thread, with the GIL
@@ -604,6 +599,19 @@ cdef inline bint _is_error(redisReply *r, const char *prefix, size_t n) noexcept
     return r.type == REDIS_REPLY_ERROR and r.len >= n and memcmp(r.str, prefix, n) == 0
 
 
+cdef str _unexpected(str command, redisReply *r):
+    """= hotlock.backends.redispy.UnexpectedReply's words for a reply of a kind ``command``
+    never gets: an integer or nil shown, anything else only by its kind (it might echo a
+    token, which no error message may hold)."""
+    if r.type == REDIS_REPLY_INTEGER:
+        shown = str(r.integer)
+    elif r.type == REDIS_REPLY_NIL:
+        shown = "None"
+    else:
+        shown = "a list" if r.type == REDIS_REPLY_ARRAY else "a bytes"
+    return f"unexpected reply to {command}: {shown}"
+
+
 cdef str _io_text(redisContext *ctx):
     if hotlock_timed_out(ctx):
         return "no reply within the timeout"
@@ -1128,10 +1136,10 @@ cdef class NativeBackend:
 
         On a server with compare-and-set (self._plain), extend and release go as plain
         commands (_append_plain) through this same loop: the same batching and lost-reply
-        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come. Returns
-        _DONE, or _BY_SCRIPT when a plain command was refused with an error code the
-        script serves (_script_serves): nothing raised, and the caller sends the call
-        again by script (values then say nothing).
+        rule; SET IFEQ's OK/nil reply counts as 1/0, and NOSCRIPT cannot come. A plain
+        command refused with an error code the script serves (_script_serves) counts as
+        0, missed: the caller sends the calls that missed again by script, and only those
+        (a release that ran, run again, says 0 for the key it freed).
 
         The ACQUIRE script of a plain token (not a permit's ask) goes as the transaction
         of hotlock._acquire where the dialect has it (self._txn; ``txn`` False keeps this
@@ -1155,6 +1163,7 @@ cdef class NativeBackend:
         cdef bint wait = self._wait_replicas > 0 and sha is not _SHA_RELEASE
         cdef bint reloaded = False
         cdef bint reauthed = False  # the one reconnect after NOAUTH/WRONGPASS is spent
+        cdef bint unexpected = False  # a reply of a kind its command never gets: the connection is dropped
         # The fewest replicas a WAIT confirmed, over the rounds that decided a call (-1: none yet).
         cdef long long replicas = -1
         cdef Py_ssize_t i, j, k, sent, calls, missing, refused, scripted
@@ -1280,11 +1289,18 @@ cdef class NativeBackend:
                             transient = (_transient_code(r.str[:r.len]),
                                          f"the server replied {r.str[:r.len].decode('utf-8', 'replace')}",
                                          keys if single else keys[i])
+                    elif plain != _PLAIN_NONE and r.type == REDIS_REPLY_ERROR and _script_serves(r):
+                        # A Lua-free command refused with a code the script serves: missed,
+                        # and the caller sends it again by script.
+                        values[i] = 0
+                        todo[i] = 0
+                    elif error is None and r.type != REDIS_REPLY_ERROR:
+                        unexpected = True
+                        command = "EVALSHA" if not plain else "SET" if sha is _SHA_EXTEND else (
+                            "DELIFEQ" if plain == _PLAIN_DELIFEQ else "DELEX")
+                        error = (_unexpected(command, r), keys if single else keys[i])
                     elif error is None:
-                        # A Lua-free command refused with a code the script serves goes
-                        # again by script (_script_serves): decided here, on the reply.
-                        error = (self._reply_error(conn, r), keys if single else keys[i],
-                                 plain != _PLAIN_NONE and _script_serves(r))
+                        error = (self._reply_error(conn, r), keys if single else keys[i])
                     while k > 0:
                         freeReplyObject(replies[j])
                         j += 1
@@ -1296,14 +1312,17 @@ cdef class NativeBackend:
                         # (every transaction left to the script, say).
                         if took and (replicas < 0 or r.integer < replicas):
                             replicas = r.integer
+                    elif error is None and r.type != REDIS_REPLY_ERROR:
+                        unexpected = True
+                        error = (_unexpected("WAIT", r), err_key)
                     elif error is None and not (refused and _auth_refused(r)):
-                        error = (self._reply_error(conn, r), err_key, False)
+                        error = (self._reply_error(conn, r), err_key)
                     freeReplyObject(r)
                 if no_multi is not None:
                     self._refuse_multi(no_multi)
                 if error is not None:
-                    if error[2]:
-                        return _BY_SCRIPT
+                    if unexpected:
+                        _drop(conn)
                     raise cache_error(f"{what} failed: {error[0]}", self.server, error[1])
                 if refused:
                     # NOAUTH/WRONGPASS: this connection is not authenticated (credentials
@@ -1339,7 +1358,7 @@ cdef class NativeBackend:
                 free(todo)
         if wait and replicas < self._wait_replicas:
             self._undo(keys, tokens, n, values, replicas, what, err_key, acquire)
-        return _DONE
+        return 0
 
     cdef int _undo(self, object keys, object tokens, Py_ssize_t n, long long *values, long long replicas,
                    str what, bytes err_key, bint acquire) except -1:
@@ -1369,7 +1388,7 @@ cdef class NativeBackend:
 
     cdef list _many(self, bytes sha, list keys, list tokens, long long ms, bint resend, str what,
                     int plain=-1):
-        """Each key's value, or None where _scripts says _BY_SCRIPT."""
+        """Each key's value."""
         cdef Py_ssize_t n, i
         cdef long long *values
         # Copies of the caller's lists: _scripts reads them again after each round trip,
@@ -1388,9 +1407,7 @@ cdef class NativeBackend:
         if values is NULL:
             raise MemoryError()
         try:
-            if self._scripts(sha, keys, tokens, n, ms, self._rule(0.0, resend), what, None, values,
-                             plain) == _BY_SCRIPT:
-                return None
+            self._scripts(sha, keys, tokens, n, ms, self._rule(0.0, resend), what, None, values, plain)
             return [values[i] for i in range(n)]
         finally:
             free(values)
@@ -1546,13 +1563,11 @@ cdef class NativeBackend:
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
         cdef int plain = _PLAIN_NONE if _permit(token) else self._extend_as
-        if self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
-                         plain) == _BY_SCRIPT:
-            self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
-                          _PLAIN_NONE)
+        self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value, plain)
         if value == 0 and plain and self._plain != _PLAIN_NONE:
             # SET IFEQ compares the whole value: a lock a waiter marked ('+') is extended
-            # by the script, which accepts the mark (only under contention, or when lost).
+            # by the script, which accepts the mark (only under contention, or when lost);
+            # so is one SET IFEQ was refused on (OOM, WRONGTYPE: _script_serves).
             self._scripts(_SHA_EXTEND, key, token, 1, ttl_ms, self._rule(0.0, False), "extend", key, &value,
                           _PLAIN_NONE)
         return value != 0
@@ -1560,8 +1575,6 @@ cdef class NativeBackend:
     def extend_many(self, list keys not None, list tokens not None, long long ttl_ms):
         plain = _PLAIN_NONE if _any_by_script(tokens) else self._extend_as
         values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", plain)
-        if values is None:  # refused as _BY_SCRIPT says: all once more by script
-            values = self._many(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", _PLAIN_NONE)
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_EXTEND, keys, tokens, ttl_ms, False, "extend_many", values)
         return [v != 0 for v in values]
@@ -1576,9 +1589,7 @@ cdef class NativeBackend:
         # A permit's value goes by script: hotlock._dialect.by_script.
         cdef long long value
         cdef int plain = _PLAIN_NONE if _permit(token) else -1
-        if self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value,
-                         plain) == _BY_SCRIPT:
-            value = 0  # the key now holds permits (WRONGTYPE): the script below says 0
+        self._scripts(_SHA_RELEASE, key, token, 1, -1, self._rule(0.0, True), "release", key, &value, plain)
         if value == 0 and plain and self._plain != _PLAIN_NONE:
             # DELIFEQ/DELEX compare the whole value: a lock a waiter marked ('+') is
             # released by the script, which accepts the mark and wakes the waiter (only
@@ -1595,8 +1606,6 @@ cdef class NativeBackend:
         key's value, nonzero where released."""
         plain = _PLAIN_NONE if _any_by_script(tokens) else -1
         values = self._many(_SHA_RELEASE, keys, tokens, -1, True, "release_many", plain)
-        if values is None:  # a key now holds permits (WRONGTYPE): all once more by script
-            values = [0] * len(keys)
         if plain and self._plain != _PLAIN_NONE:
             values = self._by_script(_SHA_RELEASE, keys, tokens, -1, True, "release_many", values)
         return values
@@ -1616,6 +1625,9 @@ cdef class NativeBackend:
         reply = self._command((b"SET", key, value, b"NX", b"PX", str(ttl_ms).encode()), "set_nx", key)
         if isinstance(reply, _ReplyError):
             raise cache_error(f"set_nx failed: {reply.text}", self.server, key)
+        if reply is not None and reply != b"OK":
+            # Not SET NX's OK or nil: shown by its kind only, as every path shows one.
+            raise cache_error("set_nx failed: unexpected reply to SET", self.server, key)
         return reply is not None
 
     def incr(self, bytes key not None, long long amount):

@@ -299,6 +299,44 @@ def test_each_transient_reply_once_ends_in_success_async(aio_backend: str, reply
         asyncio.run(main(fake))
 
 
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_a_loading_reply_inside_a_batch_loses_no_reply_behind_it(path: str) -> None:
+    """redis-py raises LOADING as a ConnectionError, and disconnected on it by default: the
+    replies behind it in the same write were lost, and a batch of extends failed where
+    only the refused one was to go again (on the redis-py backends, sync and async)."""
+    keys = [lock_name(k) for k in (b"b1", b"b2", b"b3")]
+    tokens = [b"a" * 16, b"b" * 16, b"c" * 16]
+
+    def script(fake: FakeRedis) -> int:
+        fake.on(b"EVALSHA", EXTEND.sha, b"1", keys[1], reply=REPLIES["LOADING"])
+        return len(fake.received)
+
+    def extended(fake: FakeRedis, start: int) -> list[bytes]:
+        return [c[3] for c in fake.received[start:] if c[0] == b"EVALSHA" and c[1] == EXTEND.sha]
+
+    with FakeRedis() as fake:
+        if path == "sync":
+            cache = hotlock.connect(fake.url, backend="redis-py", timeout=TIMEOUT)
+            try:
+                start = script(fake)
+                assert cache._backend.extend_many(keys, tokens, 5000) == [True, True, True]
+            finally:
+                cache.close()
+        else:
+
+            async def main() -> int:
+                cache = await hotlock.aio.connect(fake.url, backend="redis-py", timeout=TIMEOUT)
+                try:
+                    start = script(fake)
+                    assert await cache._backend.extend_many(keys, tokens, 5000) == [True, True, True]
+                    return start
+                finally:
+                    await cache.close()
+
+            start = asyncio.run(main())
+        assert extended(fake, start) == [*keys, keys[1]]  # only the refused one again
+
+
 # -- a cluster node busy with a long script for 300 ms ------------------------------------------------
 
 

@@ -314,6 +314,33 @@ class Transaction:
         return self.results, [min(self._waits)] if self._waits else []
 
 
+class _Decided:
+    """What the earlier tries of one call decided of its batch, kept so that a try after
+    an error reply to some of its calls (transient, NOAUTH: they did not run) sends only
+    those again, never a call that ran (a release run twice says False for the key it
+    freed), as the C client does. ``replies`` by index; ``waits``: the WAIT replies of the
+    tries that decided any (the fewest confirms them all)."""
+
+    __slots__ = ("replies", "waits")
+
+    def __init__(self) -> None:
+        self.replies: dict[int, Any] = {}
+        self.waits: list[int] = []
+
+    def todo(self, n: int) -> list[int]:
+        """The indices of the calls (of ``n``) still to send."""
+        return [i for i in range(n) if i not in self.replies]
+
+    def keep(self, todo: list[int], replies: list[Any]) -> bool:
+        """Note the replies to ``todo`` that are not error replies; whether there was one."""
+        kept = False
+        for i, reply in zip(todo, replies, strict=True):
+            if not isinstance(reply, ReplyError):
+                self.replies[i] = reply
+                kept = True
+        return kept
+
+
 def _raise_first(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, ReplyError):
@@ -383,13 +410,15 @@ class Exchange(Detected):
         # so one write carries every extend and the one WAIT behind them.
         if self.dialect.lua_free and not by_script(tokens) and not self._wait_replicas:
             sets = [extend_command(k, t, ttl_ms) for k, t in zip(keys, tokens, strict=True)]
-            done = yield from self._call(what, key, lambda limit: self._lua_free(sets, is_ok_or_nil, limit))
+            decided = _Decided()
+            done = yield from self._call(what, key, lambda limit: self._lua_free(sets, is_ok_or_nil, limit, decided))
             # SET IFEQ compares the whole value: one a waiter marked ('+') is extended by
             # the script, which accepts the mark (only under contention, or when lost).
             return (yield from self._missed(what, key, done, EXTEND, keys, tokens, (ms,), False))
         calls = [(k, t, ms) for k, t in zip(keys, tokens, strict=True)]
         wait = self._wait_command(EXTEND)
-        replies = yield from self._call(what, key, lambda limit: self._scripts(EXTEND, calls, limit, wait))
+        decided = _Decided()
+        replies = yield from self._call(what, key, lambda limit: self._scripts(EXTEND, calls, limit, wait, decided))
         results = [bool(r) for r in replies[: len(calls)]]
         if wait and replies[-1] < self._wait_replicas and any(results):
             # If the release fails too, the keys expire by their TTL; the leases are lost either way.
@@ -403,13 +432,17 @@ class Exchange(Detected):
         key = keys[0] if len(keys) == 1 else None
         if self.dialect.lua_free and not by_script(tokens):
             dels = [release_command(self.dialect, k, t) for k, t in zip(keys, tokens, strict=True)]
-            done = yield from self._call(what, key, lambda limit: self._lua_free(dels, is_flag, limit), True)
+            decided = _Decided()
+            done = yield from self._call(what, key, lambda limit: self._lua_free(dels, is_flag, limit, decided), True)
             # DELIFEQ/DELEX compare the whole value: one a waiter marked ('+') is released
             # by the script, which accepts the mark and wakes the waiter (only under
             # contention, or when the lock was lost anyway).
             return (yield from self._missed(what, key, done, RELEASE, keys, tokens, (), True))
         calls = [(k, t) for k, t in zip(keys, tokens, strict=True)]
-        replies = yield from self._call(what, key, lambda limit: self._scripts(RELEASE, calls, limit), True)
+        decided = _Decided()
+        replies = yield from self._call(
+            what, key, lambda limit: self._scripts(RELEASE, calls, limit, None, decided), True
+        )
         return [bool(r) for r in replies]
 
     def command_steps(
@@ -463,8 +496,10 @@ class Exchange(Detected):
         """Run ``attempt`` (given a reply-timeout override: None, or what is left of the
         budget) under the lost-reply and transient-reply rules, until it returns; every
         failure ends as the call's CacheError. ``until`` is the budget's end (by default a
-        call that does not wait: resend_until with no wait)."""
+        call that does not wait: resend_until with no wait, from now: the budget runs from
+        the call's start, as the C client's does, not from its first failure)."""
         clock = self.clock
+        until = self.retry_until() if until is None else until
         limit: float | None = None
         lost = False  # the one retry after a lost reply has been used
         transient = Retrying()
@@ -479,7 +514,6 @@ class Exchange(Detected):
                 elif reply.code in TRANSIENT:
                     # The command did not run: resent on a fresh connection (retires())
                     # after a pause, while the call's own timeout lasts.
-                    until = self.retry_until() if until is None else until
                     pause = transient.pause(until - self._timeout - clock())
                     if pause is None:
                         raise self._error(tried(what, lost, transient), key, f"the server replied {reply}") from reply
@@ -492,7 +526,6 @@ class Exchange(Detected):
                 failure = exc
             if not isinstance(failure, Lost | NotSent) or lost or not (resend or isinstance(failure, NotSent)):
                 raise self._error(tried(what, lost, transient), key, str(failure)) from failure
-            until = self.retry_until() if until is None else until
             left = min(self._timeout, until - clock())
             if left < 0.001:
                 raise self._error(tried(what, lost, transient), key, str(failure)) from failure
@@ -546,13 +579,17 @@ class Exchange(Detected):
         calls: Sequence[tuple[bytes, ...]],
         limit: float | None,
         wait: list[tuple[bytes, ...]] | None = None,
+        decided: _Decided | None = None,
     ) -> Steps[list[Any]]:
         """EVALSHA ``script`` once per (key, *args) in ``calls``, ``wait`` behind them, in
         one round trip; after NOSCRIPT the script is loaded and only the calls that did not
-        run go again, the WAIT behind them, in one more. The first error reply is raised."""
+        run go again, the WAIT behind them, in one more. The first error reply is raised.
+        ``decided``: what the earlier tries of this call decided, not sent again."""
         wait = wait or []
-        n = len(calls)
-        commands = [(b"EVALSHA", script.sha, b"1", *call) for call in calls] + wait
+        decided = _Decided() if decided is None else decided
+        todo = decided.todo(len(calls))
+        n = len(todo)
+        commands = [(b"EVALSHA", script.sha, b"1", *calls[i]) for i in todo] + wait
         shapes = [_SCRIPT_REPLY[script]] * n + [is_count] * len(wait)
         replies: list[Any] = yield Send(commands, shapes, limit)
         missing = [i for i, r in enumerate(replies[:n]) if isinstance(r, ReplyError) and r.code == "NOSCRIPT"]
@@ -565,18 +602,28 @@ class Exchange(Detected):
             replies_again = yield Send(again, [*_LOADED, *(shapes[i] for i in missing), *shapes[n:]], limit)
             _raise_first(replies_again[:loads])
             resent(replies, missing, replies_again[loads:], n)
+        if decided.keep(todo, replies[:n]):
+            decided.waits += [w for w in replies[n:] if not isinstance(w, ReplyError)]
         _raise_first(replies)
-        return replies
+        return [decided.replies[i] for i in range(len(calls))] + (
+            [min(decided.waits)] if wait and decided.waits else replies[n:]
+        )
 
-    def _lua_free(self, commands: list[tuple[bytes, ...]], shape: Shape, limit: float | None) -> Steps[list[bool]]:
+    def _lua_free(
+        self, commands: list[tuple[bytes, ...]], shape: Shape, limit: float | None, decided: _Decided
+    ) -> Steps[list[bool]]:
         """The Lua-free extends or releases, in one round trip: each done (True) or to go
         by script (False: missed, or refused as _dialect.script_serves says). Another error
-        reply is raised."""
-        replies = yield Send(commands, [shape] * len(commands), limit)
-        for reply in replies:
-            if isinstance(reply, ReplyError) and not script_serves(str(reply)):
-                raise reply
-        return [reply == b"OK" or reply == 1 for reply in replies]
+        reply is raised. ``decided``: what the earlier tries of this call decided, not sent again."""
+        todo = decided.todo(len(commands))
+        replies = yield Send([commands[i] for i in todo], [shape] * len(todo), limit)
+        for i, reply in zip(todo, replies, strict=True):
+            if not isinstance(reply, ReplyError):
+                decided.replies[i] = reply == b"OK" or reply == 1
+            elif script_serves(str(reply)):
+                decided.replies[i] = False  # to go by script
+        _raise_first([r for r in replies if not (isinstance(r, ReplyError) and script_serves(str(r)))])
+        return [decided.replies[i] for i in range(len(commands))]
 
     def _missed(
         self,
@@ -593,7 +640,10 @@ class Exchange(Detected):
         missed = [i for i, ok in enumerate(done) if not ok]
         if missed:
             calls = [(keys[i], tokens[i], *args) for i in missed]
-            again = yield from self._call(what, key, lambda limit: self._scripts(script, calls, limit), resend)
+            decided = _Decided()
+            again = yield from self._call(
+                what, key, lambda limit: self._scripts(script, calls, limit, None, decided), resend
+            )
             for i, reply in zip(missed, again, strict=True):
                 done[i] = bool(reply)
         return done

@@ -474,7 +474,10 @@ class RedisPyBackend(Exchange):
             for command, shape in zip(commands, shapes, strict=True):
                 kw = {} if deadline is None else {"timeout": max(deadline - time.monotonic(), 0.001)}
                 try:
-                    reply = conn.read_response(**kw)
+                    # Not disconnected on an error reply: LOADING, which redis-py raises as a
+                    # ConnectionError, would lose the replies behind it (a failure leaves the
+                    # connection closed all the same: below).
+                    reply = conn.read_response(disconnect_on_error=False, **kw)
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
                     error = reply_error(exc)
                     replies.append(error)

@@ -432,7 +432,10 @@ class RedisAsyncBackend(Exchange):
             replies: list[Any] = []
             for command, shape in zip(commands, step.shapes, strict=True):
                 try:
-                    reply = await conn.read_response()
+                    # Not disconnected on an error reply: LOADING, which redis-py raises as a
+                    # ConnectionError, would lose the replies behind it (a failure leaves the
+                    # connection closed all the same).
+                    reply = await conn.read_response(disconnect_on_error=False)
                 except AuthenticationError as exc:  # NOAUTH: not authenticated any more
                     raise AuthLost(exc) from exc
                 except (ResponseError, BusyLoadingError) as exc:  # LOADING is a ConnectionError to redis-py
