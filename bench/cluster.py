@@ -42,6 +42,7 @@ from tests.cluster import start_cluster
 from tests.conftest import start_redis
 
 from .ceiling import build, run_c
+from .server import pin_running
 
 THREADS = 8
 BATCH = "lock_many(100) + unlock_many(100)"
@@ -58,15 +59,10 @@ class Row:
 
 
 _PLACES = {
-    "split": "every redis-server pinned to core 0 (taskset -pc 0), the client to core 1 (sched_setaffinity)",
-    "one-core": "every redis-server and the client pinned to core 0 (taskset -pc 0, sched_setaffinity)",
+    "split": "every redis-server pinned to core 0 (taskset -apc 0), the client to core 1 (sched_setaffinity)",
+    "one-core": "every redis-server and the client pinned to core 0 (taskset -apc 0, sched_setaffinity)",
     "none": "not pinned",
 }
-
-
-def _pin(pids: list[int], core: int) -> None:
-    for pid in pids:
-        subprocess.run(["taskset", "-pc", str(core), str(pid)], check=True, capture_output=True)
 
 
 def _cpu(client: redis.Redis) -> float:
@@ -241,7 +237,7 @@ def main() -> int:
     cluster = start_cluster(replicas=0)
     if args.placement != "none":
         # The client pins itself before it starts any thread (new threads inherit it).
-        _pin([single.pid, *(n.pid for n in cluster.nodes)], 0)
+        pin_running([single.pid, *(n.pid for n in cluster.nodes)], 0)
         os.sched_setaffinity(0, {1 if args.placement == "split" else 0})
     try:
         version = single.client().info("server")["redis_version"]

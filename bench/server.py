@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-__all__ = ["Pinning", "RedisServer", "free_port", "pinning", "start_redis"]
+__all__ = ["Pinning", "RedisServer", "free_port", "pin_running", "pinning", "start_redis"]
 
 
 def free_port() -> int:
@@ -54,6 +54,13 @@ def pinning(one_core: bool = False, unpinned: bool = False) -> Pinning:
         why = "asked for by --one-core" if one_core else "only one core available"
         return Pinning(core, core, f"server and client both on core {core} ({why})")
     return Pinning(cores[0], cores[1], f"server on core {cores[0]}, client on core {cores[1]} (taskset)")
+
+
+def pin_running(pids: list[int], core: int) -> None:
+    """Pin processes already running to ``core``, every thread of each (``taskset -apc``):
+    servers someone else started, such as a cluster's nodes."""
+    for pid in pids:
+        subprocess.run(["taskset", "-apc", str(core), str(pid)], check=True, capture_output=True)
 
 
 @dataclass
