@@ -422,16 +422,24 @@ def test_a_release_racing_renewals_leaves_no_key_behind(rcache: Cache, redis_ser
     assert lies == []
 
 
+def renewer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hotlock-renewer")]
+
+
 def test_close_stops_renewing_and_the_leases_expire_by_their_ttl(
     redis_backend: str, redis_url: str, redis_server: RedisServer
 ) -> None:
+    # Another test's cache still open in this worker (a module's fixture) has renewer
+    # threads of its own: only the ones this cache starts must end with its close().
+    others = set(renewer_threads())
     cache = open_cache(redis_backend, redis_url)
     lock = cache.lock("closing", ttl=0.3, auto_extend=True)
     time.sleep(0.4)
     assert redis_server.client().exists(lock_name("closing")) == 1
+    assert set(renewer_threads()) - others  # started: the check below could fail
     closed = time.monotonic()
     cache.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("hotlock-renewer")]
+    assert set(renewer_threads()) - others == set()
     wait_until(lambda: redis_server.client().exists(lock_name("closing")) == 0, 0.3 + SLACK)
     assert time.monotonic() - closed <= 0.3 + SLACK
     assert lock.lost  # its TTL ran out with no extend confirmed: the work is not protected
