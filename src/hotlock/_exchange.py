@@ -19,9 +19,10 @@ The rules, in the order a reply meets them (docs/architecture.md tells why each 
   connection): any call goes once more.
 - A transient error reply (``hotlock._transient``: the command did not run) is resent,
   whatever the command, after a jittered pause, until the pauses would pass the call's own
-  timeout.
-- NOSCRIPT (a restart, SCRIPT FLUSH, a failover emptied the script cache): the script is
-  loaded and only the calls that did not run are sent again, in one round trip.
+  timeout; of a batch, only the calls that got one (a release that ran, sent again, would
+  say False for the key it freed).
+- NOSCRIPT (a restart, SCRIPT FLUSH, a failover emptied the script cache): every script is
+  loaded and only the calls that did not run are sent again, in one write.
 - The transaction acquire (``hotlock._acquire``): the keys it leaves to the ACQUIRE script
   go next by script; a MULTI refused alone sends every later acquire by script.
 - The Lua-free extend and release (SET IFEQ, DELIFEQ, DELEX): what they missed (a waiter's
@@ -31,9 +32,15 @@ The rules, in the order a reply meets them (docs/architecture.md tells why each 
   acquire too few replicas confirmed is undone (CacheError), an extend's lease is lost
   (``Unreplicated``), and the keys are released.
 
+A transport may write a call's first Send its own faster way (the extension's asyncio
+client: one C call for the common one-key acquire, extend and release) and hand the steps
+that Send's outcome when it does not settle the call (``Running.carried``); the steps go on
+as if they had sent it.
+
 The extension's sync client keeps its own copy of these rules in C (ext/_sync.pxi), where
-the hot path needs it; tests/unit/test_exchange.py holds this one to them by scripted
-replies.
+the hot path cannot afford a generator: tests/unit/test_exchange.py holds the rules here to
+their cases by a scripted transport and a fake clock, and tests/test_exchange_parity.py
+feeds the C client and this core the same scripted server and asks for the same outcome.
 """
 
 from __future__ import annotations
