@@ -643,7 +643,8 @@ def test_unix_socket_url(raio: Aio, tmp_path: Any) -> None:
     async def main() -> None:
         async with await hotlock.aio.connect(f"unix://{path}?db=2", backend=raio.backend) as cache:
             lock = await cache.lock("job", ttl=5)
-            assert redis.Redis(unix_socket_path=path, db=2).get(lock_key("job")) == lock._token
+            with redis.Redis(unix_socket_path=path, db=2) as admin:
+                assert admin.get(lock_key("job")) == lock._token
             assert await lock.unlock()
 
     try:

@@ -30,10 +30,17 @@ class Api:
 
     def __init__(self, mode: str, url: str | None, **kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop() if mode == "async" else None
-        if self.loop is None:
-            self.cache: Any = hotlock.connect(url, **kwargs)
-        else:
-            self.cache = self.run(hotlock.aio.connect(url, **kwargs))
+        try:
+            if self.loop is None:
+                self.cache: Any = hotlock.connect(url, **kwargs)
+            else:
+                self.cache = self.run(hotlock.aio.connect(url, **kwargs))
+        except BaseException:
+            # A connect refused (a bad argument, say) leaves no loop behind to be found
+            # unclosed by the garbage collector in another test.
+            if self.loop is not None:
+                self.loop.close()
+            raise
 
     def run(self, value: Any) -> Any:
         return value if self.loop is None else self.loop.run_until_complete(value)

@@ -32,10 +32,15 @@ class Paths:
     def __init__(self, path: str, url: str, **kwargs: Any) -> None:
         self.path = path
         self.loop = asyncio.new_event_loop() if path == "async" else None
-        if self.loop is None:
-            self.cache: Any = hotlock.connect(url, backend="native", **kwargs)
-        else:
-            self.cache = self.run(hotlock.aio.connect(url, backend="native", **kwargs))
+        try:
+            if self.loop is None:
+                self.cache: Any = hotlock.connect(url, backend="native", **kwargs)
+            else:
+                self.cache = self.run(hotlock.aio.connect(url, backend="native", **kwargs))
+        except BaseException:
+            if self.loop is not None:  # no loop left unclosed for the garbage collector
+                self.loop.close()
+            raise
         assert self.cache.backend == "native"
 
     def run(self, value: Any) -> Any:
