@@ -68,8 +68,9 @@ def wait_for(what: Callable[[], T], ok: Callable[[T], bool], timeout: float = 10
         time.sleep(0.02)
 
 
-def our_sockets() -> dict[int, int]:
-    """This process's TCP sockets: local port -> file descriptor (from /proc)."""
+def our_sockets() -> dict[tuple[int, int], int]:
+    """This process's TCP sockets: (local port, remote port) -> file descriptor (from /proc).
+    Both ports: one local port may serve two connections of this process to two servers."""
     inodes = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -83,7 +84,8 @@ def our_sockets() -> dict[int, int]:
                 fields = line.split()
                 inode = int(fields[9])
                 if inode in inodes:
-                    ports[int(fields[1].rsplit(":", 1)[1], 16)] = inodes[inode]
+                    local, remote = (int(fields[i].rsplit(":", 1)[1], 16) for i in (1, 2))
+                    ports[local, remote] = inodes[inode]
     return ports
 
 
@@ -108,9 +110,9 @@ def assert_named_and_kept_alive(found: list[dict[str, Any]], kind: str) -> None:
             assert (c.get("lib-name"), c.get("lib-ver")) == ("hotlock", lib_version()), c
         else:  # Redis 7.0: CLIENT SETINFO refused, and ignored
             assert not c.get("lib-name"), c
-        port = int(c["addr"].rsplit(":", 1)[1])
-        assert port in sockets, (c, sorted(sockets))
-        assert keepalive_of(sockets[port]) == (1, KEEPALIVE_OPTIONS), c
+        ports = int(c["addr"].rsplit(":", 1)[1]), int(c["laddr"].rsplit(":", 1)[1])
+        assert ports in sockets, (c, sorted(sockets))
+        assert keepalive_of(sockets[ports]) == (1, KEEPALIVE_OPTIONS), c
 
 
 def contend_sync(cache: hotlock.Cache, key: str) -> None:
