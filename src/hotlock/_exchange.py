@@ -10,13 +10,17 @@ it sleeps a ``Pause``. The generator's return value is the call's result; a ``Ca
 (or ``Unreplicated``) it raises is the call's error. The sync drivers loop with
 ``generator.send``, the async ones await the same steps.
 
-The rules, in the order a reply meets them (docs/architecture.md tells why each is safe):
+The rules, in the order a reply meets them (docs/architecture.md tells why each is safe).
+They are written once, for one server's calls here and for a cluster's in its Route
+(hotlock.backends.cluster), which takes from here what a failure and each error reply
+make of a call (``Tries``, ``after``, ``lua_free_done``, ``LOADS``):
 
 - A lost reply (``Lost``: a timeout, a dropped connection) is resent once, with the same
   token, for the calls that may be resent (an acquire, a release), within what is left of
   the call's budget (``hotlock._transient.resend_until``). Nothing of the call ran
-  (``NotSent``: a connect that failed, a handshake that lost its reply, NOAUTH on a live
-  connection): any call goes once more.
+  (``NotSent``: a connect that failed, a handshake that lost its reply): any call goes
+  once more. NOAUTH/WRONGPASS on a live connection (rotated credentials): the call goes
+  once more on a new connection, which asks the credential provider again.
 - A transient error reply (``hotlock._transient``: the command did not run) is resent,
   whatever the command, after a jittered pause, until the pauses would pass the call's own
   timeout; of a batch, only the calls that got one (a release that ran, sent again, would
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
@@ -77,6 +82,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME",
+    "LOADS",
+    "After",
     "Decided",
     "Exchange",
     "Failure",
@@ -88,6 +95,8 @@ __all__ = [
     "Shape",
     "Steps",
     "Transaction",
+    "Tries",
+    "after",
     "any_refusal",
     "drive",
     "drive_async",
@@ -98,6 +107,7 @@ __all__ = [
     "is_int",
     "is_ok_or_nil",
     "is_text",
+    "lua_free_done",
     "no_permission",
     "retires",
 ]
@@ -155,9 +165,8 @@ class Lost(Failure):
 
 
 class NotSent(Failure):
-    """Nothing of the commands ran: the connection could not be made, its handshake lost
-    its reply, or the server answered NOAUTH/WRONGPASS on a live connection (the transport
-    retires it: the next one asks the credential provider again)."""
+    """Nothing of the commands ran: the connection could not be made, or its handshake
+    lost its reply."""
 
 
 def retires(reply: ReplyError) -> int:
@@ -165,10 +174,9 @@ def retires(reply: ReplyError) -> int:
     other command (a transient reply: the resend goes on a fresh connection, the host
     resolved again; NOAUTH: it is not authenticated any more); 2 neither does any other
     connection of the cache to that server (READONLY: the endpoint reaches a replica now)."""
-    code = reply.code
-    if code == "READONLY":
+    if reply.code == "READONLY":
         return 2
-    return 1 if code in TRANSIENT or is_auth_refusal(code) else 0
+    return 1 if after(reply) in (After.PAUSE, After.REAUTH) else 0
 
 
 def is_int(reply: object) -> bool:
@@ -205,8 +213,8 @@ def is_anything(reply: object) -> bool:
 # to read can miss a reply the server has yet to send. TIME, since the scripts need its
 # ACL permission anyway. A single command needs no frame: an extra reply behind its own is
 # found in the parser's buffer, or when the connection is next used. Nor do transactions
-# (Transaction.frame): each EXEC's reply, a pair holding TIME's, is of a shape no other
-# reply of theirs has, so a shift before it shows in its place.
+# (Transaction.frame): each EXEC's reply, a pair beginning with SET's OK or nil, is of a
+# shape no other reply of theirs has, so a shift before it shows in its place.
 FRAME: Final = (b"TIME",)
 
 
@@ -244,8 +252,10 @@ def _is_queued_time(reply: object) -> bool:
 
 
 def _is_exec(reply: object) -> bool:
-    """EXEC's: SET's reply (OK, or nil: the key exists) and TIME's."""
-    return type(reply) is list and len(reply) == 2 and is_ok_or_nil(reply[0]) and is_frame(reply[1])
+    """EXEC's: SET's reply (OK, or nil: the key exists) and TIME's. A clock of another
+    shape is hotlock._acquire.read's to judge (the script decides the key), as the C
+    client and a cluster's Route judge it."""
+    return type(reply) is list and len(reply) == 2 and is_ok_or_nil(reply[0])
 
 
 _TRANSACTION_REPLY: list[Shape] = [_is_ok, _is_queued_set, _is_queued_time, _is_exec]
@@ -312,6 +322,8 @@ class Transaction(Send):
         rest: list[int] = []
         for i, result in enumerate(answers):
             if isinstance(result, BaseException):
+                if isinstance(result, ReplyError):
+                    result.key = self.keys[i]  # the error names it
                 raise result
             if result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
                 result = _acquire.SCRIPT
@@ -377,9 +389,13 @@ class Decided(list[Any]):
         self.refused = refused
 
 
-def _raise_first(replies: list[Any]) -> None:
-    for reply in replies:
+def _raise_first(replies: list[Any], keys: Sequence[bytes] = ()) -> None:
+    """The first error reply raised, with the key of the call it came to (``keys``, in
+    the replies' order; none for a WAIT's or a load's)."""
+    for i, reply in enumerate(replies):
         if isinstance(reply, ReplyError):
+            if i < len(keys):
+                reply.key = keys[i]
             raise reply
 
 
@@ -388,6 +404,99 @@ def _by_transaction(dialect: Dialect, script: Script, tokens: Sequence[bytes]) -
     ACQUIRE script itself (the waiting forms are the contended path), and only plain
     locks (a permit's ask, token '#' limit, always goes by script)."""
     return script is ACQUIRE and dialect.transaction and all(len(t) == TOKEN_BYTES for t in tokens)
+
+
+# -- what a failure or an error reply makes of a call --------------------------------------
+# The same on every Python path: one server's Exchange (below) and a cluster's Route
+# (hotlock.backends.cluster), which sends a call's commands to many nodes, round after
+# round, and meets the same replies.
+
+
+class After(enum.Enum):
+    """What an error reply makes of the call it came to (``after``)."""
+
+    FAIL = "fail"  # the call's CacheError, naming the reply
+    PAUSE = "pause"  # transient (hotlock._transient): it did not run; resent after a pause
+    REAUTH = "reauth"  # NOAUTH/WRONGPASS: it did not run; resent on a new connection
+    RELOAD = "reload"  # NOSCRIPT: every script loaded and what did not run resent, in one write
+    REDIRECT = "redirect"  # MOVED/ASK: a cluster's slot is served elsewhere (one server: FAIL)
+
+
+def after(reply: ReplyError) -> After:
+    code = reply.code
+    if code in TRANSIENT:
+        return After.PAUSE
+    if is_auth_refusal(code):
+        return After.REAUTH
+    if code == "NOSCRIPT":
+        return After.RELOAD
+    if code in ("MOVED", "ASK"):
+        return After.REDIRECT
+    return After.FAIL
+
+
+class Tries:
+    """One call's resends, all within its budget (``until``, on ``clock``: by default
+    resend_until from now, so the budget runs from the call's start, as the C client's
+    does, not from its first failure):
+
+    - one resend, shared by every round trip of the call: after a lost reply (the
+      commands may have run) only of a call that may be sent twice (an acquire with its
+      own token, a release); after a failure where nothing ran (no connection, a lost
+      handshake), of any call;
+    - one new connection per node after NOAUTH/WRONGPASS (``reauthed``: the nodes that
+      had it; one server's node is None), whatever the call;
+    - resends after transient replies, each after a jittered pause, until the pauses would
+      pass the call's own timeout (the budget less the one reply timeout kept for the last
+      try).
+
+    Each ``after_*`` returns the reply timeout of the resend (what is left of the budget,
+    at most one reply timeout), or the pause before it, or None: the call fails, and
+    ``words()`` names it as its error does."""
+
+    __slots__ = ("_clock", "_timeout", "reauthed", "resent", "transient", "until", "what")
+
+    def __init__(self, what: str, timeout: float, clock: Callable[[], float], until: float | None = None) -> None:
+        self.what = what
+        self._timeout = timeout
+        self._clock = clock
+        self.until = resend_until(clock(), 0.0, timeout) if until is None else until
+        self.resent = False  # the one resend has been used
+        self.reauthed: set[object] = set()
+        self.transient = Retrying()
+
+    def left(self) -> float | None:
+        """What is left of the budget, at most one reply timeout; None under 1 ms."""
+        left = min(self._timeout, self.until - self._clock())
+        return left if left >= 0.001 else None
+
+    def after_lost(self, resend: bool) -> float | None:
+        return self._resend() if resend else None
+
+    def after_unsent(self) -> float | None:
+        return self._resend()
+
+    def _resend(self) -> float | None:
+        left = None if self.resent else self.left()
+        self.resent = self.resent or left is not None
+        return left
+
+    def after_transient(self) -> float | None:
+        return self.transient.pause(self.until - self._timeout - self._clock())
+
+    def words(self) -> str:
+        return tried(self.what, self.resent, self.transient)
+
+
+def lua_free_done(reply: Any) -> bool | None:
+    """A Lua-free extend's or release's reply (SET IFEQ's OK or nil, DELIFEQ's or DELEX's 1
+    or 0, or an error reply): True when it did the work; False when the key goes once more
+    by script (these compare the whole value, so they miss a waiter's mark ('+') and a
+    lost lock, which the script tells apart; and a key they are refused on as
+    _dialect.script_serves says); None for an error reply the call's other rules take."""
+    if not isinstance(reply, ReplyError):
+        return bool(reply == b"OK" or reply == 1)
+    return False if script_serves(str(reply)) else None
 
 
 # -- one call's rules -------------------------------------------------------------------------
@@ -509,7 +618,7 @@ class Exchange(Detected):
         reply is resent)."""
 
         def once(limit: float | None) -> Steps[None]:
-            _raise_first((yield Send(_LOADS, _LOADED, limit)))
+            _raise_first((yield Send(LOADS, _LOADED, limit)))
 
         yield from self._call("SCRIPT LOAD", None, once, True)
 
@@ -575,43 +684,40 @@ class Exchange(Detected):
         until: float | None = None,
     ) -> Steps[T]:
         """Run ``attempt`` (given a reply-timeout override: None, or what is left of the
-        budget) under the lost-reply and transient-reply rules, until it returns; every
-        failure ends as the call's CacheError. ``until`` is the budget's end (by default a
-        call that does not wait: resend_until with no wait, from now: the budget runs from
-        the call's start, as the C client's does, not from its first failure)."""
-        clock = self.clock
-        until = self.retry_until() if until is None else until
+        budget) under the resend rules (Tries: ``resend`` says whether the call may be sent
+        twice; ``until``, the budget's end), until it returns; every failure ends as the
+        call's CacheError."""
+        tries = Tries(what, self._timeout, self.clock, until)
         limit: float | None = None
-        lost = False  # the one retry after a lost reply has been used
-        transient = Retrying()
         while True:
             try:
                 return (yield from attempt(limit))
             except ReplyError as reply:
-                if is_auth_refusal(reply.code):
-                    # NOAUTH/WRONGPASS on a live connection (retired: retires()): nothing
-                    # ran, and the new connection asks the credential provider again.
-                    failure: Failure | ReplyError = NotSent(f"the server replied {reply}")
-                elif reply.code in TRANSIENT:
-                    # The command did not run: resent on a fresh connection (retires())
-                    # after a pause, while the call's own timeout lasts.
-                    pause = transient.pause(until - self._timeout - clock())
-                    if pause is None:
-                        raise self._error(tried(what, lost, transient), key, f"the server replied {reply}") from reply
-                    yield Pause(pause)
-                    limit = max(min(self._timeout, until - clock()), 0.001)
-                    continue
+                then = after(reply)
+                if then is After.PAUSE:
+                    # On a fresh connection (retires()), while the call's own timeout lasts.
+                    pause = tries.after_transient()
+                    if pause is not None:
+                        yield Pause(pause)
+                        limit = tries.left() or 0.001
+                        continue
+                elif then is After.REAUTH and None not in tries.reauthed:
+                    # The connection was retired (retires()): the new one asks the
+                    # credential provider again.
+                    tries.reauthed.add(None)
+                    limit = tries.left()
+                    if limit is not None:
+                        continue
+                raise self._error(tries.words(), reply.key or key, f"the server replied {reply}") from reply
+            except Failure as failure:
+                if isinstance(failure, Lost):
+                    limit = tries.after_lost(resend)
+                elif isinstance(failure, NotSent):
+                    limit = tries.after_unsent()
                 else:
-                    raise self._error(tried(what, lost, transient), key, f"the server replied {reply}") from reply
-            except Failure as exc:
-                failure = exc
-            if not isinstance(failure, Lost | NotSent) or lost or not (resend or isinstance(failure, NotSent)):
-                raise self._error(tried(what, lost, transient), key, str(failure)) from failure
-            left = min(self._timeout, until - clock())
-            if left < 0.001:
-                raise self._error(tried(what, lost, transient), key, str(failure)) from failure
-            lost = True
-            limit = left
+                    limit = None
+                if limit is None:
+                    raise self._error(tries.words(), key, str(failure)) from failure
 
     def _error(self, what: str, key: bytes | None, why: str) -> CacheError:
         return cache_error(f"{what} failed: {why}", self.server, key)
@@ -673,19 +779,19 @@ class Exchange(Detected):
         commands = [(b"EVALSHA", script.sha, b"1", *calls[i]) for i in todo] + wait
         shapes = [_SCRIPT_REPLY[script]] * n + [is_count] * len(wait)
         replies: list[Any] = yield Send(commands, shapes, limit)
-        missing = [i for i, r in enumerate(replies[:n]) if isinstance(r, ReplyError) and r.code == "NOSCRIPT"]
+        missing = [i for i, r in enumerate(replies[:n]) if isinstance(r, ReplyError) and after(r) is After.RELOAD]
         if missing:
             # Restart, SCRIPT FLUSH or failover emptied the script cache: every script
             # loaded (one reload per flush, whichever call meets it first), then what did
             # not run, in the same write.
-            loads = len(_LOADS)
-            again = [*_LOADS, *(commands[i] for i in missing), *wait]
+            loads = len(LOADS)
+            again = [*LOADS, *(commands[i] for i in missing), *wait]
             replies_again = yield Send(again, [*_LOADED, *(shapes[i] for i in missing), *shapes[n:]], limit)
             _raise_first(replies_again[:loads])
             resent(replies, missing, replies_again[loads:], n)
         if kept.keep(todo, replies[:n]):
             kept.waits += [w for w in replies[n:] if not isinstance(w, ReplyError)]
-        _raise_first(replies)
+        _raise_first(replies, [calls[i][0] for i in todo])
         return [kept.replies[i] for i in range(len(calls))] + (
             [min(kept.waits)] if wait and kept.waits else replies[n:]
         )
@@ -698,12 +804,15 @@ class Exchange(Detected):
         reply is raised. ``kept``: what the earlier tries of this call decided, not sent again."""
         todo = kept.todo(len(commands))
         replies = yield Send([commands[i] for i in todo], [shape] * len(todo), limit)
+        unsettled, keys = [], []
         for i, reply in zip(todo, replies, strict=True):
-            if not isinstance(reply, ReplyError):
-                kept.replies[i] = reply == b"OK" or reply == 1
-            elif script_serves(str(reply)):
-                kept.replies[i] = False  # to go by script
-        _raise_first([r for r in replies if not (isinstance(r, ReplyError) and script_serves(str(r)))])
+            done = lua_free_done(reply)
+            if done is None:
+                unsettled.append(reply)
+                keys.append(commands[i][1])
+            else:
+                kept.replies[i] = done  # False: to go by script
+        _raise_first(unsettled, keys)
         return [kept.replies[i] for i in range(len(commands))]
 
     def _missed(
@@ -760,7 +869,9 @@ def _loaded(script: Script) -> Shape:
     return lambda reply: reply == script.sha
 
 
-_LOADS: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]
+# Every script, loaded in one write with the calls a NOSCRIPT sends again (here and in a
+# cluster's Route): one reload per flush, whichever call meets it first.
+LOADS: list[tuple[bytes, ...]] = [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS]
 _LOADED: list[Shape] = [_loaded(s) for s in SCRIPTS]
 
 

@@ -96,6 +96,9 @@ def unconfirmed_extends(
 class ReplyError(Exception):
     """An error reply, with the server's own text ("MOVED 3999 127.0.0.1:7002")."""
 
+    # The key of the call it came to, when it ends a batch: the call's error names it.
+    key: bytes | None = None
+
     @property
     def code(self) -> str:
         return str(self).split(" ", 1)[0]

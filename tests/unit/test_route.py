@@ -16,7 +16,8 @@ from hotlock._acquire import read as read_transaction
 from hotlock._acquire import refused_multi
 from hotlock._config import parse_url
 from hotlock._dialect import detect
-from hotlock._scripts import ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, EXTEND, held_value
+from hotlock._exchange import LOADS
+from hotlock._scripts import ACQUIRE, ACQUIRE_POLL, ACQUIRE_WAIT, EXTEND, SCRIPTS, held_value
 from hotlock.backends.cluster import ClusterCore, Route, key_slot, transaction_form
 from hotlock.errors import CacheError, LinkLost, ReplyError, Unreplicated
 
@@ -194,10 +195,30 @@ def test_noscript_asks_for_a_reload_there_and_resends_once() -> None:
     route = acquire(core(), [key])
     answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
     assert route.advance() == 0.0
-    assert route.reload == {C}
-    answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
+    # Every script loaded there, in the same write as the call that did not run.
+    batches = sent(route)
+    assert batches[C][: len(LOADS)] == LOADS and batches[C][len(LOADS) :] == [route.commands[0]]
+    loaded = [s.sha for s in SCRIPTS]
+    answer(route, batches, {C: [*loaded, ReplyError("NOSCRIPT No matching script.")]})
     with pytest.raises(CacheError, match="NOSCRIPT"):
         route.advance()  # loaded once already in this call: not a loop
+
+
+def test_a_refused_reload_is_the_calls_error_and_a_lost_one_goes_again() -> None:
+    key = key_on(C)
+    route = acquire(core(), [key])
+    answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
+    route.advance()
+    answer(route, sent(route), {C: LinkLost("timeout")})
+    assert route.advance() == 0.0
+    assert sent(route)[C][: len(LOADS)] == LOADS  # the loads' replies were lost with the rest
+    route = acquire(core(), [key])
+    answer(route, sent(route), {C: [ReplyError("NOSCRIPT No matching script.")]})
+    route.advance()
+    refused = ReplyError("NOPERM this user has no permissions to run the 'script|load' command")
+    answer(route, sent(route), {C: [refused] * len(LOADS) + [7]})
+    with pytest.raises(CacheError, match="SCRIPT LOAD: the server replied NOPERM"):
+        route.advance()
 
 
 @pytest.mark.parametrize("refusal", ["NOAUTH Authentication required.", "WRONGPASS invalid username-password pair"])

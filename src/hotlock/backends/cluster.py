@@ -67,7 +67,6 @@ from .._acquire import commands as transaction
 from .._acquire import read as read_transaction
 from .._acquire import refused_multi, warn_refused
 from .._config import ServerConfig
-from .._credentials import is_auth_refusal
 from .._dialect import (
     COMMAND_PROBE,
     NODE_PROBE,
@@ -80,11 +79,11 @@ from .._dialect import (
     lacks_command,
     node_dialect,
     release_command,
-    script_serves,
 )
+from .._exchange import LOADS, After, Tries, after, lua_free_done
 from .._ident import TOKEN_BYTES
-from .._scripts import ACQUIRE, ACQUIRE_POLL, CONFIRMED, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
-from .._transient import TRANSIENT, Retrying, resend_until
+from .._scripts import ACQUIRE, ACQUIRE_POLL, CONFIRMED, EXTEND, RELEASE_SHARDED, Script, held_value
+from .._transient import resend_until
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error, unreplicated
 from .wakeup import cluster_slot, wait
 
@@ -331,8 +330,10 @@ def script_form(command: tuple[bytes, ...]) -> tuple[bytes, ...]:
 
 
 class Route:
-    """The redirection rules for one call, as a state machine with no I/O, so the sync
-    and the async cluster backends share every rule and differ only in how they wait.
+    """One call's rules on a cluster, as a state machine with no I/O, so the sync and the
+    async cluster backends share every rule and differ only in how they wait. The rules of
+    one server (hotlock._exchange: Tries, after, lua_free_done, LOADS), per node and round,
+    and the redirections.
 
     A round: ``batches()`` gives each node's commands (``ASKING`` before a key that was
     sent ASK, a WAIT after the acquires or extends under wait_replicas); the caller writes
@@ -341,7 +342,7 @@ class Route:
     round. It raises CacheError when the call has failed, after which the caller undoes
     the acquires in ``acquired_values()``, and Unreplicated when extends ran on a node
     whose WAIT fell short, after which the caller releases ``unconfirmed_values()``.
-    Between rounds the caller loads the scripts on ``reload`` nodes and, when
+    Between rounds the caller drops the connections of ``reconnect`` nodes and, when
     ``refresh_avoiding`` is set, asks for the slot map.
     """
 
@@ -370,17 +371,10 @@ class Route:
         self.results: list[Any] = [None] * len(keys)
         self._pending = list(range(len(keys)))
         self._asking: dict[int, Address] = {}
-        self._retry_until = retry_until
-        # Transient replies are resent until the pauses would pass the call's own timeout:
-        # its retry budget less the one reply timeout kept for the last try.
-        self._pause_end = (
-            retry_until - cluster.timeout if retry_until is not None else time.monotonic() + cluster.timeout
-        )
-        self.override: float | None = None  # reply timeout of the one retry after a lost reply
-        self._retried = False
-        self._resent = False  # the one resend after a node could not be connected to
+        self._resend = retry_until is not None  # whether the commands may be sent twice
+        self._tries = Tries(what, cluster.timeout, time.monotonic, retry_until)
+        self.override: float | None = None  # reply timeout of a resend after a lost reply
         self._redirects = 0
-        self._transient = Retrying()
         self._transient_reply: tuple[str, bytes] | None = None  # the first, for the error
         self._wait = wait
         self.replicas: list[tuple[Address, int]] = []
@@ -394,11 +388,12 @@ class Route:
         self._later: list[int] = []
         self._lost: list[tuple[Address, list[int], BaseException]] = []
         self._error: tuple[str, bytes | None] | None = None
-        self.reload: set[Address] = set()
+        # NOSCRIPT: the nodes whose next batch begins with LOADS, and those that took them.
+        self._reload: set[Address] = set()
         self._reloaded: set[Address] = set()
+        self._loading: set[Address] = set()  # this round's batches that begin with LOADS
         # Nodes whose connection the caller drops before the next round (NOAUTH/WRONGPASS).
         self.reconnect: set[Address] = set()
-        self._reauthed: set[Address] = set()
         self.refresh_avoiding: Address | None = None
 
     def unserved(self) -> bytes | None:
@@ -416,11 +411,10 @@ class Route:
         primary failed or handed over, the new one not yet in the map): the pause before
         looking again, within the call's budget, as after CLUSTERDOWN. CacheError when no
         time is left."""
-        pause = self._transient.pause(self._pause_end - time.monotonic())
+        pause = self._tries.after_transient()
         if pause is None:
             raise cache_error(
-                f"{self._transient.tried(self.what)} failed: "
-                "no primary serves the slot of the key (the cluster is incomplete)",
+                f"{self._tries.words()} failed: no primary serves the slot of the key (the cluster is incomplete)",
                 self._cluster.server,
                 self.unserved(),
             )
@@ -442,8 +436,10 @@ class Route:
         out = []
         self._plain.clear()
         self._txn.clear()
+        self._loading = self._reload & groups.keys()
         for address, idxs in groups.items():
-            batch: list[tuple[bytes, ...]] = []
+            # After NOSCRIPT there: every script, in the same write as what did not run.
+            batch: list[tuple[bytes, ...]] = list(LOADS) if address in self._loading else []
             for i in idxs:
                 command = self.commands[i]
                 if i in self._asking:
@@ -478,6 +474,14 @@ class Route:
         self._lost.append((address, self._groups[address], exc))
 
     def replies(self, address: Address, replies: list[Any]) -> None:
+        if address in self._loading:
+            loads, replies = replies[: len(LOADS)], replies[len(LOADS) :]
+            refused = next((r for r in loads if isinstance(r, ReplyError)), None)
+            if refused is not None:
+                self._fail(f"{self.what} failed: SCRIPT LOAD: the server replied {refused}", None)
+                return
+            self._reload.discard(address)
+            self._reloaded.add(address)
         if self._wait:
             reply = replies.pop()
             if isinstance(reply, ReplyError):
@@ -507,7 +511,8 @@ class Route:
                 self.results[i] = reply
                 continue
             code = reply.code
-            if code in ("MOVED", "ASK"):
+            then = after(reply)
+            if then is After.REDIRECT:
                 self._redirects += 1
                 _, slot, target = str(reply).split(" ")
                 host, _, port = target.rpartition(":")
@@ -523,7 +528,7 @@ class Route:
                 if self._redirects > _REDIRECTS * len(self.keys):
                     self._fail(f"{self.what} failed: redirected {self._redirects} times ({reply})", self.keys[i])
                 self._again.append(i)
-            elif code in TRANSIENT:
+            elif then is After.PAUSE:
                 # The command did not run (hotlock._transient): again after a pause.
                 self._later.append(i)
                 if self._transient_reply is None:
@@ -531,17 +536,16 @@ class Route:
                 if code in ("CLUSTERDOWN", "READONLY", "MASTERDOWN"):
                     # An election, or a demoted primary: look at the map again.
                     self._cluster.map.stale = True
-            elif is_auth_refusal(str(reply)) and address not in self._reauthed:
-                # NOAUTH/WRONGPASS: that node's connection is not authenticated (rotated
-                # credentials, a re-sent AUTH refused), so nothing ran. The caller drops it
-                # (link_drop) and the new one asks the credential provider again; once per
-                # node and call.
+            elif then is After.REAUTH and address not in self._tries.reauthed:
+                # That node's connection is not authenticated (rotated credentials, a
+                # re-sent AUTH refused): the caller drops it (link_drop) and the new one
+                # asks the credential provider again; once per node and call.
                 self.reconnect.add(address)
                 self._again.append(i)
-            elif code == "NOSCRIPT" and address not in self._reloaded:
-                # Restart, SCRIPT FLUSH, failover: load them there (once per call) and
-                # resend only what did not run.
-                self.reload.add(address)
+            elif then is After.RELOAD and address not in self._reloaded:
+                # Restart, SCRIPT FLUSH, failover: every script loaded there (once per
+                # call), in the same write as what did not run.
+                self._reload.add(address)
                 self._again.append(i)
             else:
                 self._fail(f"{self.what} failed: the server replied {reply}", self.keys[i])
@@ -569,19 +573,18 @@ class Route:
         """A Lua-free extend's or release's reply: True when it is dealt with here (the
         result, or the key to go again by script); False for the rules every command
         follows (MOVED, ASK...: the next node decides the form again)."""
-        if not isinstance(reply, ReplyError):
-            if reply == b"OK" or reply == 1:  # SET IFEQ's OK; DELIFEQ's or DELEX's 1
-                self.results[i] = 1
-                return True
-            # nil or 0. These compare the whole value, a waiter's mark ('+') too: once more
-            # by script, which accepts the mark and announces the release (SPUBLISH), as
-            # on one server; only under contention, or for a lock already lost.
-        elif lacks_command(str(reply)):
+        if isinstance(reply, ReplyError) and lacks_command(str(reply)):
             # The node no longer has the command (downgraded or renamed in place): this key
             # by script, with the same value, and every later call on that node.
             self._cluster.downgrade(address, str(reply))
-        elif not script_serves(str(reply)):
-            return False
+        else:
+            done = lua_free_done(reply)
+            if done is None:
+                return False
+            if done:
+                self.results[i] = 1
+                return True
+        # Missed (the script announces the release by SPUBLISH, on the lock's own shard).
         self._scripted.add(i)
         self._again.append(i)
         return True
@@ -597,49 +600,38 @@ class Route:
         if self._error is not None:
             raise cache_error(self._error[0], server, self._error[1])
         again, self._again = self._again, []
-        self._reloaded |= self.reload
-        self._reauthed |= self.reconnect
+        self._tries.reauthed |= self.reconnect
         pause = 0.0
         if self._lost:
             where, first, cause = self._lost[0]
             # Whatever happens next, the next call asks for the map first: the node may be
             # gone for good (a killed primary whose replica takes over).
             self._cluster.map.stale = True
-            left = (
-                0.0 if self._retry_until is None else min(self._cluster.timeout, self._retry_until - time.monotonic())
-            )
-            unsent = all(isinstance(exc, CacheError) for _, _, exc in self._lost)
-            if unsent and not self._resent:
-                # The node could not even be connected to: nothing ran, so any command (an
-                # extend, a set_nx) may go once more, after the map is asked again.
-                self._resent = True
-                self.refresh_avoiding = where
-                for _, idxs, _ in self._lost:
-                    again.extend(idxs)
-                self._lost = []
-            elif self._retried or left < 0.001:
-                suffix = " (retried after a lost reply)" if self._retried else ""
+            # The one resend, after the caller has asked another node for the map: of any
+            # command (an extend, a set_nx) when the nodes could not even be connected to
+            # (nothing ran), else only of one that may be sent twice, with the same tokens.
+            if all(isinstance(exc, CacheError) for _, _, exc in self._lost):
+                limit = self._tries.after_unsent()
+            else:
+                limit = self._tries.after_lost(self._resend)
+            if limit is None:
                 raise cache_error(
-                    f"{self.what}{suffix} failed on {where[0]}:{where[1]}: {cause}",
+                    f"{self._tries.words()} failed on {where[0]}:{where[1]}: {cause}",
                     server,
                     self.keys[first[0]] if len(self.keys) == 1 else None,
                 ) from cause
-            else:
-                # The one resend after a lost reply, same tokens, after the caller has
-                # asked another node for the map.
-                self._retried = True
-                self.override = left
-                self.refresh_avoiding = where
-                for _, idxs, _ in self._lost:
-                    again.extend(idxs)
-                self._lost = []
+            self.override = limit
+            self.refresh_avoiding = where
+            for _, idxs, _ in self._lost:
+                again.extend(idxs)
+            self._lost = []
         if self._later:
-            transient = self._transient.pause(self._pause_end - time.monotonic())
+            transient = self._tries.after_transient()
             if transient is None:
                 assert self._transient_reply is not None
                 text, key = self._transient_reply
                 raise cache_error(
-                    f"{self._transient.tried(self.what)} failed: the server replied {text}",
+                    f"{self._tries.words()} failed: the server replied {text}",
                     server,
                     key,
                 )
@@ -1078,9 +1070,6 @@ class ClusterBackend(ClusterCore):
                 pause = route.advance()
                 if pause is None:
                     return route.results
-                for address in route.reload:
-                    self._load_scripts(address, route.what)
-                route.reload.clear()
                 for address in route.reconnect:
                     self._link(address).link_drop()
                 route.reconnect.clear()
@@ -1120,15 +1109,6 @@ class ClusterBackend(ClusterCore):
         answers for the whole map."""
         with contextlib.suppress(CacheError):
             self.refresh(avoid)
-
-    def _load_scripts(self, address: Address, what: str) -> None:
-        try:
-            replies = self._call(self._link(address), [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS])
-        except LinkLost as exc:
-            raise cache_error(f"{what} failed: SCRIPT LOAD on {address[0]}:{address[1]}: {exc}", self.server) from exc
-        for reply in replies:
-            if isinstance(reply, ReplyError):
-                raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
     def _many(
         self, what: str, script: Script, keys: list[bytes], tokens: list[bytes], ms: int, until: float | None

@@ -22,7 +22,7 @@ from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
 from .._inflight import InFlight, retry_until
-from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, SCRIPTS, Script, held_value
+from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
     MAP_ERRORS,
@@ -179,9 +179,6 @@ class AsyncClusterBackend(ClusterCore):
                 pause = route.advance()
                 if pause is None:
                     return route.results
-                for address in route.reload:
-                    await self._load_scripts(address, route.what)
-                route.reload.clear()
                 for address in route.reconnect:
                     await (await self._link(address)).link_drop()
                 route.reconnect.clear()
@@ -217,15 +214,6 @@ class AsyncClusterBackend(ClusterCore):
         """As the sync ClusterBackend._look."""
         with contextlib.suppress(CacheError):
             await self.refresh(avoid)
-
-    async def _load_scripts(self, address: Address, what: str) -> None:
-        try:
-            replies = await self._node(address, [(b"SCRIPT", b"LOAD", s.source) for s in SCRIPTS], None)
-        except LinkLost as exc:
-            raise cache_error(f"{what} failed: SCRIPT LOAD on {address[0]}:{address[1]}: {exc}", self.server) from exc
-        for reply in replies:
-            if isinstance(reply, ReplyError):
-                raise cache_error(f"{what} failed: SCRIPT LOAD: the server replied {reply}", self.server)
 
     async def _scripts(
         self, what: str, script: Script, keys: Sequence[bytes], args: Sequence[tuple[bytes, ...]], until: float | None
