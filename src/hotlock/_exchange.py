@@ -58,7 +58,16 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from . import _acquire
 from ._credentials import is_auth_refusal
-from ._dialect import Detected, Dialect, by_script, extend_command, release_command, script_serves
+from ._dialect import (
+    COMMAND_PROBE,
+    Detected,
+    Dialect,
+    by_script,
+    extend_command,
+    info_fields,
+    release_command,
+    script_serves,
+)
 from ._ident import TOKEN_BYTES
 from ._scripts import (
     ACQUIRE,
@@ -268,17 +277,15 @@ class Transaction(Send):
 
     ``commands`` go in one write (every key's transaction, then ``wait``: the WAIT of
     wait_replicas, which confirms the SETs before it on its connection); ``read`` takes the
-    replies and names the keys the ACQUIRE script is to decide. Those go next as ACQUIRE
-    (with their own WAIT), and ``scripted`` takes their results. ``outcome`` is then what
-    one acquire by script gives: each key's result, and the WAIT reply ([] without
-    wait_replicas). Under connect(fences=False) each key's transaction is SET NX PX alone
-    (one reply).
+    replies, keeps the fences of the keys taken, and names the keys the ACQUIRE script is
+    to decide. Under connect(fences=False) each key's transaction is SET NX PX alone (one
+    reply).
 
     A transport that reads a transaction's replies itself (the extension's asyncio client,
     in C by hotlock._acquire's rules: AioCore.acquire_many) may write this Send from
     ``keys``, ``tokens``, ``ttl_ms``, ``fenced`` and ``wait`` and send back a Decided."""
 
-    __slots__ = ("_n", "_per", "_waits", "fenced", "keys", "refused", "results", "tokens", "ttl_ms", "wait")
+    __slots__ = ("_n", "_per", "fenced", "keys", "refused", "tokens", "ttl_ms", "wait")
 
     def __init__(
         self,
@@ -298,16 +305,16 @@ class Transaction(Send):
         shapes = (_TRANSACTION_REPLY if fenced else _SET_REPLY) * self._n + [is_count] * len(wait)
         # EXEC's reply frames the write; bare SETs do not.
         super().__init__(commands + wait, shapes, timeout, not fenced)
-        self.results: list[int] = []
         # MULTI's error reply when it was refused alone: this server takes no transaction
         # from us, and every later acquire goes by script.
         self.refused: ReplyError | None = None
-        self._waits: list[int] = []
 
-    def read(self, replies: list[Any]) -> list[int]:
-        """The transactions' replies (or a Decided): the indices of the keys that go by
-        script next. The first error reply is raised, to be treated as a script's
-        (transient, NOAUTH...)."""
+    def read(self, replies: list[Any], kept: _Kept, todo: list[int]) -> list[int]:
+        """The transactions' replies (or a Decided), for the calls ``todo`` of the batch
+        (their indices in it, in the order of ``keys``): each key taken is kept (``kept``,
+        with this WAIT's reply), and the indices of the keys the script is to decide
+        returned. Then the first error reply is raised, to be treated as a script's
+        (transient, NOAUTH...): the keys it came to go again, the ones taken do not."""
         n = self._n
         answers: list[int | BaseException]
         if type(replies) is Decided:
@@ -320,33 +327,23 @@ class Transaction(Send):
             self.refused = next((four[0] for four in fours if _acquire.refused_multi(four, ReplyError)), None)
             answers = [_acquire.read(four, ReplyError) for four in fours]
         rest: list[int] = []
+        errors: list[Any] = []
         for i, result in enumerate(answers):
             if isinstance(result, BaseException):
-                if isinstance(result, ReplyError):
-                    result.key = self.keys[i]  # the error names it
-                raise result
-            if result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
-                result = _acquire.SCRIPT
-                rest.append(i)
-            self.results.append(result)
+                errors.append(result)
+            elif result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
+                rest.append(todo[i])
+            else:
+                kept.replies[todo[i]] = result
         waits = replies[len(replies) - len(self.wait) :]
         _raise_first(waits)
-        if len(rest) < n:
+        if len(rest) + len(errors) < n:
             # A key was taken: this WAIT confirms it. One that took nothing confirms
             # nothing of ours (the script's own WAIT covers the keys it decides, and a
             # SET run outside a refused MULTI too: the script writes after it).
-            self._waits += waits
+            kept.waits += waits
+        _raise_first(errors, [self.keys[i] for i, r in enumerate(answers) if isinstance(r, BaseException)])
         return rest
-
-    def scripted(self, rest: list[int], results: list[int], waits: list[int]) -> None:
-        """The ACQUIRE script's results for the keys ``read`` named, and its WAIT reply."""
-        for i, result in zip(rest, results, strict=True):
-            self.results[i] = result
-        self._waits += waits
-
-    def outcome(self) -> tuple[list[int], list[int]]:
-        """Each key's result, and the fewest replicas a WAIT confirmed ([] without WAIT)."""
-        return self.results, [min(self._waits)] if self._waits else []
 
 
 class _Kept:
@@ -534,14 +531,17 @@ class Exchange(Detected):
         after a lost reply, with the same tokens, within ``until``. Under wait_replicas the
         acquires too few replicas confirmed are undone: CacheError."""
         key = keys[0] if len(keys) == 1 else None
-        results, waits = yield from self._call(
-            what, key, lambda limit: self._take(script, keys, tokens, ttl_ms, limit), True, until
+        kept = _Kept()
+        yield from self._call(
+            what, key, lambda limit: self._take(script, keys, tokens, ttl_ms, limit, kept), True, until
         )
-        if waits and waits[0] < self._wait_replicas:
+        results: list[int] = [kept.replies[i] for i in range(len(keys))]
+        if kept.waits and min(kept.waits) < self._wait_replicas:
             held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             yield from self._release_quietly(held)
-            raise cache_error(unreplicated(what, waits[0], self._wait_replicas, self._wait_ms), self.server, key)
+            got = min(kept.waits)
+            raise cache_error(unreplicated(what, got, self._wait_replicas, self._wait_ms), self.server, key)
         return results
 
     def extend_steps(self, what: str, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> Steps[list[bool]]:
@@ -613,6 +613,25 @@ class Exchange(Detected):
 
         return (yield from self._call(what, key, once, resend))
 
+    def set_nx_steps(self, key: bytes, value: bytes, ttl_ms: int) -> Steps[bool]:
+        """Whether SET NX set ``value`` (never resent after a lost reply: command_steps)."""
+        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
+        return (yield from self.command_steps("set_nx", key, command, is_ok_or_nil)) is not None
+
+    def incr_steps(self, key: bytes, amount: int) -> Steps[int]:
+        reply: int = yield from self.command_steps("incr", key, (b"INCRBY", key, b"%d" % amount), is_int)
+        return reply
+
+    def info_steps(self) -> Steps[dict[str, str] | None]:
+        """INFO's fields, or None when an ACL refuses INFO."""
+        reply = yield from self.command_steps("INFO", None, (b"INFO",), is_text, declined=no_permission)
+        return None if reply is None else info_fields(reply)
+
+    def command_info_steps(self) -> Steps[list[Any] | None]:
+        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
+        reply = yield from self.command_steps("COMMAND INFO", None, COMMAND_PROBE, is_anything, declined=any_refusal)
+        return reply if isinstance(reply, list) else None
+
     def load_steps(self) -> Steps[None]:
         """Every script loaded, in one round trip (loading twice changes nothing: a lost
         reply is resent)."""
@@ -669,9 +688,10 @@ class Exchange(Detected):
             return Send([extend_command(key, token, ttl_ms)], [is_ok_or_nil], None)
         return Send([(b"EVALSHA", EXTEND.sha, b"1", key, token, b"%d" % ttl_ms)], [is_flag], None)
 
-    def retry_until(self, wait_ms: int = 0) -> float:
-        """Until when a call begun now may be resent (hotlock._transient.resend_until)."""
-        return resend_until(self.clock(), wait_ms / 1000.0, self._timeout)
+    def retry_until(self, wait_ms: int = 0, since: float | None = None) -> float:
+        """Until when a call begun at ``since`` (on ``clock``; None: now) may be resent
+        (hotlock._transient.resend_until)."""
+        return resend_until(self.clock() if since is None else since, wait_ms / 1000.0, self._timeout)
 
     # -- the rules ------------------------------------------------------------------------
 
@@ -723,42 +743,42 @@ class Exchange(Detected):
         return cache_error(f"{what} failed: {why}", self.server, key)
 
     def _take(
-        self, script: Script, keys: list[bytes], tokens: list[bytes], ttl_ms: int, limit: float | None
-    ) -> Steps[tuple[list[int], list[int]]]:
-        """One try of the acquires (a lost reply resends it whole, with the same tokens):
-        each key's result, and WAIT's reply under wait_replicas. By transaction where it
-        serves, the keys it leaves to the script in a second round trip, within the same
-        ``limit``."""
-        wait = self._wait_command(script)
-        if not (self._transactions and _by_transaction(self.dialect, script, tokens)):
-            return (yield from self._by_script(script, keys, tokens, ttl_ms, limit, wait))
-        deadline = None if limit is None else self.clock() + limit
-        taking = Transaction(keys, tokens, ttl_ms, wait, self.fenced, limit)
-        try:
-            rest = taking.read((yield taking))
-        finally:
-            if taking.refused is not None and self._transactions:
-                self._transactions = False
-                _acquire.warn_refused(self.server, taking.refused)
-        if rest:
-            left = None if deadline is None else max(deadline - self.clock(), 0.001)
-            ks, ts = [keys[i] for i in rest], [tokens[i] for i in rest]
-            taking.scripted(rest, *(yield from self._by_script(ACQUIRE, ks, ts, ttl_ms, left, wait)))
-        return taking.outcome()
-
-    def _by_script(
         self,
         script: Script,
         keys: list[bytes],
         tokens: list[bytes],
         ttl_ms: int,
         limit: float | None,
-        wait: list[tuple[bytes, ...]],
-    ) -> Steps[tuple[list[int], list[int]]]:
-        """The acquires as ``script``, in one round trip: each key's result, and WAIT's reply."""
+        kept: _Kept,
+    ) -> Steps[None]:
+        """One try of the acquires ``kept`` has not decided (a lost reply resends them all,
+        with the same tokens; after an error reply to some, only those go again). By
+        transaction where it serves, the keys it leaves to the script in a second round
+        trip, within the same ``limit``."""
+        todo = kept.todo(len(keys))
+        wait = self._wait_command(script)
+        if self._transactions and _by_transaction(self.dialect, script, [tokens[i] for i in todo]):
+            deadline = None if limit is None else self.clock() + limit
+            taking = Transaction([keys[i] for i in todo], [tokens[i] for i in todo], ttl_ms, wait, self.fenced, limit)
+            try:
+                todo = taking.read((yield taking), kept, todo)
+            finally:
+                if taking.refused is not None and self._transactions:
+                    self._transactions = False
+                    _acquire.warn_refused(self.server, taking.refused)
+            if not todo:
+                return
+            script = ACQUIRE
+            limit = None if deadline is None else max(deadline - self.clock(), 0.001)
         ms = b"%d" % ttl_ms
-        replies = yield from self._scripts(script, [(k, t, ms) for k, t in zip(keys, tokens, strict=True)], limit, wait)
-        return replies[: len(keys)], replies[len(keys) :]
+        calls = [(keys[i], tokens[i], ms) for i in todo]
+        scripted = _Kept()
+        try:
+            yield from self._scripts(script, calls, limit, wait, scripted)
+        finally:
+            for j, result in scripted.replies.items():
+                kept.replies[todo[j]] = result
+            kept.waits += scripted.waits
 
     def _scripts(
         self,

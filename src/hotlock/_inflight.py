@@ -1,5 +1,5 @@
-"""What the async Redis backends share: a call's resend budget on the loop's clock, a
-timeout that keeps cancellations, and the ordering promise of a pooled backend (InFlight)."""
+"""What the async Redis backends share: a timeout that keeps cancellations, and the
+ordering promise of a pooled backend (InFlight)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,12 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from ._ident import TOKEN_BYTES
-from ._transient import resend_until
 from .errors import cache_error
 
 __all__ = [
     "InFlight",
-    "retry_until",
     "within",
 ]
-
-
-def retry_until(since: float | None, wait_ms: int, timeout: float) -> float:
-    """Until when (loop time) an acquire begun at ``since`` (None: now) may be resent
-    (hotlock._transient.resend_until); see AsyncBackend.acquire."""
-    start = asyncio.get_running_loop().time() if since is None else since
-    return resend_until(start, wait_ms / 1000.0, timeout)
 
 
 T = TypeVar("T")

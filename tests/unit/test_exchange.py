@@ -356,6 +356,20 @@ def test_a_transient_reply_to_the_transaction_resends_the_transaction(rig: Rig) 
     assert rig.sent == [taken(K1, T1)] * 2 and len(rig.pauses) == 1
 
 
+def test_a_transient_reply_to_one_transaction_of_a_batch_resends_that_one_only(rig: Rig) -> None:
+    """The keys taken are kept: an acquire that ran is not sent again. A key left to the
+    script goes again with the one that got the reply (the try ended at the reply)."""
+    ex = rig.exchange()
+    loading = [b"OK", err(TRANSIENT["LOADING"]), b"QUEUED", err("EXECABORT Transaction discarded")]
+    results = rig.run(acquire(ex, [K1, K2, K3], [T1, T2, T3]), FREE + loading + HELD, FREE + HELD, [-100])
+    assert results == [FENCE, FENCE, -100]
+    assert rig.sent == [
+        taken(K1, T1) + taken(K2, T2) + taken(K3, T3),
+        taken(K2, T2) + taken(K3, T3),
+        [evalsha(ACQUIRE, K3, T3, MS)],
+    ]
+
+
 @pytest.mark.parametrize("call", ["extend", "acquire", "incr"])
 def test_a_transient_reply_until_the_budget_ends_is_the_calls_error(rig: Rig, call: str) -> None:
     ex = rig.exchange()

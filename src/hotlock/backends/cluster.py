@@ -850,9 +850,10 @@ class ClusterCore:
         call of the gap, at most every UNSERVED_REFRESH_S."""
         return route.unserved() is not None and time.monotonic() - self.map.refreshed >= UNSERVED_REFRESH_S
 
-    def retry_until(self, wait_ms: int = 0) -> float:
-        """As in every backend (hotlock._transient.resend_until), from now."""
-        return resend_until(time.monotonic(), wait_ms / 1000.0, self.timeout)
+    def retry_until(self, wait_ms: int = 0, since: float | None = None) -> float:
+        """As in every backend (hotlock._transient.resend_until), from ``since`` (on
+        time.monotonic; None: now)."""
+        return resend_until(time.monotonic() if since is None else since, wait_ms / 1000.0, self.timeout)
 
     def route(
         self,

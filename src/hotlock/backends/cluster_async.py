@@ -21,7 +21,7 @@ from .._acquire import read as read_transaction
 from .._acquire import refused_multi
 from .._config import ServerConfig
 from .._dialect import COMMAND_PROBE, NODE_PROBE
-from .._inflight import InFlight, retry_until
+from .._inflight import InFlight
 from .._scripts import ACQUIRE, ACQUIRE_POLL, EXTEND, RELEASE_SHARDED, Script, held_value
 from ..errors import CacheError, LinkLost, ReplyError, Unreplicated, cache_error
 from .cluster import (
@@ -365,24 +365,23 @@ class AsyncClusterBackend(ClusterCore):
         first = ({a: idxs for a, _, idxs in groups}, [(a, o) for (a, _, _), o in zip(groups, outcomes, strict=True)])
         return await self._run(Route(self, what, keys, commands, until, False), first)
 
-    @staticmethod
-    def _until(since: float | None, wait_ms: int, timeout: float) -> float:
+    def _until(self, since: float | None, wait_ms: int) -> float:
         # Route keeps time.monotonic(); the AsyncBackend contract gives loop time.
-        loop = asyncio.get_running_loop()
-        return time.monotonic() + (retry_until(since, wait_ms, timeout) - loop.time())
+        ago = 0.0 if since is None else asyncio.get_running_loop().time() - since
+        return self.retry_until(wait_ms, time.monotonic() - ago)
 
     # -- the AsyncBackend interface ---------------------------------------------------
 
     async def acquire(
         self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
-        until = self._until(since, wait_ms, self.timeout)
+        until = self._until(since, wait_ms)
         command = (b"EVALSHA", script.sha, b"1", key, token, b"%d" % ttl_ms)
         transact = script is not ACQUIRE_POLL
         return int(await self._fast("acquire", key, command, until, self.confirms(script), token, transact))
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
-        work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self._until(None, 0, self.timeout))
+        work = self._many("acquire_many", ACQUIRE, keys, tokens, ttl_ms, self.retry_until())
         return [int(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def extend(self, key: bytes, token: bytes, ttl_ms: int) -> bool:
@@ -394,13 +393,13 @@ class AsyncClusterBackend(ClusterCore):
 
     async def release(self, key: bytes, token: bytes) -> bool:
         await self._inflight.settled([token])
-        until = self._until(None, 0, self.timeout)
+        until = self.retry_until()
         command = (b"EVALSHA", RELEASE_SHARDED.sha, b"1", key, token)
         return bool(await self._fast("release", key, command, until, False, token))
 
     async def release_many(self, keys: list[bytes], tokens: list[bytes]) -> list[bool]:
         await self._inflight.settled(tokens)
-        work = self._many("release_many", RELEASE_SHARDED, keys, tokens, -1, self._until(None, 0, self.timeout))
+        work = self._many("release_many", RELEASE_SHARDED, keys, tokens, -1, self.retry_until())
         return [bool(r) for r in await self._inflight.shielded(tokens, work)]
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:

@@ -22,7 +22,6 @@ from typing import Any, Protocol, TypeVar
 
 from .._config import ServerConfig, command_name, keepalive, naming_commands, naming_optional, tls_context
 from .._credentials import auth_command_async, reauth_command_async
-from .._dialect import COMMAND_PROBE, info_fields
 from .._exchange import (
     Decided,
     Exchange,
@@ -33,17 +32,12 @@ from .._exchange import (
     Shape,
     Steps,
     Transaction,
-    any_refusal,
     drive_async,
-    is_anything,
     is_flag,
     is_int,
-    is_ok_or_nil,
-    is_text,
-    no_permission,
     retires,
 )
-from .._inflight import retry_until, within
+from .._inflight import within
 from .._scripts import SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from .._transient import TRANSIENT
@@ -380,7 +374,7 @@ class NativeAsyncBackend(Exchange):
                 if type(answer) is int and answer > 0:
                     return answer
                 carried = self._decided(proto, [answer], 1, [])
-        until = retry_until(start, wait_ms, self._timeout)
+        until = self.retry_until(wait_ms, start)
         return (await self._run(self.acquire_steps("acquire", [key], [token], ttl_ms, script, until), carried))[0]
 
     async def acquire_many(self, keys: list[bytes], tokens: list[bytes], ttl_ms: int) -> list[int]:
@@ -423,23 +417,16 @@ class NativeAsyncBackend(Exchange):
         return await self._run(self.release_steps("release_many", list(keys), list(tokens)))
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        return await self._run(self.command_steps("set_nx", key, command, is_ok_or_nil)) is not None
+        return await self._run(self.set_nx_steps(key, value, ttl_ms))
 
     async def incr(self, key: bytes, amount: int) -> int:
-        reply: int = await self._run(self.command_steps("incr", key, (b"INCRBY", key, b"%d" % amount), is_int))
-        return reply
+        return await self._run(self.incr_steps(key, amount))
 
     async def info(self) -> dict[str, str] | None:
-        reply = await self._run(self.command_steps("INFO", None, (b"INFO",), is_text, declined=no_permission))
-        return None if reply is None else info_fields(reply)
+        return await self._run(self.info_steps())
 
     async def command_info(self) -> list[Any] | None:
-        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
-        reply = await self._run(
-            self.command_steps("COMMAND INFO", None, COMMAND_PROBE, is_anything, declined=any_refusal)
-        )
-        return reply if isinstance(reply, list) else None
+        return await self._run(self.command_info_steps())
 
     # -- a cluster node's link (hotlock.backends.cluster_async.AsyncLink) -------------------------
 

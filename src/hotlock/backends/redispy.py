@@ -34,10 +34,6 @@ from redis.retry import Retry
 
 from .._config import KEEPALIVE_OPTIONS, LIB_NAME, ServerConfig, lib_version, redispy_tls_kwargs
 from .._credentials import ask, ask_async, reauth_command
-from .._dialect import (
-    COMMAND_PROBE,
-    info_fields,
-)
 from .._exchange import (
     FRAME,
     Exchange,
@@ -47,14 +43,8 @@ from .._exchange import (
     Send,
     Shape,
     Steps,
-    any_refusal,
     drive,
-    is_anything,
     is_frame,
-    is_int,
-    is_ok_or_nil,
-    is_text,
-    no_permission,
     retires,
 )
 from .._scripts import (
@@ -568,21 +558,16 @@ class RedisPyBackend(Exchange):
         return self._run(self.release_steps("release_many", list(keys), list(tokens)))
 
     def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        return self._run(self.command_steps("set_nx", key, command, is_ok_or_nil)) is not None
+        return self._run(self.set_nx_steps(key, value, ttl_ms))
 
     def incr(self, key: bytes, amount: int) -> int:
-        reply: int = self._run(self.command_steps("incr", key, (b"INCRBY", key, b"%d" % amount), is_int))
-        return reply
+        return self._run(self.incr_steps(key, amount))
 
     def info(self) -> dict[str, str] | None:
-        reply = self._run(self.command_steps("INFO", None, (b"INFO",), is_text, declined=no_permission))
-        return None if reply is None else info_fields(reply)
+        return self._run(self.info_steps())
 
     def command_info(self) -> list[Any] | None:
-        """COMMAND INFO DELIFEQ DELEX's raw reply, or None when the server or its ACL refuses it."""
-        reply = self._run(self.command_steps("COMMAND INFO", None, COMMAND_PROBE, is_anything, declined=any_refusal))
-        return reply if isinstance(reply, list) else None
+        return self._run(self.command_info_steps())
 
     def close(self) -> None:
         if self._wakeups is not None:

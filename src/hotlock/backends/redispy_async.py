@@ -28,7 +28,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._config import KEEPALIVE_OPTIONS, ServerConfig
 from .._credentials import reauth_command_async
-from .._dialect import COMMAND_PROBE, info_fields
 from .._exchange import (
     FRAME,
     Exchange,
@@ -36,21 +35,11 @@ from .._exchange import (
     Lost,
     Send,
     Steps,
-    any_refusal,
     drive_async,
-    is_anything,
     is_frame,
-    is_int,
-    is_ok_or_nil,
-    is_text,
-    no_permission,
     retires,
 )
-from .._inflight import (
-    InFlight,
-    retry_until,
-    within,
-)
+from .._inflight import InFlight, within
 from .._scripts import SCRIPTS, Script
 from .._sentinel import PrimaryWatch
 from ..errors import CacheError, LinkLost, ReplyError, cache_error
@@ -485,7 +474,7 @@ class RedisAsyncBackend(Exchange):
     async def acquire(
         self, key: bytes, token: bytes, ttl_ms: int, since: float | None, wait_ms: int, script: Script
     ) -> int:
-        until = retry_until(since, wait_ms, self._timeout)
+        until = self.retry_until(wait_ms, since)
         steps = self.acquire_steps("acquire", [key], [token], ttl_ms, script, until)
         return (await self._inflight.shielded([token], self._run(steps)))[0]
 
@@ -512,23 +501,16 @@ class RedisAsyncBackend(Exchange):
         return await self._inflight.shielded(tokens, self._run(self.release_steps("release_many", keys, tokens)))
 
     async def set_nx(self, key: bytes, value: bytes, ttl_ms: int) -> bool:
-        command = (b"SET", key, value, b"NX", b"PX", b"%d" % ttl_ms)
-        return await self._run(self.command_steps("set_nx", key, command, is_ok_or_nil)) is not None
+        return await self._run(self.set_nx_steps(key, value, ttl_ms))
 
     async def incr(self, key: bytes, amount: int) -> int:
-        reply: int = await self._run(self.command_steps("incr", key, (b"INCRBY", key, b"%d" % amount), is_int))
-        return reply
+        return await self._run(self.incr_steps(key, amount))
 
     async def info(self) -> dict[str, str] | None:
-        reply = await self._run(self.command_steps("INFO", None, (b"INFO",), is_text, declined=no_permission))
-        return None if reply is None else info_fields(reply)
+        return await self._run(self.info_steps())
 
     async def command_info(self) -> list[Any] | None:
-        """COMMAND INFO DELIFEQ DELEX's reply, or None when the server or its ACL refuses it."""
-        reply = await self._run(
-            self.command_steps("COMMAND INFO", None, COMMAND_PROBE, is_anything, declined=any_refusal)
-        )
-        return reply if isinstance(reply, list) else None
+        return await self._run(self.command_info_steps())
 
     async def close(self) -> None:
         if self.wake_slot is not None:
