@@ -312,9 +312,10 @@ class Transaction(Send):
     def read(self, replies: list[Any], kept: _Kept, todo: list[int]) -> list[int]:
         """The transactions' replies (or a Decided), for the calls ``todo`` of the batch
         (their indices in it, in the order of ``keys``): each key taken is kept (``kept``,
-        with this WAIT's reply), and the indices of the keys the script is to decide
-        returned. Then the first error reply is raised, to be treated as a script's
-        (transient, NOAUTH...): the keys it came to go again, the ones taken do not."""
+        by that index, with this WAIT's reply), and the keys the script is to decide
+        returned (their places in ``keys``). Then the first error reply is raised, to be
+        treated as a script's (transient, NOAUTH...): the keys it came to go again, the
+        ones taken do not."""
         n = self._n
         answers: list[int | BaseException]
         if type(replies) is Decided:
@@ -332,7 +333,7 @@ class Transaction(Send):
             if isinstance(result, BaseException):
                 errors.append(result)
             elif result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
-                rest.append(todo[i])
+                rest.append(i)
             else:
                 kept.replies[todo[i]] = result
         waits = replies[len(replies) - len(self.wait) :]
@@ -361,7 +362,7 @@ class _Kept:
 
     def todo(self, n: int) -> list[int]:
         """The indices of the calls (of ``n``) still to send."""
-        return [i for i in range(n) if i not in self.replies]
+        return [i for i in range(n) if i not in self.replies] if self.replies else list(range(n))
 
     def keep(self, todo: list[int], replies: list[Any]) -> bool:
         """Note the replies to ``todo`` that are not error replies; whether there was one."""
@@ -756,22 +757,25 @@ class Exchange(Detected):
         transaction where it serves, the keys it leaves to the script in a second round
         trip, within the same ``limit``."""
         todo = kept.todo(len(keys))
+        if len(todo) < len(keys):
+            keys, tokens = [keys[i] for i in todo], [tokens[i] for i in todo]
         wait = self._wait_command(script)
-        if self._transactions and _by_transaction(self.dialect, script, [tokens[i] for i in todo]):
+        if self._transactions and _by_transaction(self.dialect, script, tokens):
             deadline = None if limit is None else self.clock() + limit
-            taking = Transaction([keys[i] for i in todo], [tokens[i] for i in todo], ttl_ms, wait, self.fenced, limit)
+            taking = Transaction(keys, tokens, ttl_ms, wait, self.fenced, limit)
             try:
-                todo = taking.read((yield taking), kept, todo)
+                rest = taking.read((yield taking), kept, todo)
             finally:
                 if taking.refused is not None and self._transactions:
                     self._transactions = False
                     _acquire.warn_refused(self.server, taking.refused)
-            if not todo:
+            if not rest:
                 return
+            keys, tokens, todo = [keys[i] for i in rest], [tokens[i] for i in rest], [todo[i] for i in rest]
             script = ACQUIRE
             limit = None if deadline is None else max(deadline - self.clock(), 0.001)
         ms = b"%d" % ttl_ms
-        calls = [(keys[i], tokens[i], ms) for i in todo]
+        calls = [(k, t, ms) for k, t in zip(keys, tokens, strict=True)]
         scripted = _Kept()
         try:
             yield from self._scripts(script, calls, limit, wait, scripted)
