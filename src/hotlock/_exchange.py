@@ -421,6 +421,7 @@ class After(enum.Enum):
 
 
 def after(reply: ReplyError) -> After:
+    """What ``reply`` makes of the call it came to, by its code alone."""
     code = reply.code
     if code in TRANSIENT:
         return After.PAUSE
@@ -537,11 +538,11 @@ class Exchange(Detected):
             what, key, lambda limit: self._take(script, keys, tokens, ttl_ms, limit, kept), True, until
         )
         results: list[int] = [kept.replies[i] for i in range(len(keys))]
-        if kept.waits and min(kept.waits) < self._wait_replicas:
+        got = min(kept.waits, default=self._wait_replicas)  # the fewest replicas a WAIT confirmed
+        if got < self._wait_replicas:
             held = [(k, held_value(t, r)) for k, t, r in zip(keys, tokens, results, strict=True) if r > 0]
             # If the undo fails too, the keys expire by their TTL; the caller hears about the replicas.
             yield from self._release_quietly(held)
-            got = min(kept.waits)
             raise cache_error(unreplicated(what, got, self._wait_replicas, self._wait_ms), self.server, key)
         return results
 
