@@ -329,9 +329,11 @@ class Transaction(Send):
             answers = [_acquire.read(four, ReplyError) for four in fours]
         rest: list[int] = []
         errors: list[Any] = []
+        failed: list[bytes] = []  # the keys of ``errors``
         for i, result in enumerate(answers):
             if isinstance(result, BaseException):
                 errors.append(result)
+                failed.append(self.keys[i])
             elif result <= _acquire.SCRIPT:  # a Decided's -1 too: MULTI refused alone
                 rest.append(i)
             else:
@@ -343,7 +345,7 @@ class Transaction(Send):
             # nothing of ours (the script's own WAIT covers the keys it decides, and a
             # SET run outside a refused MULTI too: the script writes after it).
             kept.waits += waits
-        _raise_first(errors, [self.keys[i] for i, r in enumerate(answers) if isinstance(r, BaseException)])
+        _raise_first(errors, failed)
         return rest
 
 
